@@ -1,0 +1,12 @@
+"""ep_moe: an expert-parallel Mixture-of-Experts layer for PyTorch training.
+
+Public surface: :func:`grouped_gemm` (fused Triton grouped GEMM with autograd),
+:class:`MoELayer` and its config, :mod:`ep_moe.autotune`, and
+:mod:`ep_moe.integrations.deepspeed`.
+"""
+
+from ep_moe.kernels.config import GemmConfigs, KernelConfig
+from ep_moe.kernels.ops import grouped_gemm
+
+__all__ = ["GemmConfigs", "KernelConfig", "grouped_gemm"]
+__version__ = "0.1.0"

@@ -1,0 +1,103 @@
+"""Launch configuration of the grouped GEMM kernels.
+
+One frozen :class:`KernelConfig` describes one launch of one kernel (forward, dX or dW):
+tile sizes, tile grouping, warps, pipeline stages and whether weight tiles go through TMA
+tensor descriptors. Every field reaches the launch (``launch_kwargs``); the autotuner
+(``ep_moe.autotune``) searches over these objects and stores them as JSON
+(``to_dict``/``from_dict``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Pass = Literal["forward", "dx", "dw"]
+PASSES: tuple[Pass, ...] = ("forward", "dx", "dw")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """Tile shape and launch parameters of one grouped GEMM kernel.
+
+    For the forward and dX kernels the tile is ``BLOCK_M`` rows x ``BLOCK_N`` output
+    columns, reduced over the inner dimension in steps of ``BLOCK_K``. For the dW kernel
+    the tile is ``BLOCK_N`` x ``BLOCK_K`` of one expert's weight gradient, reduced over
+    that expert's rows in steps of ``BLOCK_M``.
+    """
+
+    BLOCK_M: int = 128
+    """Rows of the routed problem per tile (forward, dX) or per reduction step (dW)."""
+    BLOCK_N: int = 128
+    """Output columns per tile (forward: N; dX: K of the forward problem; dW: N)."""
+    BLOCK_K: int = 64
+    """Reduction step (forward: K; dX: N of the forward problem; dW: K columns per tile)."""
+    GROUP_SIZE_M: int = 8
+    """Tiles along M visited together before moving along N, for L2 reuse of weight tiles."""
+    num_warps: int = 8
+    """Warps per program."""
+    num_stages: int = 3
+    """Software-pipelining depth of the reduction loop."""
+    use_tma: bool = False
+    """Load weight tiles through TMA tensor descriptors (Hopper+, Triton with descriptors);
+    ignored (plain pointers) where the device, Triton or the interpreter lacks them."""
+
+    def __post_init__(self) -> None:
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
+        if self.GROUP_SIZE_M < 1:
+            raise ValueError(f"KernelConfig.GROUP_SIZE_M={self.GROUP_SIZE_M}: must be >= 1")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"KernelConfig.num_warps={self.num_warps}: must be 1, 2, 4, 8 or 16")
+        if self.num_stages < 1:
+            raise ValueError(f"KernelConfig.num_stages={self.num_stages}: must be >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "KernelConfig":
+        """Inverse of :meth:`to_dict`; unknown or missing fields raise ``ValueError``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        missing = names - set(data)
+        if unknown or missing:
+            raise ValueError(
+                f"KernelConfig.from_dict: unknown fields {sorted(unknown)}, missing {sorted(missing)}"
+            )
+        return cls(**data)
+
+    def short(self) -> str:
+        """Compact human-readable form, e.g. ``128x128x64 g8 w8 s3 tma``."""
+        tma = " tma" if self.use_tma else ""
+        return (
+            f"{self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K} g{self.GROUP_SIZE_M} "
+            f"w{self.num_warps} s{self.num_stages}{tma}"
+        )
+
+
+# Defaults chosen for Hopper-class GPUs and bf16: 128-row tiles fill a warpgroup MMA, and
+# 64-wide reduction steps keep three stages within shared memory. The dW kernel reduces
+# over rows, so its long axis is BLOCK_M.
+DEFAULT_CONFIGS: dict[str, KernelConfig] = {
+    "forward": KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    "dx": KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    "dw": KernelConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+}
+
+
+@dataclass(frozen=True)
+class GemmConfigs:
+    """The three configs one grouped GEMM call uses (forward, dX, dW)."""
+
+    forward: KernelConfig = DEFAULT_CONFIGS["forward"]
+    dx: KernelConfig = DEFAULT_CONFIGS["dx"]
+    dw: KernelConfig = DEFAULT_CONFIGS["dw"]
+
+    def for_pass(self, which: Pass) -> KernelConfig:
+        """The config of one pass by name."""
+        return getattr(self, which)

@@ -1,0 +1,393 @@
+"""Triton kernels of the grouped GEMM: forward, dX and dW, plus a segment sum.
+
+Problem. ``w`` is [E, N, K]; the routed problem has ``M = sum(m_sizes)`` rows sorted by
+expert, row ``r`` belonging to expert ``e(r)``. Forward::
+
+    y[s(r)] = rw[s(r)] * (x[g(r)] @ w[e(r)]^T)          g = gather, s = scatter (identity if absent)
+
+Backward::
+
+    dx_rows[r] = rw[s(r)] * (dy[s(r)] @ w[e(r)])         then dx[g(r)] += dx_rows[r]
+    dw[e]      = sum over rows r of e: (rw[s(r)] * dy[s(r)])^T @ x[g(r)]
+    drw[s(r)]  = (dy[s(r)] @ w[e(r)]) . x[g(r)]
+
+Forward and dX are the same kernel, ``_grouped_rows_kernel``: a row-tiled product whose
+B operand is ``w[e]`` read transposed (forward) or as stored (dX), chosen by strides.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ep_moe.kernels.config import KernelConfig
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    TensorDescriptor = None
+
+
+def interpreter_active() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def num_programs_for(device: torch.device) -> int:
+    """Size of the persistent grid: one program per SM (a few in the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def tma_usable(w: torch.Tensor) -> bool:
+    """Whether weight tiles of ``w`` can be loaded through a TMA tensor descriptor.
+
+    Needs Hopper or newer, a Triton with host-side descriptors, not the interpreter, a
+    contiguous last dim and 16-byte aligned base and strides.
+    """
+    if TensorDescriptor is None or interpreter_active() or w.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(w.device)[0] < 9:
+        return False
+    elem = w.element_size()
+    return (
+        w.stride(-1) == 1
+        and w.data_ptr() % 16 == 0
+        and all((s * elem) % 16 == 0 for s in w.stride()[:-1])
+    )
+
+
+def _rows_metadata(grid, kernel, args):
+    m, n, k = args["num_rows"], args["N"], args["K"]
+    return {"name": f"ep_moe_grouped_rows[M={m},N={n},K={k}]", "flops": 2 * m * n * k}
+
+
+def _dw_metadata(grid, kernel, args):
+    m, n, k = args["num_rows"], args["N"], args["K"]
+    return {"name": f"ep_moe_grouped_dw[M={m},N={n},K={k}]", "flops": 2 * m * n * k}
+
+
+@triton.jit
+def _tile_coords(local_tile, num_m_tiles, num_n_tiles, GROUP_SIZE_M: tl.constexpr):
+    """(m tile, n tile) of the ``local_tile``-th tile of one expert, GROUP_SIZE_M-swizzled
+    so that consecutive programs share weight (n) tiles in L2."""
+    tiles_per_group = GROUP_SIZE_M * num_n_tiles
+    first_m = (local_tile // tiles_per_group) * GROUP_SIZE_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_SIZE_M)
+    in_group = local_tile % tiles_per_group
+    return first_m + in_group % group_rows, in_group // group_rows
+
+
+# out[st(r), :] = scale(r) * A[ld(r), :] @ B_e for each row r of expert e; B_e = w[e]^T or w[e].
+# Schedule: persistent; NUM_SMS programs stride one global tile list that walks experts in
+#   order (device-side running sum of m_sizes: no host sync), (m, n) tiles GROUP_SIZE_M-swizzled.
+# Fusions: LOAD_IDX gathers A rows in the prologue; STORE_IDX scatters output rows and SCALE
+#   multiplies a per-row weight (fp32) in the epilogue; ROW_DOT also writes, per row, the dot
+#   of the unscaled tile with rows of D (the top-k weight gradient); fp32 accumulation.
+# Masking: segments may be empty or end mid-tile. Rows past the segment and columns past N
+#   read a clamped valid address and are dropped at the store; the K tail is masked unless
+#   EVEN_K. Weight tiles come through a 3-D TMA descriptor [E, N, K] when USE_TMA, which
+#   zero-fills past each expert's bounds.
+@triton.jit(launch_metadata=_rows_metadata)
+def _grouped_rows_kernel(
+    a_ptr, b_ptr, b_desc, out_ptr, m_sizes_ptr,
+    load_idx_ptr, store_idx_ptr, scale_ptr,
+    d_ptr, d_idx_ptr, row_dot_ptr,
+    num_experts, num_rows, N, K,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_om, stride_on,
+    stride_dm, stride_dn,
+    # Meta-parameters
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    LOAD_IDX: tl.constexpr, STORE_IDX: tl.constexpr,
+    SCALE: tl.constexpr, SCALE_BY_LOAD_ROW: tl.constexpr,
+    ROW_DOT: tl.constexpr, D_IDX: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    num_k_steps = tl.cdiv(K, BLOCK_K)
+    tile = tl.program_id(0)
+    tiles_before = 0
+    seg_start = 0
+    for e in range(num_experts):
+        m_e = tl.load(m_sizes_ptr + e)
+        num_m_tiles = tl.cdiv(m_e, BLOCK_M)
+        tiles_e = num_m_tiles * num_n_tiles
+        while tile < tiles_before + tiles_e:
+            pid_m, pid_n = _tile_coords(tile - tiles_before, num_m_tiles, num_n_tiles, GROUP_SIZE_M)
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < m_e
+            rows = seg_start + tl.where(row_ok, offs_m, 0)
+            if LOAD_IDX:
+                a_rows = tl.load(load_idx_ptr + rows).to(tl.int64)
+            else:
+                a_rows = rows.to(tl.int64)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_n_safe = tl.where(offs_n < N, offs_n, 0)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+            b_ptrs = (b_ptr + tl.cast(e, tl.int64) * stride_be
+                      + offs_k[:, None] * stride_bk + offs_n_safe[None, :] * stride_bn)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(num_k_steps):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                else:
+                    k_ok = offs_k < K - ki * BLOCK_K
+                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                if USE_TMA:
+                    if B_TRANSPOSED:
+                        b = b_desc.load([e, pid_n * BLOCK_N, ki * BLOCK_K])
+                        b = tl.trans(tl.reshape(b, (BLOCK_N, BLOCK_K)))
+                    else:
+                        b = b_desc.load([e, ki * BLOCK_K, pid_n * BLOCK_N])
+                        b = tl.reshape(b, (BLOCK_K, BLOCK_N))
+                elif EVEN_K:
+                    b = tl.load(b_ptrs)
+                else:
+                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+
+            if STORE_IDX:
+                out_rows = tl.load(store_idx_ptr + rows).to(tl.int64)
+            else:
+                out_rows = rows.to(tl.int64)
+            col_ok = offs_n < N
+            if ROW_DOT:
+                if D_IDX:
+                    d_rows = tl.load(d_idx_ptr + rows).to(tl.int64)
+                else:
+                    d_rows = rows.to(tl.int64)
+                d = tl.load(d_ptr + d_rows[:, None] * stride_dm + offs_n_safe[None, :] * stride_dn,
+                            mask=col_ok[None, :], other=0.0)
+                partial = tl.sum(acc * d.to(tl.float32), axis=1)
+                tl.store(row_dot_ptr + tl.cast(pid_n, tl.int64) * num_rows + a_rows, partial, mask=row_ok)
+            if SCALE:
+                if SCALE_BY_LOAD_ROW:
+                    acc = acc * tl.load(scale_ptr + a_rows).to(tl.float32)[:, None]
+                else:
+                    acc = acc * tl.load(scale_ptr + out_rows).to(tl.float32)[:, None]
+            out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
+            tile += NUM_SMS
+        tiles_before += tiles_e
+        seg_start += m_e
+
+
+# dw[e] = sum over rows r of e: (scale(r) * DY[dy_row(r)])^T @ X[x_row(r)], a [N, K] tile at a time.
+# Schedule: persistent; NUM_SMS programs stride the E * (N/BLOCK_N) * (K/BLOCK_K) output tiles,
+#   so small N*K still fills the GPU; each tile reduces its expert's rows in BLOCK_M steps.
+# Fusions: DY_IDX / X_IDX gather both operands' rows; SCALE multiplies the top-k weight into the
+#   dy rows (fp32, then back to the input dtype for the MMA); fp32 accumulation.
+# Masking: rows past the segment load as zero (they are the reduction axis); columns past N or
+#   K read a clamped address and are dropped at the store. Experts with no rows store zeros.
+@triton.jit(launch_metadata=_dw_metadata)
+def _grouped_dw_kernel(
+    dy_ptr, x_ptr, dw_ptr, m_sizes_ptr, m_starts_ptr,
+    dy_idx_ptr, x_idx_ptr, scale_ptr,
+    num_experts, num_rows, N, K,
+    stride_dym, stride_dyn,
+    stride_xm, stride_xk,
+    stride_we, stride_wn, stride_wk,
+    # Meta-parameters
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DY_IDX: tl.constexpr, X_IDX: tl.constexpr, SCALE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_expert = num_n_tiles * num_k_tiles
+    for tile in range(tl.program_id(0), num_experts * tiles_per_expert, NUM_SMS):
+        e = tile // tiles_per_expert
+        pid_n = (tile % tiles_per_expert) // num_k_tiles
+        pid_k = tile % num_k_tiles
+        seg_start = tl.load(m_starts_ptr + e)
+        m_e = tl.load(m_sizes_ptr + e)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_n_safe = tl.where(offs_n < N, offs_n, 0)
+        offs_k_safe = tl.where(offs_k < K, offs_k, 0)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for mi in range(tl.cdiv(m_e, BLOCK_M)):
+            offs_m = mi * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < m_e
+            rows = seg_start + tl.where(row_ok, offs_m, 0)
+            if DY_IDX:
+                dy_rows = tl.load(dy_idx_ptr + rows).to(tl.int64)
+            else:
+                dy_rows = rows.to(tl.int64)
+            if X_IDX:
+                x_rows = tl.load(x_idx_ptr + rows).to(tl.int64)
+            else:
+                x_rows = rows.to(tl.int64)
+            dy = tl.load(dy_ptr + dy_rows[:, None] * stride_dym + offs_n_safe[None, :] * stride_dyn,
+                         mask=row_ok[:, None], other=0.0)
+            if SCALE:
+                s = tl.load(scale_ptr + dy_rows).to(tl.float32)
+                dy = (dy.to(tl.float32) * s[:, None]).to(dy_ptr.dtype.element_ty)
+            x = tl.load(x_ptr + x_rows[:, None] * stride_xm + offs_k_safe[None, :] * stride_xk,
+                        mask=row_ok[:, None], other=0.0)
+            acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
+        dw_ptrs = (dw_ptr + tl.cast(e, tl.int64) * stride_we
+                   + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk)
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty),
+                 mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+
+
+# out[t] = sum of src rows offsets[t] .. offsets[t+1]-1, in order: the deterministic
+# reduction of a gathered operand's gradient (rows pre-sorted by destination).
+# Tiling: one program per (destination row, BLOCK_K columns); fp32 accumulation.
+@triton.jit
+def _segment_sum_kernel(src_ptr, out_ptr, offsets_ptr, K, stride_sm, stride_om,
+                        BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    start = tl.load(offsets_ptr + t)
+    end = tl.load(offsets_ptr + t + 1)
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for i in range(start, end):
+        acc += tl.load(src_ptr + tl.cast(i, tl.int64) * stride_sm + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.cast(t, tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _persistent_grid(device: torch.device, max_tiles: int) -> tuple[int]:
+    return (max(1, min(num_programs_for(device), max_tiles)),)
+
+
+def launch_rows(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    m_sizes: torch.Tensor,
+    config: KernelConfig,
+    *,
+    transpose_w: bool,
+    load_idx: torch.Tensor | None = None,
+    store_idx: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    scale_by_load_row: bool = False,
+    dot_with: torch.Tensor | None = None,
+    dot_idx: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Launch the row-tiled kernel: forward (``transpose_w=True``) or dX (``False``).
+
+    ``a`` is read at rows ``load_idx[r]``; the product lands in ``out`` at rows
+    ``store_idx[r]``. With ``dot_with`` set, returns the per-row dot products of the
+    unscaled result with ``dot_with[dot_idx[r]]``, indexed by load row ([rows of a], fp32).
+    Inputs are trusted: :mod:`ep_moe.kernels.ops` validates them.
+    """
+    num_experts, w_n, w_k = w.shape
+    num_rows = load_idx.shape[0] if load_idx is not None else a.shape[0]
+    if transpose_w:  # out = a @ w[e]^T: reduce over w's K, produce w's N
+        n_out, k_red = w_n, w_k
+        stride_bk, stride_bn = w.stride(2), w.stride(1)
+    else:  # out = a @ w[e]: reduce over w's N, produce w's K
+        n_out, k_red = w_k, w_n
+        stride_bk, stride_bn = w.stride(1), w.stride(2)
+    c = config
+    use_tma = c.use_tma and tma_usable(w)
+    b_desc = None
+    if use_tma:
+        block = [1, c.BLOCK_N, c.BLOCK_K] if transpose_w else [1, c.BLOCK_K, c.BLOCK_N]
+        b_desc = TensorDescriptor.from_tensor(w, block)
+    num_n_tiles = triton.cdiv(n_out, c.BLOCK_N)
+    row_dot = None
+    if dot_with is not None:
+        row_dot = torch.empty((num_n_tiles, a.shape[0]), device=a.device, dtype=torch.float32)
+    max_tiles = (triton.cdiv(num_rows, c.BLOCK_M) + num_experts) * num_n_tiles
+    dummy = m_sizes  # stands in for absent optional pointers; never dereferenced
+    _grouped_rows_kernel[_persistent_grid(a.device, max_tiles)](
+        a, w, b_desc, out, m_sizes,
+        load_idx if load_idx is not None else dummy,
+        store_idx if store_idx is not None else dummy,
+        scale if scale is not None else dummy,
+        dot_with if dot_with is not None else dummy,
+        dot_idx if dot_idx is not None else dummy,
+        row_dot if row_dot is not None else dummy,
+        num_experts, num_rows, n_out, k_red,
+        a.stride(0), a.stride(1),
+        w.stride(0), stride_bk, stride_bn,
+        out.stride(0), out.stride(1),
+        dot_with.stride(0) if dot_with is not None else 0,
+        dot_with.stride(1) if dot_with is not None else 0,
+        NUM_SMS=num_programs_for(a.device),
+        BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
+        GROUP_SIZE_M=c.GROUP_SIZE_M,
+        LOAD_IDX=load_idx is not None, STORE_IDX=store_idx is not None,
+        SCALE=scale is not None, SCALE_BY_LOAD_ROW=scale_by_load_row,
+        ROW_DOT=dot_with is not None, D_IDX=dot_idx is not None,
+        EVEN_K=k_red % c.BLOCK_K == 0,
+        USE_TMA=use_tma, B_TRANSPOSED=transpose_w,
+        INPUT_PRECISION=_input_precision(a.dtype),
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    return None if row_dot is None else row_dot.sum(0)
+
+
+def launch_dw(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    dw: torch.Tensor,
+    m_sizes: torch.Tensor,
+    config: KernelConfig,
+    *,
+    dy_idx: torch.Tensor | None = None,
+    x_idx: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """Launch the dW kernel into ``dw`` [E, N, K]; ``scale`` is indexed like ``dy``'s rows."""
+    num_experts, n, k = dw.shape
+    num_rows = x_idx.shape[0] if x_idx is not None else x.shape[0]
+    m_starts = torch.cumsum(m_sizes, 0, dtype=torch.int32) - m_sizes
+    c = config
+    max_tiles = num_experts * triton.cdiv(n, c.BLOCK_N) * triton.cdiv(k, c.BLOCK_K)
+    dummy = m_sizes
+    _grouped_dw_kernel[_persistent_grid(x.device, max_tiles)](
+        dy, x, dw, m_sizes, m_starts,
+        dy_idx if dy_idx is not None else dummy,
+        x_idx if x_idx is not None else dummy,
+        scale if scale is not None else dummy,
+        num_experts, num_rows, n, k,
+        dy.stride(0), dy.stride(1),
+        x.stride(0), x.stride(1),
+        dw.stride(0), dw.stride(1), dw.stride(2),
+        NUM_SMS=num_programs_for(x.device),
+        BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
+        DY_IDX=dy_idx is not None, X_IDX=x_idx is not None, SCALE=scale is not None,
+        INPUT_PRECISION=_input_precision(x.dtype),
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+
+
+def launch_segment_sum(src: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[t] = src[offsets[t]:offsets[t+1]].sum(0)`` for every row t of ``out``, in order."""
+    num_out, k = out.shape
+    if num_out == 0:
+        return
+    block_k = min(triton.next_power_of_2(max(k, 16)), 1024)
+    _segment_sum_kernel[(num_out, triton.cdiv(k, block_k))](
+        src, out, offsets, k, src.stride(0), out.stride(0), BLOCK_K=block_k,
+        num_warps=4,
+    )

@@ -1,0 +1,287 @@
+"""The public grouped GEMM op: validation, autograd, and the registered custom ops.
+
+``grouped_gemm`` checks its arguments, then runs either the Triton kernels (through two
+``torch.library`` custom ops, ``ep_moe::grouped_gemm_fwd`` and ``ep_moe::grouped_gemm_bwd``,
+wired together with ``register_autograd``) or the plain-PyTorch reference. The custom ops
+have fake implementations, so ``torch.compile`` traces models that use them; the kernels
+stay opaque to Inductor, which keeps the persistent launch and TMA descriptors out of its
+tracing and behaves the same in the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Optional
+
+import torch
+
+from ep_moe.kernels.config import PASSES, GemmConfigs, KernelConfig
+from ep_moe.kernels.grouped_gemm import (
+    interpreter_active,
+    launch_dw,
+    launch_rows,
+    launch_segment_sum,
+)
+from ep_moe.kernels.reference import grouped_gemm_reference
+
+Backend = Literal["auto", "triton", "torch"]
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages", "use_tma")
+
+
+def _configs_to_ints(configs: GemmConfigs) -> list[int]:
+    return [int(getattr(configs.for_pass(p), f)) for p in PASSES for f in _CONFIG_FIELDS]
+
+
+def _configs_from_ints(values: list[int]) -> GemmConfigs:
+    n = len(_CONFIG_FIELDS)
+    per_pass = {}
+    for i, p in enumerate(PASSES):
+        fields = dict(zip(_CONFIG_FIELDS, values[i * n:(i + 1) * n]))
+        fields["use_tma"] = bool(fields["use_tma"])
+        per_pass[p] = KernelConfig(**fields)
+    return GemmConfigs(**per_pass)
+
+
+def _routed_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor]) -> int:
+    return gather_index.shape[0] if gather_index is not None else x.shape[0]
+
+
+def _as_int32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+@torch.library.custom_op("ep_moe::grouped_gemm_fwd", mutates_args=())
+def _grouped_gemm_fwd(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    gather_index: Optional[torch.Tensor],
+    scatter_index: Optional[torch.Tensor],
+    row_weights: Optional[torch.Tensor],
+    config: list[int],
+    deterministic: bool,
+) -> torch.Tensor:
+    out = x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
+    launch_rows(
+        x, w, out, m_sizes, _configs_from_ints(config).forward, transpose_w=True,
+        load_idx=gather_index, store_idx=scatter_index, scale=row_weights,
+    )
+    return out
+
+
+@_grouped_gemm_fwd.register_fake
+def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weights, config, deterministic):
+    return x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
+
+
+@torch.library.custom_op("ep_moe::grouped_gemm_bwd", mutates_args=())
+def _grouped_gemm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    gather_index: Optional[torch.Tensor],
+    scatter_index: Optional[torch.Tensor],
+    row_weights: Optional[torch.Tensor],
+    config: list[int],
+    deterministic: bool,
+    need_dx: bool,
+    need_dw: bool,
+    need_drw: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, d row_weights); a gradient not asked for comes back as an empty tensor."""
+    configs = _configs_from_ints(config)
+    dx = dw = drw = x.new_empty(0)
+    if need_dx or need_drw:
+        dx, drw_f32 = _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
+                                  configs.dx, deterministic, need_drw)
+        if need_drw:
+            drw = drw_f32.to(row_weights.dtype)
+    if need_dw:
+        dw = torch.empty_like(w)
+        launch_dw(dy, x, dw, m_sizes, configs.dw, dy_idx=scatter_index, x_idx=gather_index,
+                  scale=row_weights)
+    return dx, dw, drw
+
+
+@_grouped_gemm_bwd.register_fake
+def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
+                           deterministic, need_dx, need_dw, need_drw):
+    dx = x.new_empty(x.shape) if (need_dx or need_drw) else x.new_empty(0)
+    dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
+    drw = row_weights.new_empty(row_weights.shape) if need_drw else x.new_empty(0)
+    return dx, dw, drw
+
+
+def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
+                deterministic, need_drw):
+    """dX through the row kernel; rows of a gathered x are summed without float atomics
+    (sorted by destination, then a segment sum) unless ``deterministic`` is False."""
+    common = dict(transpose_w=False, load_idx=scatter_index, scale=row_weights,
+                  scale_by_load_row=True, dot_with=x if need_drw else None, dot_idx=gather_index)
+    if gather_index is None:
+        dx = torch.empty_like(x)
+        drw = launch_rows(dy, w, dx, m_sizes, config, **common)
+        return dx, drw
+    num_rows = gather_index.shape[0]
+    if deterministic:
+        order = torch.argsort(gather_index, stable=True)
+        position = torch.empty_like(order)
+        position[order] = torch.arange(num_rows, device=order.device, dtype=order.dtype)
+        rows_by_dest = x.new_empty((num_rows, x.shape[1]))
+        drw = launch_rows(dy, w, rows_by_dest, m_sizes, config, store_idx=_as_int32(position), **common)
+        counts = torch.bincount(gather_index, minlength=x.shape[0])
+        offsets = torch.zeros(x.shape[0] + 1, device=x.device, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        dx = torch.empty_like(x)
+        launch_segment_sum(rows_by_dest, offsets, dx)
+        return dx, drw
+    rows = torch.empty((num_rows, x.shape[1]), device=x.device, dtype=torch.float32)
+    drw = launch_rows(dy, w, rows, m_sizes, config, **common)
+    dx = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+    dx.index_add_(0, gather_index.long(), rows)
+    return dx.to(x.dtype), drw
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, m_sizes, gather_index, scatter_index, row_weights, config, deterministic = inputs
+    ctx.save_for_backward(x, w, m_sizes, gather_index, scatter_index, row_weights)
+    ctx.config = config
+    ctx.deterministic = deterministic
+
+
+def _backward(ctx, dy):
+    x, w, m_sizes, gather_index, scatter_index, row_weights = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_drw = row_weights is not None and ctx.needs_input_grad[5]
+    dx, dw, drw = torch.ops.ep_moe.grouped_gemm_bwd(
+        dy.contiguous(), x, w, m_sizes, gather_index, scatter_index, row_weights,
+        ctx.config, ctx.deterministic, need_dx, need_dw, need_drw,
+    )
+    return (dx if need_dx else None, dw if need_dw else None, None, None, None,
+            drw if need_drw else None, None, None)
+
+
+_grouped_gemm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _debug_enabled(debug: Optional[bool]) -> bool:
+    if debug is not None:
+        return debug
+    return os.environ.get("EP_MOE_DEBUG", "0") not in ("", "0")
+
+
+def _check_index(name: str, idx: Optional[torch.Tensor], length: int, device: torch.device) -> None:
+    if idx is None:
+        return
+    if idx.dim() != 1 or idx.shape[0] != length:
+        raise ValueError(f"{name} must be 1-D with {length} entries (one per routed row), got shape {tuple(idx.shape)}")
+    if idx.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {idx.dtype}; convert with .to(torch.int32)")
+    if idx.device != device:
+        raise ValueError(f"{name} is on {idx.device} but x is on {device}; move it with .to(x.device)")
+
+
+def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bool) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
+    if w.dim() != 3:
+        raise ValueError(f"w must be 3-D [E, N, K], got shape {tuple(w.shape)}")
+    if x.shape[1] != w.shape[2]:
+        raise ValueError(f"x has K={x.shape[1]} columns but w is [E, N, K] with K={w.shape[2]}; "
+                         "pass w as [E, N, K] (out_features before in_features)")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
+    if w.dtype != x.dtype:
+        raise ValueError(f"w dtype {w.dtype} does not match x dtype {x.dtype}; cast one of them")
+    if w.device != x.device:
+        raise ValueError(f"w is on {w.device} but x is on {x.device}; move both to one device")
+    if m_sizes.dim() != 1 or m_sizes.shape[0] != w.shape[0]:
+        raise ValueError(f"m_sizes must be 1-D with one count per expert ({w.shape[0]}), got shape {tuple(m_sizes.shape)}")
+    if m_sizes.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"m_sizes must be int32 or int64, got {m_sizes.dtype}")
+    if m_sizes.device != x.device:
+        raise ValueError(f"m_sizes is on {m_sizes.device} but x is on {x.device}; keep the counts on x's device")
+    rows = _routed_rows(x, gather_index)
+    _check_index("gather_index", gather_index, gather_index.shape[0] if gather_index is not None else 0, x.device)
+    _check_index("scatter_index", scatter_index, rows, x.device)
+    if row_weights is not None:
+        if row_weights.dim() != 1 or row_weights.shape[0] != rows:
+            raise ValueError(f"row_weights must be 1-D with {rows} entries (one per output row), got shape {tuple(row_weights.shape)}")
+        if not row_weights.is_floating_point():
+            raise ValueError(f"row_weights must be a float tensor, got {row_weights.dtype}")
+        if row_weights.device != x.device:
+            raise ValueError(f"row_weights is on {row_weights.device} but x is on {x.device}")
+    if not debug and x.device.type != "cpu":
+        return
+    # Value checks: free on the CPU; on a GPU each costs a host sync, so only in debug mode.
+    total = int(m_sizes.sum())
+    if bool((m_sizes < 0).any()):
+        raise ValueError("m_sizes has negative counts")
+    if total != rows:
+        raise ValueError(f"m_sizes sums to {total} but there are {rows} routed rows "
+                         f"({'gather_index entries' if gather_index is not None else 'rows of x'}); "
+                         "counts must cover every row exactly once")
+    if gather_index is not None and rows and not bool(((gather_index >= 0) & (gather_index < x.shape[0])).all()):
+        raise ValueError(f"gather_index has entries outside [0, {x.shape[0]}) (the rows of x)")
+    if scatter_index is not None and rows:
+        if not bool(((scatter_index >= 0) & (scatter_index < rows)).all()):
+            raise ValueError(f"scatter_index has entries outside [0, {rows})")
+        if torch.unique(scatter_index).numel() != rows:
+            raise ValueError("scatter_index must be a permutation: every output row written exactly once")
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    *,
+    gather_index: Optional[torch.Tensor] = None,
+    scatter_index: Optional[torch.Tensor] = None,
+    row_weights: Optional[torch.Tensor] = None,
+    configs: Optional[GemmConfigs] = None,
+    deterministic: bool = True,
+    backend: Backend = "auto",
+    debug: Optional[bool] = None,
+) -> torch.Tensor:
+    """Grouped GEMM over experts with fused permutation, autograd-aware.
+
+    Args:
+        x: [rows, K] input. Without ``gather_index`` its rows are the routed problem,
+            expert 0's rows first; with it, any table the index reads from (e.g. [T, H]).
+        w: [E, N, K] expert weights (``out_features`` before ``in_features``).
+        m_sizes: [E] int32/int64 row counts per expert on x's device, summing to M.
+        gather_index: optional [M] ints: routed row r reads ``x[gather_index[r]]``. Rows of
+            x read several times get their gradients summed.
+        scatter_index: optional [M] permutation: routed row r is written to output row
+            ``scatter_index[r]``.
+        row_weights: optional [M] weights indexed by *output* row, multiplied in fp32 in the
+            epilogue (the top-k weights); gets a gradient.
+        configs: kernel configs for forward, dX and dW; default ``GemmConfigs()``.
+        deterministic: sum the gradient of gathered rows in a fixed order (default) instead
+            of with float atomics.
+        backend: ``"triton"``, ``"torch"`` (reference), or ``"auto"``: Triton on CUDA and in
+            the Triton interpreter, the reference elsewhere.
+        debug: check index ranges and ``m_sizes`` on the GPU (host syncs); default from
+            ``EP_MOE_DEBUG``. These checks always run for CPU tensors.
+
+    Returns:
+        [M, N] tensor of x's dtype: rows of expert e are ``x_e @ w[e]^T``.
+    """
+    _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, _debug_enabled(debug))
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend={backend!r}: use 'auto', 'triton' or 'torch'")
+    use_triton = backend == "triton" or (backend == "auto" and (x.is_cuda or interpreter_active()))
+    if backend == "triton" and not (x.is_cuda or interpreter_active()):
+        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1); use backend='torch' on CPU")
+    if not use_triton:
+        return grouped_gemm_reference(x, w, m_sizes, gather_index=gather_index,
+                                      scatter_index=scatter_index, row_weights=row_weights)
+    return torch.ops.ep_moe.grouped_gemm_fwd(
+        x, w, _as_int32(m_sizes), _as_int32(gather_index), _as_int32(scatter_index), row_weights,
+        _configs_to_ints(configs or GemmConfigs()), deterministic,
+    )
