@@ -95,7 +95,7 @@ def _grouped_gemm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, d row_weights); a gradient not asked for comes back as an empty tensor."""
     configs = _configs_from_ints(config)
-    dx = dw = drw = x.new_empty(0)
+    dx, dw, drw = x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if need_dx or need_drw:
         dx, drw_f32 = _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
                                   configs.dx, deterministic, need_drw)
@@ -216,9 +216,10 @@ def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bo
             raise ValueError(f"row_weights must be a float tensor, got {row_weights.dtype}")
         if row_weights.device != x.device:
             raise ValueError(f"row_weights is on {row_weights.device} but x is on {x.device}")
-    if not debug and x.device.type != "cpu":
+    if torch.compiler.is_compiling() or (not debug and x.device.type != "cpu"):
         return
     # Value checks: free on the CPU; on a GPU each costs a host sync, so only in debug mode.
+    # Never while tracing: the values are data-dependent.
     total = int(m_sizes.sum())
     if bool((m_sizes < 0).any()):
         raise ValueError("m_sizes has negative counts")

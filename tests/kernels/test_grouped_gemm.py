@@ -1,0 +1,247 @@
+"""Grouped GEMM kernels against a float64 reference.
+
+On the CPU these run in the Triton interpreter (float32, float16); on a GPU the same tests
+run in bfloat16 too. Every case draws fresh random inputs; outputs of the raw launchers are
+poisoned with NaN first, so a row or column the kernel forgets to write fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_moe import GemmConfigs, KernelConfig, grouped_gemm
+from ep_moe.kernels.grouped_gemm import launch_dw, launch_rows
+from ep_moe.kernels.reference import grouped_gemm_reference
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+# Relative Frobenius error allowed per dtype (fp32 on GPU goes through tf32).
+TOL = {torch.float32: 5e-3 if ON_GPU else 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+# Small blocks in the interpreter keep ragged tiles in play at small sizes; on the GPU the
+# defaults (and TMA where available) are what users run.
+SMALL = KernelConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
+CONFIGS = GemmConfigs() if ON_GPU else GemmConfigs(forward=SMALL, dx=SMALL, dw=SMALL)
+
+# (m_sizes, N, K): zero-row experts, everything on one expert, one row, one expert, and
+# sizes that are multiples of no block.
+CASES = {
+    "ragged": ([5, 0, 17, 3], 37, 45),
+    "all_on_one": ([0, 23, 0], 40, 33),
+    "one_row": ([0, 1], 24, 20),
+    "one_expert": ([19], 29, 64),
+}
+if ON_GPU:
+    CASES["large"] = ([300, 0, 1000, 7, 129, 2048, 1, 515], 1536, 2048)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_problem(case: str, dtype: torch.dtype, gather: bool, scatter: bool, weights: bool):
+    sizes, n, k = CASES[case]
+    num_rows = sum(sizes)
+    m_sizes = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    # A gathered x has fewer rows than the problem, so rows repeat and some go unused.
+    x_rows = max(1, (num_rows * 2) // 3) if gather else num_rows
+    x = torch.randn(x_rows, k, device=DEVICE).to(dtype)
+    w = (torch.randn(len(sizes), n, k, device=DEVICE) / k**0.5).to(dtype)
+    gather_index = torch.randint(0, x_rows, (num_rows,), device=DEVICE) if gather else None
+    scatter_index = torch.randperm(num_rows, device=DEVICE) if scatter else None
+    row_weights = torch.rand(num_rows, device=DEVICE, dtype=torch.float32) if weights else None
+    return x, w, m_sizes, gather_index, scatter_index, row_weights
+
+
+def check_op(case, dtype, gather, scatter, weights):
+    x, w, m_sizes, g, s, rw = make_problem(case, dtype, gather, scatter, weights)
+    leaves = [x.requires_grad_(), w.requires_grad_()] + ([rw.requires_grad_()] if weights else [])
+    y = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
+                     configs=CONFIGS, backend="triton")
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    rw64 = leaves64[2] if weights else None
+    y_ref = grouped_gemm_reference(leaves64[0], leaves64[1], m_sizes, gather_index=g,
+                                   scatter_index=s, row_weights=rw64)
+    grads_ref = torch.autograd.grad(y_ref, leaves64, dy.double())
+
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    tol = TOL[dtype]
+    assert rel_err(y, y_ref) < tol, "forward"
+    for name, got, ref in zip(("dx", "dw", "d_row_weights"), grads, grads_ref):
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, ref) < tol, name
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["", "gather"])
+@pytest.mark.parametrize("scatter", [False, True], ids=["", "scatter"])
+@pytest.mark.parametrize("weights", [False, True], ids=["", "weights"])
+def test_every_permutation_mode(gather, scatter, weights):
+    check_op("ragged", torch.float32, gather, scatter, weights)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_edge_shapes(case, dtype):
+    check_op(case, dtype, gather=True, scatter=True, weights=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_plain_layout(dtype):
+    check_op("ragged", dtype, gather=False, scatter=False, weights=False)
+
+
+def test_nondeterministic_dx_matches():
+    x, w, m_sizes, g, _, _ = make_problem("ragged", torch.float32, True, False, False)
+    x.requires_grad_()
+    outs = []
+    for deterministic in (True, False):
+        y = grouped_gemm(x, w, m_sizes, gather_index=g, configs=CONFIGS,
+                         deterministic=deterministic, backend="triton")
+        outs.append(torch.autograd.grad(y, x, torch.ones_like(y))[0])
+    assert rel_err(outs[1], outs[0]) < TOL[torch.float32]
+
+
+def test_gathered_rows_never_read_get_zero_grad():
+    sizes = [4, 4]
+    m_sizes = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(10, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(2, 8, 16, device=DEVICE)
+    g = torch.tensor([0, 0, 2, 2, 4, 4, 6, 6], device=DEVICE)
+    y = grouped_gemm(x, w, m_sizes, gather_index=g, configs=CONFIGS, backend="triton")
+    dx = torch.autograd.grad(y, x, torch.randn_like(y))[0]
+    read = torch.zeros(10, dtype=torch.bool, device=DEVICE)
+    read[g] = True
+    assert torch.equal(dx[~read], torch.zeros_like(dx[~read]))
+    assert (dx[read].abs().sum(1) > 0).all()
+
+
+# --- raw launchers on poisoned outputs: every output element must be written --------------
+
+@pytest.mark.parametrize("case", ["ragged", "all_on_one"])
+def test_launchers_write_every_element(case):
+    x, w, m_sizes, g, s, rw = make_problem(case, torch.float32, True, True, True)
+    num_rows, n, k = g.shape[0], w.shape[1], w.shape[2]
+    x64, w64 = x.double(), w.double()
+    ref_rows = torch.cat([seg @ w64[e].t() for e, seg in
+                          enumerate(torch.split(x64[g], m_sizes.tolist()))])
+
+    out = torch.full((num_rows, n), float("nan"), device=DEVICE)
+    launch_rows(x, w, out, m_sizes, CONFIGS.forward, transpose_w=True, load_idx=g,
+                store_idx=s, scale=rw)
+    expected = torch.empty_like(ref_rows)
+    expected[s] = ref_rows * rw.double()[s, None]
+    assert rel_err(out, expected) < TOL[torch.float32]
+
+    dy = torch.randn(num_rows, n, device=DEVICE)
+    dx_rows = torch.full((num_rows, k), float("nan"), device=DEVICE)
+    launch_rows(dy, w, dx_rows, m_sizes, CONFIGS.dx, transpose_w=False)
+    ref_dx = torch.cat([seg @ w64[e] for e, seg in enumerate(torch.split(dy.double(), m_sizes.tolist()))])
+    assert rel_err(dx_rows, ref_dx) < TOL[torch.float32]
+
+    dw = torch.full_like(w, float("nan"))
+    launch_dw(dy, x, dw, m_sizes, CONFIGS.dw, x_idx=g)
+    ref_dw = torch.stack([a.t() @ b for a, b in zip(torch.split(dy.double(), m_sizes.tolist()),
+                                                   torch.split(x64[g], m_sizes.tolist()))])
+    assert torch.isfinite(dw).all()
+    assert rel_err(dw, ref_dw) < TOL[torch.float32]
+
+
+def test_empty_experts_get_zero_dw():
+    m_sizes = torch.tensor([0, 6, 0], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(6, 20, device=DEVICE)
+    dy = torch.randn(6, 24, device=DEVICE)
+    dw = torch.full((3, 24, 20), float("nan"), device=DEVICE)
+    launch_dw(dy, x, dw, m_sizes, CONFIGS.dw)
+    assert torch.equal(dw[0], torch.zeros_like(dw[0])) and torch.equal(dw[2], torch.zeros_like(dw[2]))
+
+
+# --- torch.compile --------------------------------------------------------------------
+
+def test_torch_compile_matches_eager():
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    x, w, m_sizes, g, s, rw = make_problem("ragged", dtype, True, True, True)
+
+    def f(x, w, rw):
+        return grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
+                            configs=CONFIGS, backend="triton").float().square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="inductor")
+    leaves = [t.clone().requires_grad_() for t in (x, w, rw)]
+    leaves_c = [t.clone().requires_grad_() for t in (x, w, rw)]
+    eager = f(*leaves)
+    got = compiled(*leaves_c)
+    assert torch.equal(eager, got)
+    for a, b in zip(torch.autograd.grad(eager, leaves), torch.autograd.grad(got, leaves_c)):
+        assert torch.equal(a, b)
+
+
+# --- bad input --------------------------------------------------------------------------
+
+def _args(**over):
+    base = dict(
+        x=torch.randn(6, 8), w=torch.randn(2, 4, 8),
+        m_sizes=torch.tensor([2, 4], dtype=torch.int32),
+    )
+    base.update(over)
+    return base
+
+
+@pytest.mark.parametrize(
+    "over, kwargs, match",
+    [
+        (dict(x=torch.randn(6, 8, 1)), {}, "x must be 2-D"),
+        (dict(w=torch.randn(4, 8)), {}, "w must be 3-D"),
+        (dict(w=torch.randn(2, 4, 7)), {}, "K=7"),
+        (dict(w=torch.randn(2, 4, 8, dtype=torch.float64)), {}, "does not match x dtype"),
+        (dict(x=torch.randn(6, 8).to(torch.int32)), {}, "not supported"),
+        (dict(m_sizes=torch.tensor([6])), {}, "one count per expert"),
+        (dict(m_sizes=torch.tensor([2.0, 4.0])), {}, "int32 or int64"),
+        (dict(m_sizes=torch.tensor([2, 3])), {}, "sums to 5 but there are 6"),
+        (dict(m_sizes=torch.tensor([7, -1])), {}, "negative"),
+        ({}, dict(gather_index=torch.tensor([0, 1, 2, 3, 4, 9])), "outside \\[0, 6\\)"),
+        ({}, dict(gather_index=torch.tensor([0, 1, 2, 3, 4, 5.0])), "int32 or int64"),
+        ({}, dict(scatter_index=torch.tensor([0, 1, 2, 3, 4])), "6 entries"),
+        ({}, dict(scatter_index=torch.tensor([0, 1, 2, 3, 4, 4])), "permutation"),
+        ({}, dict(row_weights=torch.rand(5)), "row_weights must be 1-D with 6"),
+        ({}, dict(backend="cuda"), "backend='cuda'"),
+    ],
+)
+def test_bad_input_names_the_argument(over, kwargs, match):
+    a = _args(**over)
+    with pytest.raises(ValueError, match=match):
+        grouped_gemm(a["x"], a["w"], a["m_sizes"], **kwargs)
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match="BLOCK_N=48"):
+        KernelConfig(BLOCK_N=48)
+
+
+@pytest.mark.gpu
+def test_device_mismatch_is_rejected():
+    a = _args()
+    with pytest.raises(ValueError, match="w is on"):
+        grouped_gemm(a["x"].cuda(), a["w"], a["m_sizes"].cuda())
+
+
+@pytest.mark.gpu
+def test_debug_mode_checks_indices_on_gpu():
+    a = {k: v.cuda() for k, v in _args().items()}
+    with pytest.raises(ValueError, match="outside"):
+        grouped_gemm(a["x"], a["w"], a["m_sizes"], gather_index=torch.full((6,), 99, device="cuda"),
+                     debug=True)
+
+
+def test_torch_backend_matches_triton():
+    x, w, m_sizes, g, s, rw = make_problem("ragged", torch.float32, True, True, True)
+    a = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw, backend="torch")
+    b = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
+                     configs=CONFIGS, backend="triton")
+    assert rel_err(b, a) < TOL[torch.float32]
