@@ -80,12 +80,13 @@ class KernelConfig:
         )
 
 
-# Defaults chosen for Hopper-class GPUs and bf16: 128-row tiles fill a warpgroup MMA, and
-# 64-wide reduction steps keep three stages within shared memory. The dW kernel reduces
-# over rows, so its long axis is BLOCK_M.
+# Defaults for Hopper-class GPUs and bf16, from the sweep in benchmarks/bench_grouped_gemm.py
+# (H200, results under benchmarks/results/): 128x256 output tiles keep two warpgroups' MMAs
+# busy and halve the A re-reads of 128x128; the dW kernel reduces over rows, so its long
+# axis is BLOCK_M.
 DEFAULT_CONFIGS: dict[str, KernelConfig] = {
-    "forward": KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-    "dx": KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    "forward": KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+    "dx": KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, use_tma=True),
     "dw": KernelConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
 }
 

@@ -45,22 +45,21 @@ def num_programs_for(device: torch.device) -> int:
     return 4
 
 
-def tma_usable(w: torch.Tensor) -> bool:
-    """Whether weight tiles of ``w`` can be loaded through a TMA tensor descriptor.
+def tma_usable(*tensors: torch.Tensor) -> bool:
+    """Whether tiles of every tensor can be loaded through TMA tensor descriptors.
 
     Needs Hopper or newer, a Triton with host-side descriptors, not the interpreter, a
     contiguous last dim and 16-byte aligned base and strides.
     """
-    if TensorDescriptor is None or interpreter_active() or w.device.type != "cuda":
+    if TensorDescriptor is None or interpreter_active():
         return False
-    if torch.cuda.get_device_capability(w.device)[0] < 9:
-        return False
-    elem = w.element_size()
-    return (
-        w.stride(-1) == 1
-        and w.data_ptr() % 16 == 0
-        and all((s * elem) % 16 == 0 for s in w.stride()[:-1])
-    )
+    for t in tensors:
+        if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+        elem = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * elem) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
 
 
 def _rows_metadata(grid, kernel, args):
@@ -90,9 +89,9 @@ def _tile_coords(local_tile, num_m_tiles, num_n_tiles, GROUP_SIZE_M: tl.constexp
 # Fusions: LOAD_IDX gathers A rows in the prologue; STORE_IDX scatters output rows and SCALE
 #   multiplies a per-row weight (fp32) in the epilogue; ROW_DOT also writes, per row, the dot
 #   of the unscaled tile with rows of D (the top-k weight gradient); fp32 accumulation.
-# Masking: segments may be empty or end mid-tile. Rows past the segment and columns past N
-#   read a clamped valid address and are dropped at the store; the K tail is masked unless
-#   EVEN_K. Weight tiles come through a 3-D TMA descriptor [E, N, K] when USE_TMA, which
+# Masking: segments may be empty or end mid-tile. Rows past the segment read a clamped valid
+#   row and are dropped at the store; K and N tails are masked unless EVEN_K / EVEN_N (masks,
+#   not clamps, on the contiguous dim keep the loads vectorised). Weight tiles come through a 3-D TMA descriptor [E, N, K] when USE_TMA, which
 #   zero-fills past each expert's bounds.
 @triton.jit(launch_metadata=_rows_metadata)
 def _grouped_rows_kernel(
@@ -111,7 +110,7 @@ def _grouped_rows_kernel(
     LOAD_IDX: tl.constexpr, STORE_IDX: tl.constexpr,
     SCALE: tl.constexpr, SCALE_BY_LOAD_ROW: tl.constexpr,
     ROW_DOT: tl.constexpr, D_IDX: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -134,17 +133,17 @@ def _grouped_rows_kernel(
             else:
                 a_rows = rows.to(tl.int64)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_n_safe = tl.where(offs_n < N, offs_n, 0)
+            col_ok = offs_n < N
             offs_k = tl.arange(0, BLOCK_K)
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
             b_ptrs = (b_ptr + tl.cast(e, tl.int64) * stride_be
-                      + offs_k[:, None] * stride_bk + offs_n_safe[None, :] * stride_bn)
+                      + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(num_k_steps):
+                k_ok = offs_k < K - ki * BLOCK_K
                 if EVEN_K:
                     a = tl.load(a_ptrs)
                 else:
-                    k_ok = offs_k < K - ki * BLOCK_K
                     a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 if USE_TMA:
                     if B_TRANSPOSED:
@@ -153,10 +152,10 @@ def _grouped_rows_kernel(
                     else:
                         b = b_desc.load([e, ki * BLOCK_K, pid_n * BLOCK_N])
                         b = tl.reshape(b, (BLOCK_K, BLOCK_N))
-                elif EVEN_K:
+                elif EVEN_K and EVEN_N:
                     b = tl.load(b_ptrs)
                 else:
-                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
@@ -165,13 +164,12 @@ def _grouped_rows_kernel(
                 out_rows = tl.load(store_idx_ptr + rows).to(tl.int64)
             else:
                 out_rows = rows.to(tl.int64)
-            col_ok = offs_n < N
             if ROW_DOT:
                 if D_IDX:
                     d_rows = tl.load(d_idx_ptr + rows).to(tl.int64)
                 else:
                     d_rows = rows.to(tl.int64)
-                d = tl.load(d_ptr + d_rows[:, None] * stride_dm + offs_n_safe[None, :] * stride_dn,
+                d = tl.load(d_ptr + d_rows[:, None] * stride_dm + offs_n[None, :] * stride_dn,
                             mask=col_ok[None, :], other=0.0)
                 partial = tl.sum(acc * d.to(tl.float32), axis=1)
                 tl.store(row_dot_ptr + tl.cast(pid_n, tl.int64) * num_rows + a_rows, partial, mask=row_ok)
@@ -188,17 +186,20 @@ def _grouped_rows_kernel(
         seg_start += m_e
 
 
-# dw[e] = sum over rows r of e: (scale(r) * DY[dy_row(r)])^T @ X[x_row(r)], a [N, K] tile at a time.
+# dw[e] = DY[rows of e]^T @ X[rows of e], one [BLOCK_N, BLOCK_K] tile of one expert at a time.
+# Both operands are contiguous and in expert order: the backward materialises gathered or
+#   weighted rows once (``launch_gather_rows``), which keeps this reduction loop a plain
+#   pipelined stream of tiles (an index load inside the loop, or an fp32 scale on an operand,
+#   stalls the software pipeline).
 # Schedule: persistent; NUM_SMS programs stride the E * (N/BLOCK_N) * (K/BLOCK_K) output tiles,
 #   so small N*K still fills the GPU; each tile reduces its expert's rows in BLOCK_M steps.
-# Fusions: DY_IDX / X_IDX gather both operands' rows; SCALE multiplies the top-k weight into the
-#   dy rows (fp32, then back to the input dtype for the MMA); fp32 accumulation.
-# Masking: rows past the segment load as zero (they are the reduction axis); columns past N or
-#   K read a clamped address and are dropped at the store. Experts with no rows store zeros.
+# Loads: with USE_TMA, whole BLOCK_M steps come through 2-D TMA descriptors (zero fill past N
+#   and K) and only the ragged tail of a segment through masked pointer loads.
+# Masking: rows past the segment load as zero (they are the reduction axis), and so do columns
+#   past N or K. Experts with no rows store zeros. fp32 accumulation.
 @triton.jit(launch_metadata=_dw_metadata)
 def _grouped_dw_kernel(
-    dy_ptr, x_ptr, dw_ptr, m_sizes_ptr, m_starts_ptr,
-    dy_idx_ptr, x_idx_ptr, scale_ptr,
+    dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, m_sizes_ptr, m_starts_ptr,
     num_experts, num_rows, N, K,
     stride_dym, stride_dyn,
     stride_xm, stride_xk,
@@ -206,7 +207,7 @@ def _grouped_dw_kernel(
     # Meta-parameters
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DY_IDX: tl.constexpr, X_IDX: tl.constexpr, SCALE: tl.constexpr,
+    USE_TMA: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(N, BLOCK_N)
@@ -220,33 +221,49 @@ def _grouped_dw_kernel(
         m_e = tl.load(m_sizes_ptr + e)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        offs_n_safe = tl.where(offs_n < N, offs_n, 0)
-        offs_k_safe = tl.where(offs_k < K, offs_k, 0)
+        n_ok = offs_n < N
+        k_ok = offs_k < K
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for mi in range(tl.cdiv(m_e, BLOCK_M)):
-            offs_m = mi * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < m_e
-            rows = seg_start + tl.where(row_ok, offs_m, 0)
-            if DY_IDX:
-                dy_rows = tl.load(dy_idx_ptr + rows).to(tl.int64)
-            else:
-                dy_rows = rows.to(tl.int64)
-            if X_IDX:
-                x_rows = tl.load(x_idx_ptr + rows).to(tl.int64)
-            else:
-                x_rows = rows.to(tl.int64)
-            dy = tl.load(dy_ptr + dy_rows[:, None] * stride_dym + offs_n_safe[None, :] * stride_dyn,
-                         mask=row_ok[:, None], other=0.0)
-            if SCALE:
-                s = tl.load(scale_ptr + dy_rows).to(tl.float32)
-                dy = (dy.to(tl.float32) * s[:, None]).to(dy_ptr.dtype.element_ty)
-            x = tl.load(x_ptr + x_rows[:, None] * stride_xm + offs_k_safe[None, :] * stride_xk,
-                        mask=row_ok[:, None], other=0.0)
+        num_full = 0
+        if USE_TMA:  # whole BLOCK_M steps through TMA; the ragged tail through pointers below
+            num_full = m_e // BLOCK_M
+            for mi in range(num_full):
+                dy = dy_desc.load([seg_start + mi * BLOCK_M, pid_n * BLOCK_N])
+                x = x_desc.load([seg_start + mi * BLOCK_M, pid_k * BLOCK_K])
+                acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
+        tail = m_e - num_full * BLOCK_M
+        offs_m = tl.arange(0, BLOCK_M)
+        rows = tl.cast(seg_start + num_full * BLOCK_M, tl.int64) + offs_m
+        dy_ptrs = dy_ptr + rows[:, None] * stride_dym + offs_n[None, :] * stride_dyn
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        for mi in range(tl.cdiv(tail, BLOCK_M)):
+            row_ok = offs_m < tail - mi * BLOCK_M
+            dy = tl.load(dy_ptrs, mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
+            dy_ptrs += BLOCK_M * stride_dym
+            x_ptrs += BLOCK_M * stride_xm
         dw_ptrs = (dw_ptr + tl.cast(e, tl.int64) * stride_we
                    + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk)
-        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty),
-                 mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+# out[r] = src[idx[r]] * scale[idx[r]] (scale in fp32, optional): materialises gathered and
+# weighted rows in expert order for the dW kernel, in one pass.
+# Tiling: one program per (BLOCK_R rows, BLOCK_C columns).
+@triton.jit
+def _gather_rows_kernel(src_ptr, idx_ptr, scale_ptr, out_ptr, num_rows, C, stride_sm, stride_om,
+                        SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok = offs_r < num_rows
+    mask = r_ok[:, None] & (offs_c < C)[None, :]
+    src_rows = tl.load(idx_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
+    vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_c[None, :], mask=mask, other=0.0)
+    if SCALE:
+        vals = vals.to(tl.float32) * tl.load(scale_ptr + src_rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
+             vals.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # out[t] = sum of src rows offsets[t] .. offsets[t+1]-1, in order: the deterministic
@@ -338,7 +355,7 @@ def launch_rows(
         LOAD_IDX=load_idx is not None, STORE_IDX=store_idx is not None,
         SCALE=scale is not None, SCALE_BY_LOAD_ROW=scale_by_load_row,
         ROW_DOT=dot_with is not None, D_IDX=dot_idx is not None,
-        EVEN_K=k_red % c.BLOCK_K == 0,
+        EVEN_K=k_red % c.BLOCK_K == 0, EVEN_N=n_out % c.BLOCK_N == 0,
         USE_TMA=use_tma, B_TRANSPOSED=transpose_w,
         INPUT_PRECISION=_input_precision(a.dtype),
         num_warps=c.num_warps, num_stages=c.num_stages,
@@ -346,39 +363,48 @@ def launch_rows(
     return None if row_dot is None else row_dot.sum(0)
 
 
-def launch_dw(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    dw: torch.Tensor,
-    m_sizes: torch.Tensor,
-    config: KernelConfig,
-    *,
-    dy_idx: torch.Tensor | None = None,
-    x_idx: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-) -> None:
-    """Launch the dW kernel into ``dw`` [E, N, K]; ``scale`` is indexed like ``dy``'s rows."""
+def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torch.Tensor,
+              config: KernelConfig) -> None:
+    """Launch the dW kernel into ``dw`` [E, N, K] from expert-ordered rows of ``dy`` [M, N]
+    and ``x`` [M, K] (gather or weight them first with :func:`launch_gather_rows`)."""
     num_experts, n, k = dw.shape
-    num_rows = x_idx.shape[0] if x_idx is not None else x.shape[0]
     m_starts = torch.cumsum(m_sizes, 0, dtype=torch.int32) - m_sizes
     c = config
     max_tiles = num_experts * triton.cdiv(n, c.BLOCK_N) * triton.cdiv(k, c.BLOCK_K)
-    dummy = m_sizes
+    use_tma = c.use_tma and tma_usable(dy, x)
+    dy_desc = TensorDescriptor.from_tensor(dy, [c.BLOCK_M, c.BLOCK_N]) if use_tma else None
+    x_desc = TensorDescriptor.from_tensor(x, [c.BLOCK_M, c.BLOCK_K]) if use_tma else None
     _grouped_dw_kernel[_persistent_grid(x.device, max_tiles)](
-        dy, x, dw, m_sizes, m_starts,
-        dy_idx if dy_idx is not None else dummy,
-        x_idx if x_idx is not None else dummy,
-        scale if scale is not None else dummy,
-        num_experts, num_rows, n, k,
+        dy, x, dy_desc, x_desc, dw, m_sizes, m_starts,
+        num_experts, x.shape[0], n, k,
         dy.stride(0), dy.stride(1),
         x.stride(0), x.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
         NUM_SMS=num_programs_for(x.device),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
-        DY_IDX=dy_idx is not None, X_IDX=x_idx is not None, SCALE=scale is not None,
+        USE_TMA=use_tma,
         INPUT_PRECISION=_input_precision(x.dtype),
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
+
+
+def launch_gather_rows(src: torch.Tensor, idx: torch.Tensor | None,
+                       scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``src[idx] * scale[idx][:, None]`` as a new contiguous tensor of src's dtype (idx
+    None: the identity). One pass; the scale multiply is in fp32."""
+    if idx is None:
+        idx = torch.arange(src.shape[0], device=src.device, dtype=torch.int32)
+    num_rows, cols = idx.shape[0], src.shape[1]
+    out = src.new_empty((num_rows, cols))
+    if num_rows == 0:
+        return out
+    block_c = min(triton.next_power_of_2(max(cols, 16)), 256)
+    block_r = 16
+    _gather_rows_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c))](
+        src, idx, scale if scale is not None else idx, out, num_rows, cols, src.stride(0), out.stride(0),
+        SCALE=scale is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+    )
+    return out
 
 
 def launch_segment_sum(src: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:

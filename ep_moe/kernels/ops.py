@@ -19,6 +19,7 @@ from ep_moe.kernels.config import PASSES, GemmConfigs, KernelConfig
 from ep_moe.kernels.grouped_gemm import (
     interpreter_active,
     launch_dw,
+    launch_gather_rows,
     launch_rows,
     launch_segment_sum,
 )
@@ -103,8 +104,10 @@ def _grouped_gemm_bwd(
             drw = drw_f32.to(row_weights.dtype)
     if need_dw:
         dw = torch.empty_like(w)
-        launch_dw(dy, x, dw, m_sizes, configs.dw, dy_idx=scatter_index, x_idx=gather_index,
-                  scale=row_weights)
+        weighted = scatter_index is not None or row_weights is not None
+        dy_rows = launch_gather_rows(dy, scatter_index, row_weights) if weighted else dy
+        x_rows = launch_gather_rows(x, gather_index) if gather_index is not None else x
+        launch_dw(dy_rows, x_rows, dw, m_sizes, configs.dw)
     return dx, dw, drw
 
 

@@ -7,11 +7,13 @@ poisoned with NaN first, so a row or column the kernel forgets to write fails th
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from ep_moe import GemmConfigs, KernelConfig, grouped_gemm
-from ep_moe.kernels.grouped_gemm import launch_dw, launch_rows
+from ep_moe.kernels.grouped_gemm import launch_dw, launch_gather_rows, launch_rows
 from ep_moe.kernels.reference import grouped_gemm_reference
 
 ON_GPU = torch.cuda.is_available()
@@ -25,6 +27,16 @@ TOL = {torch.float32: 5e-3 if ON_GPU else 1e-5, torch.float16: 3e-3, torch.bfloa
 SMALL = KernelConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
 CONFIGS = GemmConfigs() if ON_GPU else GemmConfigs(forward=SMALL, dx=SMALL, dw=SMALL)
 
+
+def _with_tma(configs: GemmConfigs, use_tma: bool) -> GemmConfigs:
+    return GemmConfigs(**{p: dataclasses.replace(configs.for_pass(p), use_tma=use_tma)
+                          for p in ("forward", "dx", "dw")})
+
+
+# On the GPU every case runs with TMA weight/operand loads on and off (both paths ship).
+CONFIG_VARIANTS = ({"tma": _with_tma(CONFIGS, True), "pointers": _with_tma(CONFIGS, False)}
+                   if ON_GPU else {"interpreter": CONFIGS})
+
 # (m_sizes, N, K): zero-row experts, everything on one expert, one row, one expert, and
 # sizes that are multiples of no block.
 CASES = {
@@ -35,6 +47,7 @@ CASES = {
 }
 if ON_GPU:
     CASES["large"] = ([300, 0, 1000, 7, 129, 2048, 1, 515], 1536, 2048)
+    CASES["tma_tails"] = ([77, 0, 700, 1, 300], 1000, 2888)  # 16-byte rows, no block multiple
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,11 +69,11 @@ def make_problem(case: str, dtype: torch.dtype, gather: bool, scatter: bool, wei
     return x, w, m_sizes, gather_index, scatter_index, row_weights
 
 
-def check_op(case, dtype, gather, scatter, weights):
+def check_op(case, dtype, gather, scatter, weights, configs=CONFIGS):
     x, w, m_sizes, g, s, rw = make_problem(case, dtype, gather, scatter, weights)
     leaves = [x.requires_grad_(), w.requires_grad_()] + ([rw.requires_grad_()] if weights else [])
     y = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
-                     configs=CONFIGS, backend="triton")
+                     configs=configs, backend="triton")
     dy = torch.randn_like(y)
     grads = torch.autograd.grad(y, leaves, dy)
 
@@ -85,10 +98,11 @@ def test_every_permutation_mode(gather, scatter, weights):
     check_op("ragged", torch.float32, gather, scatter, weights)
 
 
+@pytest.mark.parametrize("variant", list(CONFIG_VARIANTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", list(CASES))
-def test_edge_shapes(case, dtype):
-    check_op(case, dtype, gather=True, scatter=True, weights=True)
+def test_edge_shapes(case, dtype, variant):
+    check_op(case, dtype, gather=True, scatter=True, weights=True, configs=CONFIG_VARIANTS[variant])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -138,6 +152,9 @@ def test_launchers_write_every_element(case):
     expected[s] = ref_rows * rw.double()[s, None]
     assert rel_err(out, expected) < TOL[torch.float32]
 
+    weighted = launch_gather_rows(out, s, rw)
+    assert rel_err(weighted, out.double()[s] * rw.double()[s, None]) < TOL[torch.float32]
+
     dy = torch.randn(num_rows, n, device=DEVICE)
     dx_rows = torch.full((num_rows, k), float("nan"), device=DEVICE)
     launch_rows(dy, w, dx_rows, m_sizes, CONFIGS.dx, transpose_w=False)
@@ -145,7 +162,7 @@ def test_launchers_write_every_element(case):
     assert rel_err(dx_rows, ref_dx) < TOL[torch.float32]
 
     dw = torch.full_like(w, float("nan"))
-    launch_dw(dy, x, dw, m_sizes, CONFIGS.dw, x_idx=g)
+    launch_dw(dy, launch_gather_rows(x, g), dw, m_sizes, CONFIGS.dw)
     ref_dw = torch.stack([a.t() @ b for a, b in zip(torch.split(dy.double(), m_sizes.tolist()),
                                                    torch.split(x64[g], m_sizes.tolist()))])
     assert torch.isfinite(dw).all()

@@ -1,0 +1,219 @@
+"""Grouped GEMM benchmark: ep_moe's fused Triton kernels against torch._grouped_mm and a
+per-expert loop, on the MoE shapes of ANCHORS.md, in one run on one GPU.
+
+For each shape, both expert projections at T tokens (M = T*k routed rows):
+  gate_up  [M, H] -> [M, 2I]: ours gathers token rows in the kernel; _grouped_mm reads a
+           pre-permuted copy (timed without and with the permutation copy).
+  down     [M, I] -> [M, H]: ours scatters to token-slot order and multiplies the top-k
+           weight in the epilogue; _grouped_mm is followed by the unpermute and the multiply.
+FLOPs: forward 2*M*N*K; forward+backward 3x that. Everything is validated against
+_grouped_mm before it is timed.
+
+    python benchmarks/bench_grouped_gemm.py [--tokens 8192] [--shapes all] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, SHAPES, bench_ms, environment, random_routing, save_results  # noqa: E402
+
+from ep_moe import GemmConfigs, KernelConfig, grouped_gemm  # noqa: E402
+from ep_moe.kernels.grouped_gemm import launch_dw, launch_gather_rows, launch_rows  # noqa: E402
+
+
+def matmul_ceiling() -> float:
+    """Measured dense bf16 matmul rate (TFLOP/s), 8192^3 on random data."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def grouped_mm(x, w, offsets):
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+
+def projection_problem(shape, projection, tokens, dtype=torch.bfloat16):
+    """Inputs of one projection: x, w [E, N, K], m_sizes, offsets, gather, scatter, rw."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m_sizes, gather, scatter = random_routing(tokens, shape.num_experts, shape.top_k, "cuda", gen)
+    h, i = shape.hidden, shape.intermediate
+    n, k = (2 * i, h) if projection == "gate_up" else (h, i)
+    rows_x = tokens if projection == "gate_up" else tokens * shape.top_k
+    x = torch.randn(rows_x, k, device="cuda", dtype=dtype)
+    w = torch.randn(shape.num_experts, n, k, device="cuda", dtype=dtype) / k**0.5
+    rw = torch.rand(tokens * shape.top_k, device="cuda", dtype=torch.float32)
+    offsets = torch.cumsum(m_sizes, 0, dtype=torch.int32)
+    return dict(x=x, w=w, m_sizes=m_sizes, offsets=offsets, gather=gather, scatter=scatter, rw=rw,
+                n=n, k=k, rows=tokens * shape.top_k)
+
+
+def time_projection(p, projection, configs):
+    """{variant: ms} for forward and forward+backward of one projection."""
+    x, w, m_sizes, offsets = p["x"], p["w"], p["m_sizes"], p["offsets"]
+    g, s, rw = p["gather"], p["scatter"], p["rw"]
+    if projection == "gate_up":
+        ours_kw = dict(gather_index=g)
+        x_sorted = x[g.long()]
+
+        def baseline(xx, ww, permute):
+            return grouped_mm(xx[g.long()] if permute else xx, ww, offsets)
+    else:
+        ours_kw = dict(scatter_index=s, row_weights=rw)
+        x_sorted = x
+        unpermute = torch.empty_like(s, dtype=torch.long)
+        unpermute[s.long()] = torch.arange(s.numel(), device="cuda")
+
+        def baseline(xx, ww, permute):
+            y = grouped_mm(xx, ww, offsets)
+            return (y[unpermute] * rw[:, None]).to(y.dtype) if permute else y
+
+    def ours(xx, ww):
+        return grouped_gemm(xx, ww, m_sizes, configs=configs, **ours_kw)
+
+    # Validate before timing.
+    ref = baseline(x_sorted if projection == "gate_up" else x, w, permute=projection == "down")
+    err = rel_err(ours(x, w), ref)
+    assert err < 2e-2, f"{projection}: ours differs from _grouped_mm by {err:.2e}"
+
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xsg = x_sorted.clone().requires_grad_()
+    dy = torch.randn(p["rows"], p["n"], device="cuda", dtype=x.dtype)
+
+    def fwd_bwd(fn):
+        def run():
+            fn().backward(dy)
+        return run
+
+    loop_sizes = m_sizes.tolist()
+    loop_x = torch.split(x_sorted, loop_sizes)
+    ms = {
+        "ours_fwd": bench_ms(lambda: ours(x, w)),
+        "gmm_fwd": bench_ms(lambda: baseline(x_sorted, w, permute=False)),
+        "gmm_perm_fwd": bench_ms(lambda: baseline(x, w, permute=True)),
+        "loop_fwd": bench_ms(lambda: [xe @ we.t() for xe, we in zip(loop_x, w)]),
+        "ours_fwdbwd": bench_ms(fwd_bwd(lambda: ours(xg, wg))),
+        "gmm_fwdbwd": bench_ms(fwd_bwd(lambda: baseline(xsg, wg, permute=False))),
+        "gmm_perm_fwdbwd": bench_ms(fwd_bwd(lambda: baseline(xg, wg, permute=True))),
+    }
+    return ms, err
+
+
+SWEEP_ROWS = [
+    KernelConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_SIZE_M=8, num_warps=w, num_stages=st, use_tma=tma)
+    for (bm, bn, bk, w, st), tma in itertools.product(
+        [(128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+         (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 4, 4)],
+        [False, True])
+]
+SWEEP_DW = [
+    KernelConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, use_tma=tma)
+    for (bm, bn, bk, w, st), tma in itertools.product(
+        [(64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (32, 128, 128, 4, 4), (64, 128, 256, 8, 3),
+         (128, 128, 128, 8, 3), (64, 256, 128, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4),
+         (64, 256, 128, 8, 4), (128, 256, 128, 8, 3), (64, 256, 256, 8, 3)],
+        [False, True])
+]
+
+
+def sweep(p, projection, which):
+    """Time every sweep candidate for each pass of one projection; {pass: [(ms, cfg)]}."""
+    x, w, m_sizes = p["x"], p["w"], p["m_sizes"]
+    g, s, rw = p["gather"], p["scatter"], p["rw"]
+    rows, n, k = p["rows"], p["n"], p["k"]
+    out = torch.empty(rows, n, device="cuda", dtype=x.dtype)
+    dy = torch.randn(rows, n, device="cuda", dtype=x.dtype)
+    dx = torch.empty(rows, k, device="cuda", dtype=x.dtype)
+    dw = torch.empty_like(w)
+    x_rows = launch_gather_rows(x, g) if projection == "gate_up" else x
+    dy_rows = launch_gather_rows(dy, s, rw)
+    if projection == "gate_up":
+        position = torch.randperm(rows, device="cuda").to(torch.int32)
+        passes = {
+            "forward": lambda c: launch_rows(x, w, out, m_sizes, c, transpose_w=True, load_idx=g),
+            "dx": lambda c: launch_rows(dy, w, dx, m_sizes, c, transpose_w=False, store_idx=position),
+            "dw": lambda c: launch_dw(dy, x_rows, dw, m_sizes, c),
+        }
+    else:
+        passes = {
+            "forward": lambda c: launch_rows(x, w, out, m_sizes, c, transpose_w=True, store_idx=s, scale=rw),
+            "dx": lambda c: launch_rows(dy, w, dx, m_sizes, c, transpose_w=False, load_idx=s, scale=rw,
+                                        scale_by_load_row=True, dot_with=x),
+            "dw": lambda c: launch_dw(dy_rows, x, dw, m_sizes, c),
+        }
+    results = {}
+    for name, run in passes.items():
+        if name not in which:
+            continue
+        timings = []
+        for cfg in (SWEEP_DW if name == "dw" else SWEEP_ROWS):
+            try:
+                timings.append((bench_ms(lambda: run(cfg), warmup_ms=10, rep_ms=40), cfg))
+            except Exception as exc:  # out of resources, compile failure: skip the candidate
+                print(f"  skip {name} {cfg.short()}: {type(exc).__name__}", flush=True)
+        results[name] = sorted(timings, key=lambda t: t[0])
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--shapes", default="all", help="comma-separated names, or 'all'")
+    parser.add_argument("--projections", default="gate_up,down")
+    parser.add_argument("--sweep", action="store_true", help="time a grid of configs per pass")
+    parser.add_argument("--sweep-passes", default="forward,dx,dw")
+    parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
+    args = parser.parse_args()
+    names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    env = environment()
+    ceiling = matmul_ceiling()
+    print(f"device {env['device']}, torch {env['torch']}, triton {env['triton']}; "
+          f"dense bf16 matmul {ceiling:.0f} TFLOP/s", flush=True)
+    configs = GemmConfigs()
+    rows, sweeps = [], {}
+    for name in names:
+        shape = SHAPES[name]
+        for projection in args.projections.split(","):
+            p = projection_problem(shape, projection, args.tokens)
+            flops = 2 * p["rows"] * p["n"] * p["k"]
+            if args.sweep:
+                res = sweep(p, projection, args.sweep_passes.split(","))
+                sweeps[f"{name}/{projection}"] = {
+                    k: [(round(ms, 4), c.short()) for ms, c in v[:5]] for k, v in res.items()}
+                for k, v in res.items():
+                    best = v[0]
+                    print(f"  sweep {name:16s} {projection:7s} {k:7s} best {best[0]:.3f} ms "
+                          f"{flops / best[0] / 1e9:.0f} TFLOP/s  {best[1].short()}", flush=True)
+            ms, err = time_projection(p, projection, configs)
+            rows.append(dict(shape=name, projection=projection, rows=p["rows"], n=p["n"], k=p["k"],
+                             flops_fwd=flops, err_vs_grouped_mm=err, ms=ms))
+            print(f"{name:16s} {projection:7s} fwd ours {ms['ours_fwd']:.3f} ms "
+                  f"({flops / ms['ours_fwd'] / 1e9:.0f} TF/s) gmm {ms['gmm_fwd']:.3f} "
+                  f"(+perm {ms['gmm_perm_fwd']:.3f}) loop {ms['loop_fwd']:.3f} | fwd+bwd ours "
+                  f"{ms['ours_fwdbwd']:.3f} ({3 * flops / ms['ours_fwdbwd'] / 1e9:.0f} TF/s) gmm "
+                  f"{ms['gmm_fwdbwd']:.3f} (+perm {ms['gmm_perm_fwdbwd']:.3f}) | "
+                  f"ratio fwd {ms['gmm_fwd'] / ms['ours_fwd']:.2f} fwdbwd "
+                  f"{ms['gmm_fwdbwd'] / ms['ours_fwdbwd']:.2f}", flush=True)
+            del p
+            torch.cuda.empty_cache()
+    out = args.out or REPO / "benchmarks" / "results" / (
+        f"grouped_gemm_{env['device'].replace(' ', '_')}.json")
+    save_results(out, {"tokens": args.tokens, "matmul_tflops": ceiling,
+                       "configs": {k: v.to_dict() for k, v in vars(configs).items()},
+                       "results": rows, "sweeps": sweeps})
+    print(json.dumps({"saved": str(out)}))
+
+
+if __name__ == "__main__":
+    main()
