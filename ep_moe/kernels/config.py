@@ -87,8 +87,37 @@ class KernelConfig:
 DEFAULT_CONFIGS: dict[str, KernelConfig] = {
     "forward": KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
     "dx": KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, use_tma=True),
-    "dw": KernelConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "dw": KernelConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True),
 }
+
+
+def smem_bytes(config: KernelConfig, which: Pass, elem_size: int) -> int:
+    """Shared memory the pipelined operand tiles of one program take (the usual bound).
+
+    Forward and dX stage an A tile [BLOCK_M, BLOCK_K] and a B tile [BLOCK_K, BLOCK_N] per
+    stage; dW stages [BLOCK_M, BLOCK_N] and [BLOCK_M, BLOCK_K].
+    """
+    c = config
+    if which == "dw":
+        per_stage = c.BLOCK_M * (c.BLOCK_N + c.BLOCK_K)
+    else:
+        per_stage = c.BLOCK_K * (c.BLOCK_M + c.BLOCK_N)
+    return per_stage * elem_size * c.num_stages
+
+
+def fit_to_smem(config: KernelConfig, which: Pass, elem_size: int, smem_limit: int) -> KernelConfig:
+    """``config`` with fewer stages (down to 2), then a halved reduction block, until its
+    tiles fit ``smem_limit`` bytes: how a default tuned for bf16 serves float32 or a GPU
+    with less shared memory."""
+    reduce_field = "BLOCK_M" if which == "dw" else "BLOCK_K"
+    while smem_bytes(config, which, elem_size) > smem_limit:
+        if config.num_stages > 2:
+            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        elif getattr(config, reduce_field) > 16:
+            config = dataclasses.replace(config, **{reduce_field: getattr(config, reduce_field) // 2})
+        else:
+            break
+    return config
 
 
 @dataclass(frozen=True)
@@ -102,3 +131,8 @@ class GemmConfigs:
     def for_pass(self, which: Pass) -> KernelConfig:
         """The config of one pass by name."""
         return getattr(self, which)
+
+    @classmethod
+    def defaults(cls, elem_size: int, smem_limit: int) -> "GemmConfigs":
+        """The default configs fitted to an element size and a shared-memory limit."""
+        return cls(**{p: fit_to_smem(DEFAULT_CONFIGS[p], p, elem_size, smem_limit) for p in PASSES})

@@ -45,6 +45,15 @@ def num_programs_for(device: torch.device) -> int:
     return 4
 
 
+@functools.lru_cache(maxsize=None)
+def smem_limit_for(device: torch.device) -> int:
+    """Shared memory one program may use on ``device`` (unbounded in the interpreter)."""
+    if device.type != "cuda":
+        return 1 << 30
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 99 * 1024)
+
+
 def tma_usable(*tensors: torch.Tensor) -> bool:
     """Whether tiles of every tensor can be loaded through TMA tensor descriptors.
 

@@ -22,6 +22,7 @@ from ep_moe.kernels.grouped_gemm import (
     launch_gather_rows,
     launch_rows,
     launch_segment_sum,
+    smem_limit_for,
 )
 from ep_moe.kernels.reference import grouped_gemm_reference
 
@@ -265,7 +266,8 @@ def grouped_gemm(
             ``scatter_index[r]``.
         row_weights: optional [M] weights indexed by *output* row, multiplied in fp32 in the
             epilogue (the top-k weights); gets a gradient.
-        configs: kernel configs for forward, dX and dW; default ``GemmConfigs()``.
+        configs: kernel configs for forward, dX and dW; default: ``GemmConfigs.defaults``
+            fitted to x's element size and the device's shared memory.
         deterministic: sum the gradient of gathered rows in a fixed order (default) instead
             of with float atomics.
         backend: ``"triton"``, ``"torch"`` (reference), or ``"auto"``: Triton on CUDA and in
@@ -287,5 +289,6 @@ def grouped_gemm(
                                       scatter_index=scatter_index, row_weights=row_weights)
     return torch.ops.ep_moe.grouped_gemm_fwd(
         x, w, _as_int32(m_sizes), _as_int32(gather_index), _as_int32(scatter_index), row_weights,
-        _configs_to_ints(configs or GemmConfigs()), deterministic,
+        _configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
+        deterministic,
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ep_moe import GemmConfigs, KernelConfig, grouped_gemm
-from ep_moe.kernels.grouped_gemm import launch_dw, launch_gather_rows, launch_rows
+from ep_moe.kernels.grouped_gemm import launch_dw, launch_gather_rows, launch_rows, smem_limit_for
 from ep_moe.kernels.reference import grouped_gemm_reference
 
 ON_GPU = torch.cuda.is_available()
@@ -25,17 +25,24 @@ TOL = {torch.float32: 5e-3 if ON_GPU else 1e-5, torch.float16: 3e-3, torch.bfloa
 # Small blocks in the interpreter keep ragged tiles in play at small sizes; on the GPU the
 # defaults (and TMA where available) are what users run.
 SMALL = KernelConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
-CONFIGS = GemmConfigs() if ON_GPU else GemmConfigs(forward=SMALL, dx=SMALL, dw=SMALL)
 
 
-def _with_tma(configs: GemmConfigs, use_tma: bool) -> GemmConfigs:
+def configs_for(dtype: torch.dtype, use_tma: bool | None = None) -> GemmConfigs:
+    """Configs under test: the shipped defaults for dtype on the GPU (TMA forced on or off
+    when asked), small blocks in the interpreter."""
+    if not ON_GPU:
+        return GemmConfigs(forward=SMALL, dx=SMALL, dw=SMALL)
+    configs = GemmConfigs.defaults(torch.finfo(dtype).bits // 8, smem_limit_for(DEVICE))
+    if use_tma is None:
+        return configs
     return GemmConfigs(**{p: dataclasses.replace(configs.for_pass(p), use_tma=use_tma)
                           for p in ("forward", "dx", "dw")})
 
 
-# On the GPU every case runs with TMA weight/operand loads on and off (both paths ship).
-CONFIG_VARIANTS = ({"tma": _with_tma(CONFIGS, True), "pointers": _with_tma(CONFIGS, False)}
-                   if ON_GPU else {"interpreter": CONFIGS})
+# On the GPU every case runs with TMA loads on and off (both paths ship).
+TMA_VARIANTS = {"tma": True, "pointers": False} if ON_GPU else {"interpreter": None}
+CONFIGS = configs_for(torch.float32)
+
 
 # (m_sizes, N, K): zero-row experts, everything on one expert, one row, one expert, and
 # sizes that are multiples of no block.
@@ -69,7 +76,8 @@ def make_problem(case: str, dtype: torch.dtype, gather: bool, scatter: bool, wei
     return x, w, m_sizes, gather_index, scatter_index, row_weights
 
 
-def check_op(case, dtype, gather, scatter, weights, configs=CONFIGS):
+def check_op(case, dtype, gather, scatter, weights, use_tma=None):
+    configs = configs_for(dtype, use_tma)
     x, w, m_sizes, g, s, rw = make_problem(case, dtype, gather, scatter, weights)
     leaves = [x.requires_grad_(), w.requires_grad_()] + ([rw.requires_grad_()] if weights else [])
     y = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
@@ -98,11 +106,11 @@ def test_every_permutation_mode(gather, scatter, weights):
     check_op("ragged", torch.float32, gather, scatter, weights)
 
 
-@pytest.mark.parametrize("variant", list(CONFIG_VARIANTS))
+@pytest.mark.parametrize("variant", list(TMA_VARIANTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 def test_edge_shapes(case, dtype, variant):
-    check_op(case, dtype, gather=True, scatter=True, weights=True, configs=CONFIG_VARIANTS[variant])
+    check_op(case, dtype, gather=True, scatter=True, weights=True, use_tma=TMA_VARIANTS[variant])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -186,7 +194,7 @@ def test_torch_compile_matches_eager():
 
     def f(x, w, rw):
         return grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
-                            configs=CONFIGS, backend="triton").float().square().sum()
+                            configs=configs_for(dtype), backend="triton").float().square().sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend="inductor")
@@ -234,6 +242,15 @@ def test_bad_input_names_the_argument(over, kwargs, match):
     a = _args(**over)
     with pytest.raises(ValueError, match=match):
         grouped_gemm(a["x"], a["w"], a["m_sizes"], **kwargs)
+
+
+def test_defaults_fit_shared_memory():
+    from ep_moe.kernels.config import smem_bytes
+
+    for elem, limit in ((2, 227 * 1024), (4, 227 * 1024), (2, 99 * 1024)):
+        configs = GemmConfigs.defaults(elem, limit)
+        for p in ("forward", "dx", "dw"):
+            assert smem_bytes(configs.for_pass(p), p, elem) <= limit
 
 
 def test_bad_config_is_rejected():
