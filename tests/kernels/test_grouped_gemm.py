@@ -193,8 +193,9 @@ def test_torch_compile_matches_eager():
     x, w, m_sizes, g, s, rw = make_problem("ragged", dtype, True, True, True)
 
     def f(x, w, rw):
-        return grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
-                            configs=configs_for(dtype), backend="triton").float().square().sum()
+        y = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
+                         configs=configs_for(dtype), backend="triton")
+        return torch.nn.functional.silu(y) * 2
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend="inductor")
@@ -202,9 +203,12 @@ def test_torch_compile_matches_eager():
     leaves_c = [t.clone().requires_grad_() for t in (x, w, rw)]
     eager = f(*leaves)
     got = compiled(*leaves_c)
-    assert torch.equal(eager, got)
-    for a, b in zip(torch.autograd.grad(eager, leaves), torch.autograd.grad(got, leaves_c)):
-        assert torch.equal(a, b)
+    # Inductor fuses the elementwise tail (one rounding instead of two in bfloat16).
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(got, eager) < tol
+    dy = torch.randn_like(eager)
+    for a, b in zip(torch.autograd.grad(eager, leaves, dy), torch.autograd.grad(got, leaves_c, dy)):
+        assert rel_err(b, a) < tol
 
 
 # --- bad input --------------------------------------------------------------------------
