@@ -7,6 +7,7 @@ Public surface: :func:`grouped_gemm` (fused Triton grouped GEMM with autograd),
 
 from ep_moe.kernels.config import GemmConfigs, KernelConfig
 from ep_moe.kernels.ops import grouped_gemm
+from ep_moe.layer import MoEConfig, MoELayer
 
-__all__ = ["GemmConfigs", "KernelConfig", "grouped_gemm"]
+__all__ = ["GemmConfigs", "KernelConfig", "MoEConfig", "MoELayer", "grouped_gemm"]
 __version__ = "0.1.0"

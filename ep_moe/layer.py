@@ -1,0 +1,535 @@
+"""The expert-parallel MoE layer: wires the router, the dispatch and the grouped GEMMs.
+
+Shape suffixes follow the legend in :mod:`ep_moe.routing`.
+
+Using it in a trainer::
+
+    layer = MoELayer(MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k),
+                     ep_group=groups.ep_group)          # None at EP=1
+    loss = task_loss + moe_aux_loss(model)               # aux + z of every MoE layer
+    loss.backward()
+    sync_gradients(model, groups.ep_group, groups.edp_group)   # ep_moe.parallel
+    optimizer.step()
+    update_expert_biases(model)                          # only with expert_bias=True
+    log(expert_load(model))                              # [num_layers, E] token counts
+
+Checkpoints. The state dict stores expert weights per *global* expert id,
+``experts.gate_up.{g}`` ([2I, H] or [I, H]) and ``experts.down.{g}`` ([H, I]); each rank's
+``state_dict()`` holds only its own experts plus the replicated parameters. To merge the
+per-rank shards into one checkpoint, ``merged = {}; for sd in shards: merged.update(sd)``
+(expert keys are disjoint; replicated keys are equal on every rank). ``load_state_dict``
+at any EP size accepts the merged dict or any dict that holds at least this rank's
+experts: each rank picks its experts' keys and ignores the others (resharding on load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from ep_moe.dispatch import combine_rows, dispatch_rows, exchange_counts, expert_major_order, group_size, split_sizes
+from ep_moe.kernels.config import GemmConfigs
+from ep_moe.kernels.ops import grouped_gemm
+from ep_moe.parallel import mark_expert_param, resolve_ep_group
+from ep_moe.routing import (
+    DropPolicy,
+    RouterOutput,
+    RoutingMetadata,
+    ScoreFunc,
+    build_routing_metadata,
+    capacity_keep_mask,
+    combine_slots,
+    expert_capacity,
+    permute_tokens,
+    route,
+    unpermute_slots,
+)
+
+if TYPE_CHECKING:
+    from ep_moe.autotune.space import GemmProblem
+
+Activation = Literal["swiglu", "gelu", "relu"]
+_ACTIVATIONS = ("swiglu", "gelu", "relu")
+_BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Shape and behaviour of one MoE layer. Validated on construction."""
+
+    hidden_size: int
+    """H, the model dimension (input and output features)."""
+    intermediate_size: int
+    """I, the hidden dimension of each expert MLP."""
+    num_experts: int
+    """E, experts in total over the EP group."""
+    top_k: int
+    """K, experts each token is sent to (1 <= K <= E)."""
+    activation: Activation = "swiglu"
+    """Expert MLP: ``"swiglu"`` (gate_up is [2I, H]: rows 0..I-1 gate, I..2I-1 up;
+    ``silu(gate) * up``), or ``"gelu"`` (exact erf form) / ``"relu"`` (gate_up is [I, H])."""
+    score_func: ScoreFunc = "softmax"
+    """Router scores from logits: ``"softmax"`` over experts or per-expert ``"sigmoid"``."""
+    norm_topk_prob: bool = True
+    """Divide the K chosen scores by their sum so each token's combine weights sum to 1."""
+    aux_loss_coef: float = 1e-2
+    """Load-balancing loss coefficient (Switch/GShard, ``E * sum_e f_e * P_e``); 0 disables.
+    1e-2 is the usual recipe value (Switch Transformer, Mixtral-style training)."""
+    z_loss_coef: float = 0.0
+    """Router z-loss coefficient (ST-MoE, ``mean logsumexp(logits)^2``; 1e-3 is typical)."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for
+    top-k selection only, moved by ``bias_update_rate`` towards balance by
+    :meth:`MoELayer.update_expert_bias`."""
+    bias_update_rate: float = 1e-3
+    """Step of the expert-bias update: ``bias += rate * sign(mean_load - load)``."""
+    capacity_factor: Optional[float] = None
+    """None: dropless. Otherwise each expert keeps at most ``ceil(c * T * K / E)`` slots of
+    this rank's T tokens; dropped slots contribute 0 to the output (the token keeps its
+    other slots, whose weights are not renormalised). Costs one extra host sync."""
+    drop_policy: DropPolicy = "probs"
+    """Which slots an expert over capacity keeps: ``"probs"`` highest router score first,
+    ``"position"`` earliest tokens first."""
+    num_shared_experts: int = 0
+    """Shared experts applied to every token (one dense MLP of the same activation, fused
+    from all shared experts); their output is added to the routed output."""
+    shared_intermediate_size: Optional[int] = None
+    """Hidden size of that fused MLP; default ``num_shared_experts * intermediate_size``."""
+    router_dtype: torch.dtype = torch.float32
+    """Dtype of the router logits, scores, top-k weights and losses."""
+    backend: Literal["auto", "triton", "torch"] = "auto"
+    """Grouped GEMM: ``"triton"`` kernels, ``"torch"`` reference, or ``"auto"``: Triton
+    when the input is on CUDA, the reference otherwise."""
+    init_std: float = 0.02
+    """Std of the normal init of the router, expert and shared-expert weights."""
+    ep_size: Optional[int] = None
+    """Expected EP size; when set, the layer checks that its group has this many ranks
+    (None: whatever the group has, 1 without a group)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig.{name}={value!r}: must be a positive int")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}; "
+                             f"lower top_k to at most {self.num_experts} or add experts")
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"MoEConfig.activation={self.activation!r}: use one of {_ACTIVATIONS}")
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoEConfig.score_func={self.score_func!r}: use 'softmax' or 'sigmoid'")
+        if self.drop_policy not in ("probs", "position"):
+            raise ValueError(f"MoEConfig.drop_policy={self.drop_policy!r}: use 'probs' or 'position'")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"MoEConfig.backend={self.backend!r}: use one of {_BACKENDS}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"MoEConfig.{name}={value!r}: must be >= 0 (0 disables it)")
+        if not self.init_std > 0:
+            raise ValueError(f"MoEConfig.init_std={self.init_std!r}: must be > 0")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MoEConfig.capacity_factor={self.capacity_factor!r}: must be > 0, "
+                             "or None for dropless routing")
+        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+            raise ValueError(f"MoEConfig.num_shared_experts={self.num_shared_experts!r}: must be an int >= 0")
+        if self.shared_intermediate_size is not None:
+            if self.num_shared_experts == 0:
+                raise ValueError(f"MoEConfig.shared_intermediate_size={self.shared_intermediate_size} "
+                                 "is set but num_shared_experts=0; set num_shared_experts >= 1 or drop it")
+            if self.shared_intermediate_size < 1:
+                raise ValueError(f"MoEConfig.shared_intermediate_size={self.shared_intermediate_size}: "
+                                 "must be a positive int")
+        if not (isinstance(self.router_dtype, torch.dtype) and self.router_dtype.is_floating_point):
+            raise ValueError(f"MoEConfig.router_dtype={self.router_dtype!r}: use a float dtype, "
+                             "normally torch.float32")
+        if self.ep_size is not None:
+            if self.ep_size < 1 or self.num_experts % self.ep_size != 0:
+                raise ValueError(f"MoEConfig.num_experts={self.num_experts} is not divisible by "
+                                 f"ep_size={self.ep_size}; pick an ep_size that divides num_experts")
+
+    @property
+    def gate_up_size(self) -> int:
+        """Output features of the gate_up projection: 2I for SwiGLU, else I."""
+        return 2 * self.intermediate_size if self.activation == "swiglu" else self.intermediate_size
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """What one forward of a :class:`MoELayer` reports (``layer.last_stats``)."""
+
+    aux_loss: torch.Tensor
+    """Load-balancing loss, already times ``aux_loss_coef`` (0-dim, differentiable)."""
+    z_loss: torch.Tensor
+    """Router z-loss, already times ``z_loss_coef`` (0-dim, differentiable)."""
+    tokens_per_expert: torch.Tensor
+    """[E] int64: slots of this rank's tokens the router assigned to each global expert
+    (before capacity drops), detached."""
+    num_dropped: torch.Tensor
+    """0-dim int64: slots dropped by the capacity (always 0 when dropless)."""
+
+
+def _activate(h_RF: torch.Tensor, activation: Activation) -> torch.Tensor:
+    if activation == "swiglu":
+        gate_RI, up_RI = h_RF.chunk(2, dim=-1)
+        return F.silu(gate_RI) * up_RI
+    if activation == "gelu":
+        return F.gelu(h_RF)
+    return F.relu(h_RF)
+
+
+def _resolve_backend(backend: str, x: torch.Tensor) -> str:
+    if backend == "auto":
+        return "triton" if x.is_cuda else "torch"
+    return backend
+
+
+def _kernel_configs(problem: "GemmProblem", num_rows: int, device: torch.device) -> Optional[GemmConfigs]:
+    """Tuned configs for one Triton GEMM call, or None (the kernels' defaults) when the
+    autotuner is not available."""
+    try:
+        from ep_moe.autotune import get_kernel_configs
+    except ImportError:
+        return None
+    return get_kernel_configs(problem, num_rows, device)
+
+
+class GroupedExperts(nn.Module):
+    """The e local experts as two stacked weights; math only (no communication).
+
+    ``gate_up`` is [e, 2I, H] (SwiGLU) or [e, I, H], ``down`` is [e, H, I], both
+    ``out_features`` before ``in_features`` as :func:`ep_moe.grouped_gemm` expects. Local
+    expert j is global expert ``first_expert + j``; the state dict uses global ids.
+    """
+
+    def __init__(self, config: MoEConfig, num_local_experts: int, first_expert: int,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.activation = config.activation
+        self.num_local_experts = num_local_experts
+        self.first_expert = first_expert
+        factory = dict(device=device, dtype=dtype)
+        self.gate_up = mark_expert_param(nn.Parameter(torch.empty(
+            num_local_experts, config.gate_up_size, config.hidden_size, **factory)))
+        self.down = mark_expert_param(nn.Parameter(torch.empty(
+            num_local_experts, config.hidden_size, config.intermediate_size, **factory)))
+        self.register_state_dict_post_hook(_split_experts_hook)
+        self.register_load_state_dict_pre_hook(_stack_experts_hook)
+
+    def global_ids(self) -> range:
+        """Global ids of the local experts."""
+        return range(self.first_expert, self.first_expert + self.num_local_experts)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, seed: int) -> None:
+        """N(0, std) init, expert g drawn from a generator seeded with ``seed + g``, so the
+        global weights are the same at every EP size for the same ``seed``. No-op on the
+        meta device (deferred init)."""
+        if self.gate_up.is_meta:
+            return
+        for j, g in enumerate(self.global_ids()):
+            gen = torch.Generator(device=self.gate_up.device).manual_seed(seed + g)
+            self.gate_up[j].normal_(0.0, std, generator=gen)
+            self.down[j].normal_(0.0, std, generator=gen)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        m_sizes_e: torch.Tensor,
+        *,
+        gather_index: Optional[torch.Tensor] = None,
+        scatter_index: Optional[torch.Tensor] = None,
+        row_weights: Optional[torch.Tensor] = None,
+        backend: str = "torch",
+        configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None),
+    ) -> torch.Tensor:
+        """GEMM1 (gather on load), activation, GEMM2 (scatter and row weights on store).
+
+        Rows are in expert order (``m_sizes_e`` rows per local expert); row r reads
+        ``x[gather_index[r]]`` and its output lands at ``scatter_index[r]``.
+        """
+        h_RF = grouped_gemm(x, self.gate_up, m_sizes_e, gather_index=gather_index,
+                            configs=configs[0], backend=backend)
+        a_RI = _activate(h_RF, self.activation)
+        return grouped_gemm(a_RI, self.down, m_sizes_e, scatter_index=scatter_index,
+                            row_weights=row_weights, configs=configs[1], backend=backend)
+
+
+def _split_experts_hook(module: GroupedExperts, state_dict, prefix, local_metadata) -> None:
+    """state_dict: ``gate_up`` [e, ...] -> ``gate_up.{global id}`` per expert (same for down)."""
+    for name in ("gate_up", "down"):
+        stacked = state_dict.pop(prefix + name)
+        for j, g in enumerate(module.global_ids()):
+            state_dict[f"{prefix}{name}.{g}"] = stacked[j]
+
+
+def _stack_experts_hook(module: GroupedExperts, state_dict, prefix, local_metadata, strict,
+                        missing_keys, unexpected_keys, error_msgs) -> None:
+    """load_state_dict: pick this rank's ``gate_up.{g}`` / ``down.{g}`` keys, stack them,
+    and drop the other experts' keys (they belong to other ranks)."""
+    for name in ("gate_up", "down"):
+        key_prefix = f"{prefix}{name}."
+        per_expert = [k for k in state_dict if k.startswith(key_prefix) and k[len(key_prefix):].isdigit()]
+        if not per_expert or prefix + name in state_dict:
+            continue
+        current = getattr(module, name).detach()
+        local = []
+        for j, g in enumerate(module.global_ids()):
+            key = f"{key_prefix}{g}"
+            if key in state_dict:
+                local.append(state_dict[key])
+            else:
+                missing_keys.append(key)
+                local.append(current[j])
+        for key in per_expert:
+            del state_dict[key]
+        state_dict[prefix + name] = torch.stack([t.to(current.device) for t in local])
+
+
+class SharedExperts(nn.Module):
+    """Dense MLP applied to every token (all shared experts fused into one)."""
+
+    def __init__(self, config: MoEConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        inter = config.shared_intermediate_size or config.num_shared_experts * config.intermediate_size
+        self.activation = config.activation
+        up_size = 2 * inter if config.activation == "swiglu" else inter
+        self.gate_up = nn.Linear(config.hidden_size, up_size, bias=False, device=device, dtype=dtype)
+        self.down = nn.Linear(inter, config.hidden_size, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, H]."""
+        return self.down(_activate(self.gate_up(x_TH), self.activation))
+
+
+class MoELayer(nn.Module):
+    """Expert-parallel Mixture-of-Experts layer, dropless by default.
+
+    Args:
+        config: the :class:`MoEConfig`.
+        ep_group: ``None`` (EP=1: all experts here, no collectives), a ProcessGroup, or a
+            1-D DeviceMesh of the expert-parallel axis (e.g. ``mesh["ep"]``, see
+            :mod:`ep_moe.parallel`). Rank p of the group holds global experts
+            ``p*e .. p*e+e-1`` with ``e = num_experts / ep_size``.
+        device, dtype: of the parameters.
+
+    Parameters: ``router.weight`` [E, H], ``experts.gate_up`` [e, 2I or I, H],
+    ``experts.down`` [e, H, I] (tagged as expert parameters, see
+    :func:`ep_moe.parallel.sync_gradients`), ``shared_experts.*`` when configured, and the
+    buffer ``expert_bias`` [E] when ``expert_bias=True``. Init: every weight N(0,
+    ``init_std``); the router and shared experts from the default RNG (seed all ranks
+    alike to get replicas that agree), the experts so that the global weights do not
+    depend on the EP size (:meth:`GroupedExperts.reset_parameters`).
+    """
+
+    def __init__(self, config: MoEConfig, ep_group: Union[None, ProcessGroup, DeviceMesh] = None,
+                 *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        self.ep_group = resolve_ep_group(ep_group)
+        self.ep_size = group_size(self.ep_group)
+        if config.ep_size is not None and config.ep_size != self.ep_size:
+            raise ValueError(f"ep_group has {self.ep_size} ranks but MoEConfig.ep_size={config.ep_size}; "
+                             f"pass a group of {config.ep_size} ranks (ep_moe.parallel.build_ep_groups) "
+                             "or change ep_size")
+        if config.num_experts % self.ep_size != 0:
+            raise ValueError(f"MoEConfig.num_experts={config.num_experts} is not divisible by the "
+                             f"ep_group size {self.ep_size}; use an EP size that divides num_experts")
+        self.ep_rank = 0 if self.ep_group is None else dist.get_rank(self.ep_group)
+        self.num_local_experts = config.num_experts // self.ep_size
+        factory = dict(device=device, dtype=dtype)
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False, **factory)
+        self.experts = GroupedExperts(config, self.num_local_experts,
+                                      self.ep_rank * self.num_local_experts, **factory)
+        self.shared_experts = SharedExperts(config, **factory) if config.num_shared_experts else None
+        if config.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, device=device,
+                                                            dtype=config.router_dtype))
+            self.register_buffer("_load_since_update", torch.zeros(
+                config.num_experts, device=device, dtype=torch.int64), persistent=False)
+        else:
+            self.expert_bias = None
+        self.last_stats: Optional[MoEStats] = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Documented init (see the class docstring); draws from the default RNG."""
+        std = self.config.init_std
+        self.router.weight.normal_(0.0, std)
+        expert_seed = int(torch.randint(0, 2**62, ()).item())
+        self.experts.reset_parameters(std, expert_seed)
+        if self.shared_experts is not None:
+            self.shared_experts.gate_up.weight.normal_(0.0, std)
+            self.shared_experts.down.weight.normal_(0.0, std)
+
+    def gemm_problems(self) -> list["GemmProblem"]:
+        """The two grouped GEMMs of this layer, as :mod:`ep_moe.autotune` keys them."""
+        from ep_moe.autotune.space import GemmProblem  # lazy: ep_moe.autotune may import this module
+
+        cfg = self.config
+        common = dict(num_local_experts=self.num_local_experts, top_k=cfg.top_k,
+                      dtype=str(self.experts.gate_up.dtype).removeprefix("torch."))
+        return [
+            GemmProblem(projection="gate_up", n=cfg.gate_up_size, k=cfg.hidden_size, **common),
+            GemmProblem(projection="down", n=cfg.hidden_size, k=cfg.intermediate_size, **common),
+        ]
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        hidden, param = self.config.hidden_size, self.experts.gate_up
+        if x.dim() < 1 or x.shape[-1] != hidden:
+            raise ValueError(f"x has shape {tuple(x.shape)} but the layer's hidden_size is {hidden}; "
+                             f"pass x as [..., {hidden}]")
+        if x.dtype != param.dtype:
+            raise ValueError(f"x dtype {x.dtype} does not match the layer's parameter dtype {param.dtype}; "
+                             f"cast x with x.to({param.dtype}) or the layer with layer.to({x.dtype})")
+        if x.device != param.device:
+            raise ValueError(f"x is on {x.device} but the layer is on {param.device}; move one of them")
+
+    def _configs(self, backend: str, num_rows: int, device: torch.device
+                 ) -> tuple[Optional[GemmConfigs], Optional[GemmConfigs]]:
+        """(gate_up, down) kernel configs for a Triton call over ``num_rows`` rows."""
+        if backend != "triton":
+            return (None, None)
+        return tuple(_kernel_configs(p, num_rows, device) for p in self.gemm_problems())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """MoE forward, ``x`` [..., H] -> same shape and dtype. Steps:
+
+        1. Router (fp32): scores, top-k (expert bias for selection only), renormalise;
+           aux and z losses (``last_stats``).
+        2. Routing metadata on the device: per-expert counts, stable sort of the (token,
+           slot) pairs by expert, gather (token) and scatter (slot) indices; capacity
+           drops when configured.
+        3. EP>1: exchange per-rank counts, one host sync for the split sizes,
+           ``all_to_all_single`` of the rows (uneven splits); rows arrive grouped by
+           source rank and the grouped GEMM reads them in expert order via an index.
+        4. Experts: GEMM1 (gate_up) with gather on load; activation; GEMM2 (down) with
+           scatter on store. At EP=1 GEMM2 also multiplies the top-k weights in.
+        5. EP>1: reverse all-to-all, back to slot order, top-k weight multiply (fp32).
+           Then the sum over each token's K slots, plus the shared experts.
+        """
+        self._check_input(x)
+        cfg = self.config
+        x_TH = x.reshape(-1, cfg.hidden_size)
+        router = route(
+            x_TH, self.router.weight, top_k=cfg.top_k, score_func=cfg.score_func,
+            norm_topk_prob=cfg.norm_topk_prob, aux_loss_coef=cfg.aux_loss_coef,
+            z_loss_coef=cfg.z_loss_coef, expert_bias_E=self.expert_bias, router_dtype=cfg.router_dtype,
+        )
+        keep_TK = None
+        if cfg.capacity_factor is not None:
+            capacity = expert_capacity(cfg.capacity_factor, x_TH.shape[0], cfg.top_k, cfg.num_experts)
+            keep_TK = capacity_keep_mask(router.topk_ids_TK, router.topk_scores_TK, num_experts=cfg.num_experts,
+                                         capacity=capacity, drop_policy=cfg.drop_policy)
+        meta = build_routing_metadata(router.topk_ids_TK, cfg.num_experts, keep_TK)
+        backend = _resolve_backend(cfg.backend, x)
+        if self.ep_size == 1:
+            y_TH = self._experts_local(x_TH, router, meta, backend)
+        else:
+            y_TH = self._experts_parallel(x_TH, router, meta, backend)
+        if self.shared_experts is not None:
+            y_TH = y_TH + self.shared_experts(x_TH)
+        self._record(router, meta)
+        return y_TH.view(x.shape)
+
+    def _experts_local(self, x_TH: torch.Tensor, router: RouterOutput, meta: RoutingMetadata,
+                       backend: str) -> torch.Tensor:
+        """EP=1: one gather GEMM, one scatter GEMM with the top-k weights fused in."""
+        weights_N = router.topk_weights_TK.flatten()
+        configs = self._configs(backend, meta.slot_index_R.shape[0], x_TH.device)
+        if meta.dropless:
+            y_NH = self.experts(x_TH, meta.counts_E, gather_index=meta.token_index_R,
+                                scatter_index=meta.slot_index_R, row_weights=weights_N,
+                                backend=backend, configs=configs)
+        else:
+            y_RH = self.experts(x_TH, meta.counts_E, gather_index=meta.token_index_R,
+                                row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
+            y_NH = unpermute_slots(y_RH, meta)
+        return combine_slots(y_NH, meta)
+
+    def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, meta: RoutingMetadata,
+                          backend: str) -> torch.Tensor:
+        """EP>1: dispatch, local experts in expert-major order, combine."""
+        group = self.ep_group
+        send_RH = permute_tokens(x_TH, meta)
+        recv_counts = exchange_counts(meta.counts_E, group)
+        splits = split_sizes(meta.counts_E, recv_counts, self.ep_size)
+        recv_SH = dispatch_rows(send_RH, splits, group)
+        order_S, m_sizes_e = expert_major_order(recv_counts, self.ep_size, splits.num_recv)
+        out_SH = self.experts(recv_SH, m_sizes_e, gather_index=order_S, scatter_index=order_S,
+                              backend=backend, configs=self._configs(backend, splits.num_recv, x_TH.device))
+        back_RH = combine_rows(out_SH, splits, group)
+        return combine_slots(unpermute_slots(back_RH, meta), meta, router.topk_weights_TK)
+
+    @torch.no_grad()
+    def _record(self, router: RouterOutput, meta: RoutingMetadata) -> None:
+        counts_E = router.counts_E.detach()
+        self.last_stats = MoEStats(
+            aux_loss=router.aux_loss, z_loss=router.z_loss, tokens_per_expert=counts_E,
+            num_dropped=meta.num_slots - meta.counts_E.sum(),
+        )
+        if self.expert_bias is not None and self.training:
+            self._load_since_update += counts_E
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: Optional[ProcessGroup] = None) -> None:
+        """Aux-loss-free balancing step: ``bias += rate * sign(mean_load - load)``.
+
+        ``load`` is the tokens per expert counted over the training forwards since the last
+        update, all-reduced over ``group`` (default: the layer's EP group). The bias must
+        stay equal on every rank, so with expert-data parallelism pass a group spanning
+        all data-parallel ranks (e.g. ``torch.distributed.group.WORLD``). Call on every
+        rank of the group, e.g. after the optimizer step.
+        """
+        if self.expert_bias is None:
+            raise ValueError("update_expert_bias needs MoEConfig(expert_bias=True)")
+        group = self.ep_group if group is None else group
+        load_E = self._load_since_update.clone()
+        if group_size(group) > 1:
+            dist.all_reduce(load_E, group=group)
+        load_E = load_E.to(self.expert_bias.dtype)
+        self.expert_bias += self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
+        self._load_since_update.zero_()
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The MoE layers of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of ``aux_loss + z_loss`` of every MoE layer's last forward (a 0-dim tensor,
+    zero when there is none); add it to the training loss before ``backward``."""
+    stats = [m.last_stats for m in moe_layers(model) if m.last_stats is not None]
+    if not stats:
+        param = next(model.parameters(), None)
+        return torch.zeros((), device=None if param is None else param.device)
+    return sum(s.aux_loss + s.z_loss for s in stats)
+
+
+def expert_load(model: nn.Module) -> torch.Tensor:
+    """[num_layers, E] int64 tokens per global expert of each MoE layer's last forward
+    (this rank's tokens; all-reduce over the EP group for the global picture). Layers
+    must share E; layers not yet run are skipped."""
+    counts = [m.last_stats.tokens_per_expert for m in moe_layers(model) if m.last_stats is not None]
+    if not counts:
+        return torch.zeros((0, 0), dtype=torch.int64)
+    return torch.stack(counts)
+
+
+def update_expert_biases(model: nn.Module, group: Optional[ProcessGroup] = None) -> None:
+    """:meth:`MoELayer.update_expert_bias` on every MoE layer with ``expert_bias=True``."""
+    for m in moe_layers(model):
+        if m.expert_bias is not None:
+            m.update_expert_bias(group)
+
+
+__all__ = ["MoEConfig", "MoELayer", "MoEStats", "expert_load", "moe_aux_loss", "update_expert_biases"]

@@ -1,0 +1,242 @@
+"""Router math and routing metadata: tensor math only, no communication.
+
+Legend of the shape suffixes used here and in ``dispatch.py`` / ``layer.py``::
+
+    T tokens on this rank, H hidden, I expert intermediate, F gate_up outputs (2I for
+    SwiGLU, else I), E experts (global), e = E / ep_size local experts, K top-k,
+    N = T*K routed slots (slot n = t*K + k), R rows routed by this rank (N, or fewer
+    when a capacity drops slots), P ranks of the EP group, S rows this rank received
+    for its local experts
+
+The router (:func:`route`) turns tokens into top-k expert ids and weights plus the two
+auxiliary losses. :func:`build_routing_metadata` turns the ids into what the grouped
+GEMM and the all-to-all need: per-expert counts, and for every routed row (sorted by
+expert, stable, so ties keep token order) its slot and its token. Everything stays on
+the device; the only host sync is the kept-row count when a capacity drops slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+DropPolicy = Literal["probs", "position"]
+
+
+@dataclass(frozen=True)
+class RouterOutput:
+    """What the router decided for the T tokens of this rank."""
+
+    topk_ids_TK: torch.Tensor
+    """Global expert id of each slot (int64), highest score first."""
+    topk_weights_TK: torch.Tensor
+    """Combine weight of each slot, router dtype, differentiable (renormalised if asked)."""
+    topk_scores_TK: torch.Tensor
+    """Raw router score of each chosen expert (softmax prob or sigmoid), detached; ranks
+    slots for the ``"probs"`` drop policy."""
+    counts_E: torch.Tensor
+    """Slots the router assigned to each expert (int64, before any capacity drop)."""
+    aux_loss: torch.Tensor
+    """Load-balancing loss times its coefficient (0-dim, router dtype)."""
+    z_loss: torch.Tensor
+    """Router z-loss times its coefficient (0-dim, router dtype)."""
+
+
+@dataclass(frozen=True)
+class RoutingMetadata:
+    """Layout of the routed rows: R rows sorted by global expert (stable in slot order).
+
+    Rows of expert ``e`` are ``counts_E[e]`` consecutive rows; since experts are laid out
+    rank-major (rank p owns experts ``p*e .. p*e + e - 1``), rows are also grouped by the
+    rank that owns their expert, which is the send order of the all-to-all.
+    """
+
+    counts_E: torch.Tensor
+    """Routed (kept) rows per expert, int64; sums to R."""
+    slot_index_R: torch.Tensor
+    """Slot ``t*K + k`` of each routed row (int64): the scatter index back to slot order."""
+    token_index_R: torch.Tensor
+    """Token of each routed row (int64, ``slot_index_R // K``): the gather index."""
+    num_tokens: int
+    """T."""
+    top_k: int
+    """K."""
+
+    @property
+    def num_slots(self) -> int:
+        """N = T*K."""
+        return self.num_tokens * self.top_k
+
+    @property
+    def dropless(self) -> bool:
+        """True when every slot is routed (R == N); slot_index_R is then a permutation."""
+        return self.slot_index_R.shape[0] == self.num_slots
+
+
+def route(
+    x_TH: torch.Tensor,
+    weight_EH: torch.Tensor,
+    *,
+    top_k: int,
+    score_func: ScoreFunc = "softmax",
+    norm_topk_prob: bool = True,
+    aux_loss_coef: float = 0.0,
+    z_loss_coef: float = 0.0,
+    expert_bias_E: Optional[torch.Tensor] = None,
+    router_dtype: torch.dtype = torch.float32,
+) -> RouterOutput:
+    """Score tokens, pick top-k experts, and compute the auxiliary losses.
+
+    ``logits_TE = x_TH @ weight_EH^T`` in ``router_dtype``; scores are ``softmax`` or
+    ``sigmoid`` of the logits. ``expert_bias_E`` (aux-loss-free balancing, DeepSeek-V3) is
+    added to the scores for the top-k *selection only*; the combine weights are the
+    unbiased scores of the chosen experts, divided by their sum when ``norm_topk_prob``.
+
+    Losses, over the T tokens of this rank (0 when T is 0 or the coefficient is 0):
+
+    - aux (Switch/GShard): ``coef * E * sum_e f_e * P_e`` with ``f_e = counts_E[e] / (T*K)``
+      the fraction of slots routed to e and ``P_e`` the mean over tokens of the token's
+      probability of e (softmax scores; sigmoid scores divided by their per-token sum).
+      It equals ``coef`` under perfectly uniform routing.
+    - z (ST-MoE): ``coef * mean_t logsumexp(logits_t)^2``.
+    """
+    num_tokens, num_experts = x_TH.shape[0], weight_EH.shape[0]
+    logits_TE = F.linear(x_TH.to(router_dtype), weight_EH.to(router_dtype))
+    if score_func == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1)
+    elif score_func == "sigmoid":
+        scores_TE = torch.sigmoid(logits_TE)
+    else:
+        raise ValueError(f"score_func={score_func!r}: use 'softmax' or 'sigmoid'")
+
+    select_TE = scores_TE.detach()
+    if expert_bias_E is not None:
+        select_TE = select_TE + expert_bias_E.to(router_dtype)
+    topk_ids_TK = torch.topk(select_TE, top_k, dim=-1).indices
+    topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
+    topk_scores_TK = topk_weights_TK.detach()
+    if norm_topk_prob:
+        topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    counts_E = torch.bincount(topk_ids_TK.flatten(), minlength=num_experts)
+
+    zero = logits_TE.new_zeros(())
+    aux_loss = z_loss = zero
+    if num_tokens > 0 and aux_loss_coef > 0:
+        probs_TE = scores_TE if score_func == "softmax" else scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
+        fraction_E = counts_E.to(router_dtype) / (num_tokens * top_k)
+        aux_loss = aux_loss_coef * num_experts * (fraction_E * probs_TE.mean(dim=0)).sum()
+    if num_tokens > 0 and z_loss_coef > 0:
+        z_loss = z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
+    return RouterOutput(
+        topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK, topk_scores_TK=topk_scores_TK,
+        counts_E=counts_E, aux_loss=aux_loss, z_loss=z_loss,
+    )
+
+
+def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Slots each expert keeps: ``ceil(capacity_factor * T * K / E)``."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def capacity_keep_mask(
+    topk_ids_TK: torch.Tensor,
+    topk_scores_TK: torch.Tensor,
+    *,
+    num_experts: int,
+    capacity: int,
+    drop_policy: DropPolicy = "probs",
+) -> torch.Tensor:
+    """Which slots an expert with room for ``capacity`` slots keeps ([T, K] bool).
+
+    Each expert ranks the slots routed to it and keeps the first ``capacity``:
+    ``"probs"`` ranks by router score, highest first (ties: earlier slot first);
+    ``"position"`` ranks by slot order ``t*K + k``, i.e. earlier tokens first.
+    """
+    ids_N = topk_ids_TK.flatten()
+    if drop_policy == "probs":
+        by_score_N = torch.argsort(-topk_scores_TK.flatten(), stable=True)
+        order_N = by_score_N[torch.argsort(ids_N[by_score_N], stable=True)]
+    elif drop_policy == "position":
+        order_N = torch.argsort(ids_N, stable=True)
+    else:
+        raise ValueError(f"drop_policy={drop_policy!r}: use 'probs' or 'position'")
+    counts_E = torch.bincount(ids_N, minlength=num_experts)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    sorted_ids_N = ids_N[order_N]
+    rank_in_expert_N = torch.arange(ids_N.numel(), device=ids_N.device) - starts_E[sorted_ids_N]
+    keep_N = torch.empty_like(ids_N, dtype=torch.bool)
+    keep_N[order_N] = rank_in_expert_N < capacity
+    return keep_N.view_as(topk_ids_TK)
+
+
+def build_routing_metadata(
+    topk_ids_TK: torch.Tensor,
+    num_experts: int,
+    keep_TK: Optional[torch.Tensor] = None,
+) -> RoutingMetadata:
+    """Sort the (token, slot) pairs by expert: counts, slot and token index of each row.
+
+    Dropped slots (``keep_TK`` False) get the sentinel expert ``E``, sort last, and are
+    cut off; finding how many rows remain is a host sync, so it happens only when a
+    capacity is set.
+    """
+    num_tokens, top_k = topk_ids_TK.shape
+    ids_N = topk_ids_TK.flatten()
+    if keep_TK is not None:
+        ids_N = torch.where(keep_TK.flatten(), ids_N, num_experts)
+    slot_index_N = torch.argsort(ids_N, stable=True)
+    counts_E = torch.bincount(ids_N, minlength=num_experts + 1)[:num_experts]
+    slot_index_R = slot_index_N
+    if keep_TK is not None:
+        num_rows = int(counts_E.sum())  # host sync: kept-row count (capacity mode only)
+        slot_index_R = slot_index_N[:num_rows]
+    return RoutingMetadata(
+        counts_E=counts_E,
+        slot_index_R=slot_index_R,
+        token_index_R=torch.div(slot_index_R, top_k, rounding_mode="floor"),
+        num_tokens=num_tokens,
+        top_k=top_k,
+    )
+
+
+class _PermuteTokens(torch.autograd.Function):
+    """Rows of x in routed order; backward sums each token's K slot gradients in a fixed
+    order (no atomics): rows go back to slot order, then a sum over K."""
+
+    @staticmethod
+    def forward(ctx, x_TH, meta: RoutingMetadata):
+        ctx.meta = meta
+        return x_TH.index_select(0, meta.token_index_R)
+
+    @staticmethod
+    def backward(ctx, grad_RH):
+        grad_NH = unpermute_slots(grad_RH, ctx.meta)
+        return grad_NH.view(ctx.meta.num_tokens, ctx.meta.top_k, grad_NH.shape[1]).sum(dim=1), None
+
+
+def permute_tokens(x_TH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
+    """``x_TH[meta.token_index_R]``: one [R, H] copy in routed (expert-sorted) order."""
+    return _PermuteTokens.apply(x_TH, meta)
+
+
+def unpermute_slots(y_RH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
+    """Routed rows back to slot order, [N, H]; dropped slots are zero."""
+    shape = (meta.num_slots, y_RH.shape[1])
+    out_NH = y_RH.new_empty(shape) if meta.dropless else y_RH.new_zeros(shape)
+    return out_NH.index_copy(0, meta.slot_index_R, y_RH)
+
+
+def combine_slots(y_NH: torch.Tensor, meta: RoutingMetadata,
+                  topk_weights_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum each token's K slots, [T, H]; multiply by ``topk_weights_TK`` first (in fp32)
+    when the weights were not already applied in the expert GEMM."""
+    y_TKH = y_NH.view(meta.num_tokens, meta.top_k, y_NH.shape[1])
+    if topk_weights_TK is None:
+        return y_TKH.sum(dim=1)
+    weighted_TKH = y_TKH.float() * topk_weights_TK.float().unsqueeze(-1)
+    return weighted_TKH.sum(dim=1).to(y_NH.dtype)

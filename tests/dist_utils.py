@@ -1,0 +1,58 @@
+"""Run a function in N gloo processes on the CPU and collect what each rank returns.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, each with a
+gloo default group (file:// rendezvous in a temporary directory), calls
+``fn(rank, world_size, *args)`` and returns the per-rank results, in rank order, as
+saved with ``torch.save`` (tensors, dicts, lists). ``fn`` must be a module-level function
+so the spawned processes can import it. An exception on any rank fails the caller with
+the tracebacks of every rank that failed, earliest first (the first is the cause; the
+others are usually peers that lost their connection); a collective stuck for
+``timeout_s`` fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+
+def _worker(rank: int, fn: Callable, world_size: int, tmp: str, timeout_s: float, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        torch.save(fn(rank, world_size, *args), os.path.join(tmp, f"result_{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(tmp, f"error_{rank}.txt"), "w") as f:
+            f.write(f"{time.monotonic():.6f}\n-- rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, run in parallel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.start_processes(_worker, args=(fn, world_size, tmp, timeout_s, args), nprocs=world_size,
+                               join=True, start_method="spawn")
+        except ProcessException as exc:
+            reports = [_read(path).split("\n", 1) for path in glob.glob(os.path.join(tmp, "error_*.txt"))]
+            details = "\n".join(text for _, text in sorted(reports, key=lambda r: float(r[0])))
+            raise RuntimeError(f"distributed run failed; rank tracebacks, earliest first:\n{details}") from exc
+        return [torch.load(os.path.join(tmp, f"result_{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,575 @@
+"""MoELayer: EP=1 against a plain per-token loop; EP=2/4 (gloo) against EP=1; errors."""
+
+import math
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import ep_moe.layer as layer_mod
+from dist_utils import run_distributed
+from ep_moe import MoEConfig, MoELayer
+from ep_moe.layer import expert_load, moe_aux_loss, update_expert_biases
+from ep_moe.parallel import (
+    build_ep_groups,
+    ep_layout,
+    expert_param_names,
+    groups_from_mesh,
+    init_ep_mesh,
+    is_expert_param,
+    resolve_ep_group,
+    sync_gradients,
+)
+
+H, I, E = 16, 8, 8
+BASE = dict(hidden_size=H, intermediate_size=I, num_experts=E, aux_loss_coef=0.1, z_loss_coef=0.01,
+            init_std=0.5, backend="torch")
+ATOL = 1e-5
+
+
+def _config(**overrides) -> MoEConfig:
+    return MoEConfig(**{**BASE, **overrides})
+
+
+# ---------------------------------------------------------------------------------------
+# Independent reference: one token, one slot at a time, float64.
+
+
+def _mlp(x_H, w_up, w_down, activation):
+    h = w_up @ x_H
+    if activation == "swiglu":
+        a = F.silu(h[: h.shape[0] // 2]) * h[h.shape[0] // 2:]
+    elif activation == "gelu":
+        a = F.gelu(h)
+    else:
+        a = F.relu(h)
+    return w_down @ a
+
+
+def naive_moe(x, params, cfg: MoEConfig, bias_E=None):
+    """Loop reference of the documented forward. ``params``: router [E, H], gate_up.{g},
+    down.{g}, optional shared_up / shared_down. Returns (y, aux, z, counts, dropped)."""
+    x_TH = x.reshape(-1, cfg.hidden_size)
+    num_tokens, top_k = x_TH.shape[0], cfg.top_k
+    slots = []  # (t, e, weight, score)
+    probs, lse = [], []
+    for t in range(num_tokens):
+        logits = params["router"] @ x_TH[t]
+        scores = torch.softmax(logits, 0) if cfg.score_func == "softmax" else torch.sigmoid(logits)
+        probs.append(scores / scores.sum())
+        lse.append(torch.log(torch.exp(logits).sum()))
+        select = [float(scores[e].detach()) + (0.0 if bias_E is None else float(bias_E[e])) for e in range(E)]
+        chosen = sorted(range(E), key=lambda e: -select[e])[:top_k]
+        denom = sum(scores[e] for e in chosen) if cfg.norm_topk_prob else 1.0
+        slots.extend((t, e, scores[e] / denom, float(scores[e].detach())) for e in chosen)
+    keep = [True] * len(slots)
+    if cfg.capacity_factor is not None:
+        capacity = math.ceil(cfg.capacity_factor * num_tokens * top_k / E)
+        for e in range(E):
+            mine = [n for n, s in enumerate(slots) if s[1] == e]
+            if cfg.drop_policy == "probs":
+                mine.sort(key=lambda n: -slots[n][3])
+            for n in mine[capacity:]:
+                keep[n] = False
+    rows = [torch.zeros(cfg.hidden_size, dtype=x_TH.dtype) for _ in range(num_tokens)]
+    for (t, e, w, _), kept in zip(slots, keep):
+        if kept:
+            rows[t] = rows[t] + w * _mlp(x_TH[t], params[f"gate_up.{e}"], params[f"down.{e}"], cfg.activation)
+    if "shared_up" in params:
+        rows = [r + _mlp(x_TH[t], params["shared_up"], params["shared_down"], cfg.activation)
+                for t, r in enumerate(rows)]
+    y = torch.stack(rows).reshape(x.shape) if rows else x.new_zeros(x.shape)
+    counts = [sum(1 for s in slots if s[1] == e) for e in range(E)]
+    aux = z = torch.zeros((), dtype=x_TH.dtype)
+    if num_tokens:
+        aux = cfg.aux_loss_coef * E * sum(counts[e] / (num_tokens * top_k) * sum(p[e] for p in probs) / num_tokens
+                                          for e in range(E))
+        z = cfg.z_loss_coef * sum(v ** 2 for v in lse) / num_tokens
+    return y, aux, z, counts, keep.count(False)
+
+
+def _naive_params(layer: MoELayer):
+    sd = layer.state_dict()
+    params = {"router": sd["router.weight"]}
+    for g in range(E):
+        params[f"gate_up.{g}"] = sd[f"experts.gate_up.{g}"]
+        params[f"down.{g}"] = sd[f"experts.down.{g}"]
+    if layer.shared_experts is not None:
+        params["shared_up"] = sd["shared_experts.gate_up.weight"]
+        params["shared_down"] = sd["shared_experts.down.weight"]
+    return {k: v.double().requires_grad_() for k, v in params.items()}
+
+
+def _grad(leaf):
+    """A leaf's gradient; zeros when it took no part (an expert no token chose)."""
+    return torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+
+
+LOCAL_CASES = [
+    dict(top_k=1),
+    dict(top_k=2),
+    dict(top_k=3, activation="gelu"),
+    dict(top_k=4, activation="relu", norm_topk_prob=False),
+    dict(top_k=2, score_func="sigmoid", expert_bias=True),
+    dict(top_k=2, num_shared_experts=2, shared_intermediate_size=12),
+    dict(top_k=2, capacity_factor=0.5, drop_policy="probs"),
+    dict(top_k=3, capacity_factor=0.75, drop_policy="position"),
+]
+
+
+@pytest.mark.parametrize("case", LOCAL_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_ep1_matches_naive_loop(case):
+    torch.manual_seed(0)
+    cfg = _config(**case)
+    layer = MoELayer(cfg)
+    bias_E = None
+    if cfg.expert_bias:
+        bias_E = torch.randn(E) * 0.3
+        layer.expert_bias.copy_(bias_E)
+    x = torch.randn(3, 5, H, requires_grad=True)
+    g = torch.randn(3, 5, H)
+    y = layer(x)
+    stats = layer.last_stats
+    ((y * g).sum() + moe_aux_loss(layer)).backward()
+
+    params = _naive_params(layer)
+    x64 = x.detach().double().requires_grad_()
+    y_ref, aux_ref, z_ref, counts_ref, dropped_ref = naive_moe(x64, params, cfg, bias_E)
+    ((y_ref * g.double()).sum() + aux_ref + z_ref).backward()
+
+    assert y.shape == x.shape and y.dtype == x.dtype
+    torch.testing.assert_close(y.double(), y_ref, atol=ATOL, rtol=1e-5)
+    assert stats.aux_loss.item() == pytest.approx(aux_ref.item(), rel=1e-5)
+    assert stats.z_loss.item() == pytest.approx(z_ref.item(), rel=1e-5)
+    assert stats.tokens_per_expert.tolist() == counts_ref
+    assert int(stats.num_dropped) == dropped_ref
+    if cfg.capacity_factor is not None:
+        assert dropped_ref > 0  # the case must actually drop
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(layer.router.weight.grad.double(), params["router"].grad, atol=ATOL, rtol=1e-5)
+    for g_id in range(E):
+        torch.testing.assert_close(layer.experts.gate_up.grad[g_id].double(), _grad(params[f"gate_up.{g_id}"]),
+                                   atol=ATOL, rtol=1e-5)
+        torch.testing.assert_close(layer.experts.down.grad[g_id].double(), _grad(params[f"down.{g_id}"]),
+                                   atol=ATOL, rtol=1e-5)
+    if layer.shared_experts is not None:
+        torch.testing.assert_close(layer.shared_experts.gate_up.weight.grad.double(), params["shared_up"].grad,
+                                   atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_drops_as_documented(policy):
+    # Every token prefers expert 0; capacity ceil(1.0 * 8 * 1 / 8) = 1 keeps one token.
+    cfg = _config(top_k=1, capacity_factor=1.0, drop_policy=policy)
+    layer = MoELayer(cfg)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0] = 1.0
+    x = torch.rand(8, H) + 0.1
+    x[5] += 1.0  # token 5 has the highest score for expert 0
+    y = layer(x)
+    kept = 5 if policy == "probs" else 0
+    assert int(layer.last_stats.num_dropped) == 7
+    assert layer.last_stats.tokens_per_expert.tolist() == [8] + [0] * (E - 1)
+    assert (y[torch.arange(8) != kept] == 0).all() and (y[kept] != 0).any()
+
+
+def test_zero_tokens():
+    layer = MoELayer(_config(top_k=2))
+    x = torch.randn(0, 4, H, requires_grad=True)
+    y = layer(x)
+    (y.sum() + moe_aux_loss(layer)).backward()
+    assert y.shape == (0, 4, H) and x.grad.shape == x.shape
+    assert layer.last_stats.tokens_per_expert.tolist() == [0] * E
+    assert layer.last_stats.aux_loss.item() == 0
+
+
+def test_triton_backend_matches_reference(monkeypatch):
+    calls = []
+
+    def fake_configs(problem, num_rows, device):
+        calls.append((problem.projection, num_rows))
+        return None
+
+    monkeypatch.setattr(layer_mod, "_kernel_configs", fake_configs)
+    torch.manual_seed(1)
+    ref = MoELayer(_config(top_k=2))
+    tri = MoELayer(_config(top_k=2, backend="triton"))
+    tri.load_state_dict(ref.state_dict())
+    x = torch.randn(6, H)
+    torch.testing.assert_close(tri(x), ref(x), atol=ATOL, rtol=1e-5)
+    assert calls == [("gate_up", 12), ("down", 12)]
+
+
+def test_gemm_problems():
+    problems = MoELayer(_config(top_k=3)).gemm_problems()
+    assert [(p.projection, p.n, p.k, p.num_local_experts, p.top_k, p.dtype) for p in problems] == [
+        ("gate_up", 2 * I, H, E, 3, "float32"), ("down", H, I, E, 3, "float32")]
+    gelu = MoELayer(_config(top_k=1, activation="gelu")).gemm_problems()
+    assert gelu[0].n == I
+
+
+def test_state_dict_uses_global_expert_ids_and_round_trips():
+    torch.manual_seed(2)
+    layer = MoELayer(_config(top_k=2))
+    sd = layer.state_dict()
+    assert "experts.gate_up" not in sd and sd["experts.gate_up.7"].shape == (2 * I, H)
+    assert sd["experts.down.3"].shape == (H, I)
+    other = MoELayer(_config(top_k=2))
+    other.load_state_dict(sd)
+    x = torch.randn(5, H)
+    torch.testing.assert_close(other(x), layer(x))
+    del sd["experts.down.3"]
+    with pytest.raises(RuntimeError, match=re.escape("experts.down.3")):
+        other.load_state_dict(sd)
+
+
+def test_init_is_seeded_and_experts_differ():
+    torch.manual_seed(3)
+    a = MoELayer(_config(top_k=2)).state_dict()
+    torch.manual_seed(3)
+    b = MoELayer(_config(top_k=2)).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["experts.gate_up.0"], a["experts.gate_up.1"])
+
+
+def test_model_helpers_and_expert_bias_update():
+    torch.manual_seed(4)
+    model = nn.Sequential(MoELayer(_config(top_k=2, expert_bias=True, bias_update_rate=0.1)),
+                          MoELayer(_config(top_k=1)))
+    assert moe_aux_loss(model).item() == 0 and expert_load(model).shape == (0, 0)
+    x = torch.randn(10, H)
+    model(x)
+    stats = [m.last_stats for m in model]
+    assert moe_aux_loss(model).item() == pytest.approx(sum((s.aux_loss + s.z_loss).item() for s in stats))
+    load = expert_load(model)
+    assert load.shape == (2, E) and load.sum(1).tolist() == [20, 10]
+    update_expert_biases(model)
+    counts = load[0].float()
+    torch.testing.assert_close(model[0].expert_bias, 0.1 * torch.sign(counts.mean() - counts))
+    assert model[0]._load_since_update.sum() == 0
+    assert "expert_bias" in model[0].state_dict()
+    assert expert_param_names(model) == ["0.experts.gate_up", "0.experts.down", "1.experts.gate_up",
+                                         "1.experts.down"]
+    assert is_expert_param(model[0].experts.down) and not is_expert_param(model[0].router.weight)
+
+
+def test_ep_layout_expert_then_data():
+    assert ep_layout(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert ep_layout(8, 8) == ([list(range(8))], [[r] for r in range(8)])
+    with pytest.raises(ValueError, match=r"ep_size=3 must divide world_size=4"):
+        ep_layout(4, 3)
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    (dict(top_k=9), r"top_k=9 exceeds num_experts=8; lower top_k"),
+    (dict(top_k=0), r"top_k=0: must be a positive int"),
+    (dict(top_k=2, ep_size=3), r"num_experts=8 is not divisible by ep_size=3"),
+    (dict(top_k=2, activation="silu"), r"activation='silu': use one of"),
+    (dict(top_k=2, score_func="tanh"), r"score_func='tanh'"),
+    (dict(top_k=2, capacity_factor=0.0), r"capacity_factor=0.0: must be > 0, or None"),
+    (dict(top_k=2, drop_policy="random"), r"drop_policy='random'"),
+    (dict(top_k=2, shared_intermediate_size=4), r"num_shared_experts=0; set num_shared_experts >= 1"),
+    (dict(top_k=2, backend="cuda"), r"backend='cuda'"),
+    (dict(top_k=2, router_dtype=torch.int32), r"router_dtype=torch.int32: use a float dtype"),
+    (dict(top_k=2, aux_loss_coef=-1.0), r"aux_loss_coef=-1.0: must be >= 0"),
+])
+def test_config_errors(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _config(**kwargs)
+
+
+def test_layer_errors():
+    layer = MoELayer(_config(top_k=2))
+    with pytest.raises(ValueError, match=r"x has shape \(4, 12\) but the layer's hidden_size is 16; pass x as"):
+        layer(torch.randn(4, 12))
+    with pytest.raises(ValueError, match=r"x dtype torch.float64 does not match the layer's parameter dtype "
+                                         r"torch.float32; cast x"):
+        layer(torch.randn(4, H, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"ep_group has 1 ranks but MoEConfig.ep_size=2; pass a group of 2"):
+        MoELayer(_config(top_k=2, ep_size=2))
+    with pytest.raises(ValueError, match=r"ep_group must be None, a ProcessGroup or a 1-D DeviceMesh, got int"):
+        resolve_ep_group(4)
+    with pytest.raises(ValueError, match=r"update_expert_bias needs MoEConfig\(expert_bias=True\)"):
+        layer.update_expert_bias()
+
+
+# ---------------------------------------------------------------------------------------
+# EP=2 / EP=4 on gloo against EP=1 in this process.
+
+SCENARIOS = {
+    "top1": dict(top_k=1),
+    "top2": dict(top_k=2),
+    "top3": dict(top_k=3),
+    "top4": dict(top_k=4),
+    "skewed": dict(top_k=2),
+    "empty_rank": dict(top_k=2),
+    "capacity_probs": dict(top_k=2, capacity_factor=0.75, drop_policy="probs"),
+    "capacity_position": dict(top_k=3, capacity_factor=0.5, drop_policy="position"),
+    "sigmoid_gelu_bias_shared": dict(top_k=2, score_func="sigmoid", activation="gelu", expert_bias=True,
+                                     num_shared_experts=1),
+    "relu_unnormalised": dict(top_k=3, activation="relu", norm_topk_prob=False),
+}
+
+
+def _scenario(name, world_size):
+    """(config kwargs, global state dict, per-rank inputs, per-rank output grads)."""
+    kwargs = SCENARIOS[name]
+    torch.manual_seed(100 + list(SCENARIOS).index(name))
+    ref = MoELayer(_config(**kwargs))
+    state = ref.state_dict()
+    if kwargs.get("expert_bias"):
+        state["expert_bias"] = torch.randn(E) * 0.3
+    inputs = [torch.randn(3, 4, H) for _ in range(world_size)]
+    if name == "empty_rank":
+        inputs[1] = torch.randn(0, 4, H)
+    if name == "skewed":  # every token picks rank 0's experts
+        owned = E // world_size
+        inputs = [x.abs() + 0.1 for x in inputs]
+        router = state["router.weight"].abs()
+        router[owned:] *= -1
+        state["router.weight"] = router
+    grads = [torch.randn_like(x) for x in inputs]
+    return kwargs, state, inputs, grads
+
+
+def _run_layer(layer, x, g):
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    ((y * g).sum() + moe_aux_loss(layer)).backward()
+    s = layer.last_stats
+    return dict(y=y.detach(), dx=x.grad, aux=s.aux_loss.detach(), z=s.z_loss.detach(),
+                counts=s.tokens_per_expert, dropped=s.num_dropped)
+
+
+def _param_grads(layer):
+    """Gradients keyed like the state dict (global expert ids)."""
+    grads = {name: _grad(p).clone() for name, p in layer.named_parameters() if not is_expert_param(p)}
+    for name in ("gate_up", "down"):
+        stacked = _grad(getattr(layer.experts, name))
+        for j, g in enumerate(layer.experts.global_ids()):
+            grads[f"experts.{name}.{g}"] = stacked[j]
+    return grads
+
+
+def _ep1_reference(name, world_size):
+    """Per-rank results of an EP=1 layer on each rank's tokens; parameter gradients summed
+    over ranks (what the EP group computes together)."""
+    kwargs, state, inputs, grads = _scenario(name, world_size)
+    layer = MoELayer(_config(**kwargs))
+    layer.load_state_dict(state)
+    per_rank = [_run_layer(layer, x, g) for x, g in zip(inputs, grads)]
+    return per_rank, _param_grads(layer)
+
+
+def _train_step_and_shard(rank, world_size, group):
+    """One SGD step at this EP size; returns this rank's state-dict shard and the outputs
+    of the stepped model on every rank's eval input."""
+    kwargs, state, inputs, grads = _scenario("top2", world_size)
+    layer = MoELayer(_config(**kwargs), group)
+    layer.load_state_dict(state)
+    _run_layer(layer, inputs[rank], grads[rank])
+    sync_gradients(layer, group, None)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p -= 0.5 * p.grad
+    return layer.state_dict(), _eval_outputs(layer, world_size)
+
+
+def _eval_outputs(layer, num_inputs):
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        return [layer(torch.randn(5, H, generator=gen)) for _ in range(num_inputs)]
+
+
+def _extras_world4(rank):
+    """EDP groups and gradient sync, DeviceMesh groups, expert-bias all-reduce, errors."""
+    out = {}
+    groups = build_ep_groups(2)
+    kwargs, state, inputs, grads = _scenario("top2", 4)
+    layer = MoELayer(_config(**kwargs), groups.ep_group)
+    layer.load_state_dict(state)
+    out["edp_run"] = _run_layer(layer, inputs[rank], grads[rank])
+    sync_gradients(layer, groups.ep_group, groups.edp_group)
+    out["edp_grads"] = _param_grads(layer)
+
+    mesh_groups = groups_from_mesh(init_ep_mesh(2, device_type="cpu"))
+    out["group_ranks"] = [dist.get_process_group_ranks(g) for g in (groups.ep_group, groups.edp_group,
+                                                                    mesh_groups.ep_group, mesh_groups.edp_group)]
+
+    bias_layer = MoELayer(_config(top_k=2, expert_bias=True, bias_update_rate=0.1), dist.group.WORLD)
+    bias_layer.load_state_dict(state, strict=False)  # no expert_bias key: bias starts at 0
+    bias_layer.train()
+    bias_layer(inputs[rank])
+    update_expert_biases(bias_layer)
+    out["bias"] = bias_layer.expert_bias.clone()
+
+    errors = []
+    for kw in (dict(top_k=2, num_experts=6), dict(top_k=2, ep_size=2)):
+        try:
+            MoELayer(_config(**kw), dist.group.WORLD)
+        except ValueError as err:
+            errors.append(str(err))
+    out["errors"] = errors
+    return out
+
+
+def _ep_worker(rank, world_size, merged_ckpt):
+    if world_size == 2:  # exercise the DeviceMesh path at EP=2, a ProcessGroup at EP=4
+        from torch.distributed.device_mesh import init_device_mesh
+        group = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    else:
+        group = dist.group.WORLD
+    results = {}
+    for name in SCENARIOS:
+        kwargs, state, inputs, grads = _scenario(name, world_size)
+        layer = MoELayer(_config(**kwargs), group)
+        layer.load_state_dict(state)
+        results[name] = dict(run=_run_layer(layer, inputs[rank], grads[rank]), grads=_param_grads(layer))
+    if world_size == 4:
+        torch.manual_seed(0)
+        results["init_shard"] = MoELayer(_config(top_k=2), group).state_dict()
+        results["shard"], results["eval"] = _train_step_and_shard(rank, world_size, group)
+        results.update(_extras_world4(rank))
+    else:
+        layer = MoELayer(_config(top_k=2), group)
+        layer.load_state_dict(merged_ckpt)
+        results["eval_merged"] = _eval_outputs(layer, 4)
+        partial = {k: v for k, v in merged_ckpt.items()
+                   if not k.startswith("experts.") or int(k.rsplit(".", 1)[1]) // (E // 2) == rank}
+        layer = MoELayer(_config(top_k=2), group)
+        layer.load_state_dict(partial)
+        results["eval_partial"] = _eval_outputs(layer, 4)
+    return results
+
+
+@pytest.fixture(scope="module")
+def ep4_results():
+    return run_distributed(_ep_worker, 4, None)
+
+
+@pytest.fixture(scope="module")
+def merged_ckpt(ep4_results):
+    merged = {}
+    for res in ep4_results:
+        merged.update(res["shard"])
+    return merged
+
+
+@pytest.fixture(scope="module")
+def ep2_results(merged_ckpt):
+    return run_distributed(_ep_worker, 2, merged_ckpt)
+
+
+def _close(actual, expected):
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_ep_matches_ep1(request, world_size, name):
+    results = request.getfixturevalue(f"ep{world_size}_results")
+    ref_runs, ref_grads = _ep1_reference(name, world_size)
+    summed = {}
+    for rank, (res, ref) in enumerate(zip(results, ref_runs)):
+        run = res[name]["run"]
+        for key in ("y", "dx", "aux", "z"):
+            _close(run[key], ref[key])
+        assert run["counts"].tolist() == ref["counts"].tolist()
+        assert int(run["dropped"]) == int(ref["dropped"])
+        for key, grad in res[name]["grads"].items():
+            summed[key] = summed.get(key, 0) + grad
+    assert summed.keys() == ref_grads.keys()
+    for key, grad in ref_grads.items():
+        _close(summed[key], grad)  # expert keys: exactly one rank holds each
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ep_scenarios_are_what_they_claim(request, world_size):
+    results = request.getfixturevalue(f"ep{world_size}_results")
+    owned = E // world_size
+    for res in results:
+        assert res["skewed"]["run"]["counts"][owned:].sum() == 0
+    assert results[1]["empty_rank"]["run"]["y"].numel() == 0
+    assert sum(int(r["capacity_probs"]["run"]["dropped"]) for r in results) > 0
+    assert sum(int(r["capacity_position"]["run"]["dropped"]) for r in results) > 0
+
+
+@pytest.mark.distributed
+def test_ep4_checkpoint_loads_at_ep2_and_ep1(ep4_results, ep2_results, merged_ckpt):
+    assert sorted(k for k in ep4_results[1]["shard"] if k.startswith("experts.gate_up")) == [
+        "experts.gate_up.2", "experts.gate_up.3"]
+    expected = ep4_results[0]["eval"]
+    for res in ep4_results:
+        for a, b in zip(res["eval"], expected):
+            _close(a, b)
+    for res in ep2_results:
+        for a, b in zip(res["eval_merged"], expected):
+            _close(a, b)
+        for a, b in zip(res["eval_partial"], expected):
+            _close(a, b)
+    layer = MoELayer(_config(top_k=2))
+    layer.load_state_dict(merged_ckpt)
+    for a, b in zip(_eval_outputs(layer, 4), expected):
+        _close(a, b)
+    # the step changed the weights, so this checks resharding rather than the init
+    assert not torch.equal(merged_ckpt["experts.down.5"], _scenario("top2", 4)[1]["experts.down.5"])
+
+
+@pytest.mark.distributed
+def test_init_does_not_depend_on_ep_size(ep4_results):
+    merged = {}
+    for res in ep4_results:
+        merged.update(res["init_shard"])
+    torch.manual_seed(0)
+    single = MoELayer(_config(top_k=2)).state_dict()
+    assert merged.keys() == single.keys()
+    assert all(torch.equal(merged[k], single[k]) for k in single)
+
+
+@pytest.mark.distributed
+def test_edp_gradient_sync_averages_over_all_ranks(ep4_results):
+    ref_runs, ref_grads = _ep1_reference("top2", 4)
+    for rank, res in enumerate(ep4_results):
+        _close(res["edp_run"]["y"], ref_runs[rank]["y"])
+        ep_rank = rank % 2
+        for key, grad in res["edp_grads"].items():
+            if key.startswith("experts."):
+                assert int(key.rsplit(".", 1)[1]) // (E // 2) == ep_rank
+            _close(grad, ref_grads[key] / 4)
+
+
+@pytest.mark.distributed
+def test_groups_from_layout_and_mesh_agree(ep4_results):
+    for rank, res in enumerate(ep4_results):
+        ep_ranks = [0, 1] if rank < 2 else [2, 3]
+        edp_ranks = [rank % 2, rank % 2 + 2]
+        assert res["group_ranks"] == [ep_ranks, edp_ranks, ep_ranks, edp_ranks]
+
+
+@pytest.mark.distributed
+def test_expert_bias_update_uses_all_reduced_counts(ep4_results):
+    _, state, inputs, _ = _scenario("top2", 4)
+    layer = MoELayer(_config(top_k=2, expert_bias=True))
+    layer.load_state_dict(state, strict=False)
+    counts = torch.zeros(E)
+    for x in inputs:
+        layer(x)
+        counts += layer.last_stats.tokens_per_expert
+    expected = 0.1 * torch.sign(counts.mean() - counts)
+    assert expected.abs().sum() > 0
+    for res in ep4_results:
+        torch.testing.assert_close(res["bias"], expected)
+
+
+@pytest.mark.distributed
+def test_group_errors(ep4_results):
+    errors = ep4_results[0]["errors"]
+    assert re.search(r"num_experts=6 is not divisible by the ep_group size 4; use an EP size that divides",
+                     errors[0])
+    assert re.search(r"ep_group has 4 ranks but MoEConfig.ep_size=2; pass a group of 2 ranks", errors[1])

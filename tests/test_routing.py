@@ -1,0 +1,173 @@
+"""Router math and routing metadata against plain loops (no process group)."""
+
+import math
+
+import pytest
+import torch
+
+from ep_moe.routing import (
+    build_routing_metadata,
+    capacity_keep_mask,
+    combine_slots,
+    expert_capacity,
+    permute_tokens,
+    route,
+    unpermute_slots,
+)
+
+T, H, E = 13, 16, 8
+
+
+def _inputs(seed=0, num_tokens=T):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, H, generator=gen), torch.randn(E, H, generator=gen)
+
+
+def _loop_route(x_TH, w_EH, top_k, score_func, norm, bias_E=None):
+    """Per-token reference: (ids, weights) lists."""
+    ids, weights = [], []
+    for x_H in x_TH:
+        logits = [float(w_H @ x_H) for w_H in w_EH]
+        if score_func == "softmax":
+            denom = sum(math.exp(v) for v in logits)
+            scores = [math.exp(v) / denom for v in logits]
+        else:
+            scores = [1 / (1 + math.exp(-v)) for v in logits]
+        select = [s + (0.0 if bias_E is None else float(bias_E[e])) for e, s in enumerate(scores)]
+        chosen = sorted(range(E), key=lambda e: -select[e])[:top_k]
+        w = [scores[e] for e in chosen]
+        if norm:
+            w = [v / sum(w) for v in w]
+        ids.append(chosen)
+        weights.append(w)
+    return ids, weights
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_matches_loop(top_k, score_func, norm):
+    x_TH, w_EH = _inputs(top_k)
+    out = route(x_TH, w_EH, top_k=top_k, score_func=score_func, norm_topk_prob=norm)
+    ids, weights = _loop_route(x_TH, w_EH, top_k, score_func, norm)
+    assert out.topk_ids_TK.tolist() == ids
+    torch.testing.assert_close(out.topk_weights_TK, torch.tensor(weights), atol=1e-6, rtol=1e-5)
+    assert out.counts_E.tolist() == [sum(row.count(e) for row in ids) for e in range(E)]
+
+
+def test_expert_bias_changes_selection_not_weights():
+    x_TH, w_EH = _inputs(1)
+    bias_E = torch.zeros(E)
+    bias_E[5] = 10.0
+    out = route(x_TH, w_EH, top_k=2, score_func="sigmoid", norm_topk_prob=False, expert_bias_E=bias_E)
+    ids, weights = _loop_route(x_TH, w_EH, 2, "sigmoid", False, bias_E)
+    assert (out.topk_ids_TK[:, 0] == 5).all()
+    assert out.topk_ids_TK.tolist() == ids
+    torch.testing.assert_close(out.topk_weights_TK, torch.tensor(weights), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_aux_and_z_loss_formulas(score_func):
+    x_TH, w_EH = _inputs(2)
+    top_k, aux_coef, z_coef = 3, 0.1, 0.01
+    out = route(x_TH, w_EH, top_k=top_k, score_func=score_func, aux_loss_coef=aux_coef, z_loss_coef=z_coef)
+    ids, _ = _loop_route(x_TH, w_EH, top_k, score_func, True)
+    logits = (x_TH.double() @ w_EH.double().t()).tolist()
+    probs = []
+    for row in logits:
+        s = [math.exp(v) for v in row] if score_func == "softmax" else [1 / (1 + math.exp(-v)) for v in row]
+        probs.append([v / sum(s) for v in s])
+    aux = aux_coef * E * sum(
+        (sum(r.count(e) for r in ids) / (T * top_k)) * (sum(p[e] for p in probs) / T) for e in range(E))
+    z = z_coef * sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits) / T
+    assert out.aux_loss.item() == pytest.approx(aux, rel=1e-5)
+    assert out.z_loss.item() == pytest.approx(z, rel=1e-5)
+    x_TH.requires_grad_()
+    grad_out = route(x_TH, w_EH, top_k=top_k, score_func=score_func, aux_loss_coef=aux_coef, z_loss_coef=z_coef)
+    (grad_out.aux_loss + grad_out.z_loss).backward()
+    assert x_TH.grad.abs().sum() > 0
+
+
+def test_uniform_routing_aux_loss_equals_coef():
+    # Equal logits -> P_e = 1/E; top_k = E sends every token to every expert -> f_e = 1/E.
+    out = route(torch.zeros(5, H), torch.zeros(E, H), top_k=E, aux_loss_coef=0.5)
+    assert out.counts_E.tolist() == [5] * E
+    assert out.aux_loss.item() == pytest.approx(0.5)
+
+
+def test_losses_zero_without_tokens_or_coef():
+    x_TH, w_EH = _inputs(3, num_tokens=0)
+    out = route(x_TH, w_EH, top_k=2, aux_loss_coef=1.0, z_loss_coef=1.0)
+    assert out.topk_ids_TK.shape == (0, 2) and out.counts_E.tolist() == [0] * E
+    assert out.aux_loss.item() == 0 and out.z_loss.item() == 0
+    x_TH, w_EH = _inputs(3)
+    out = route(x_TH, w_EH, top_k=2)
+    assert out.aux_loss.item() == 0 and out.z_loss.item() == 0
+
+
+def test_metadata_sorted_stably_by_expert():
+    ids_TK = torch.tensor([[3, 1], [1, 0], [3, 2], [0, 1]])
+    meta = build_routing_metadata(ids_TK, num_experts=5)
+    assert meta.counts_E.tolist() == [2, 3, 1, 2, 0]
+    # expert 0: slots 3 (t1,k1), 6 (t3,k0); expert 1: 1, 2, 7; expert 2: 5; expert 3: 0, 4
+    assert meta.slot_index_R.tolist() == [3, 6, 1, 2, 7, 5, 0, 4]
+    assert meta.token_index_R.tolist() == [1, 3, 0, 1, 3, 2, 0, 2]
+    assert meta.dropless and meta.num_slots == 8
+
+
+def test_metadata_with_drops_cuts_dropped_slots():
+    ids_TK = torch.tensor([[3, 1], [1, 0], [3, 2], [0, 1]])
+    keep_TK = torch.tensor([[True, False], [True, True], [False, True], [True, True]])
+    meta = build_routing_metadata(ids_TK, num_experts=5, keep_TK=keep_TK)
+    assert meta.counts_E.tolist() == [2, 2, 1, 1, 0]
+    assert meta.slot_index_R.tolist() == [3, 6, 2, 7, 5, 0]
+    assert not meta.dropless
+
+
+def _loop_keep(ids_TK, scores_TK, capacity, policy):
+    keep = [[False] * ids_TK.shape[1] for _ in range(ids_TK.shape[0])]
+    for e in range(E):
+        slots = [(t, k) for t in range(ids_TK.shape[0]) for k in range(ids_TK.shape[1]) if ids_TK[t, k] == e]
+        if policy == "probs":
+            slots.sort(key=lambda s: -float(scores_TK[s]))
+        for t, k in slots[:capacity]:
+            keep[t][k] = True
+    return keep
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("capacity", [0, 1, 3, 100])
+def test_capacity_keep_mask_matches_loop(policy, capacity):
+    x_TH, w_EH = _inputs(4)
+    out = route(x_TH * 3, w_EH, top_k=2)
+    keep_TK = capacity_keep_mask(out.topk_ids_TK, out.topk_scores_TK, num_experts=E,
+                                 capacity=capacity, drop_policy=policy)
+    assert keep_TK.tolist() == _loop_keep(out.topk_ids_TK, out.topk_scores_TK, capacity, policy)
+    kept_per_expert = torch.bincount(out.topk_ids_TK[keep_TK], minlength=E)
+    assert (kept_per_expert <= capacity).all()
+
+
+def test_expert_capacity_formula():
+    assert expert_capacity(1.0, 13, 2, 8) == 4  # ceil(26 / 8)
+    assert expert_capacity(1.25, 16, 2, 8) == 5
+    assert expert_capacity(0.5, 0, 2, 8) == 0
+
+
+def test_permute_unpermute_combine_and_gradients():
+    gen = torch.Generator().manual_seed(5)
+    ids_TK = torch.randint(0, E, (T, 3), generator=gen)
+    keep_TK = torch.rand(T, 3, generator=gen) > 0.3
+    weights_TK = torch.rand(T, 3, generator=gen, requires_grad=True)
+    x_TH = torch.randn(T, H, generator=gen, requires_grad=True)
+    for keep in (None, keep_TK):
+        meta = build_routing_metadata(ids_TK, E, keep)
+        rows_RH = permute_tokens(x_TH, meta)
+        y_TH = combine_slots(unpermute_slots(rows_RH * 2, meta), meta, weights_TK)
+        mask_TK = torch.ones(T, 3) if keep is None else keep.float()
+        expected_TH = 2 * (x_TH[:, None, :] * (weights_TK * mask_TK)[..., None]).sum(1)
+        torch.testing.assert_close(y_TH, expected_TH)
+        g_TH = torch.randn(T, H, generator=gen)
+        grads = torch.autograd.grad((y_TH * g_TH).sum(), (x_TH, weights_TK))
+        expected = torch.autograd.grad((expected_TH * g_TH).sum(), (x_TH, weights_TK))
+        torch.testing.assert_close(grads[0], expected[0])
+        torch.testing.assert_close(grads[1], expected[1])
