@@ -78,6 +78,14 @@ class RoutingMetadata:
         return self.slot_index_R.shape[0] == self.num_slots
 
 
+
+def count_ids(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """How often each id in ``[0, num_bins)`` occurs (int64). Unlike ``torch.bincount``,
+    which reads the largest id back to the host on CUDA, this never syncs."""
+    counts = torch.zeros(num_bins, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
+
+
 def route(
     x_TH: torch.Tensor,
     weight_EH: torch.Tensor,
@@ -122,7 +130,7 @@ def route(
     topk_scores_TK = topk_weights_TK.detach()
     if norm_topk_prob:
         topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    counts_E = torch.bincount(topk_ids_TK.flatten(), minlength=num_experts)
+    counts_E = count_ids(topk_ids_TK.flatten(), num_experts)
 
     zero = logits_TE.new_zeros(())
     aux_loss = z_loss = zero
@@ -165,7 +173,7 @@ def capacity_keep_mask(
         order_N = torch.argsort(ids_N, stable=True)
     else:
         raise ValueError(f"drop_policy={drop_policy!r}: use 'probs' or 'position'")
-    counts_E = torch.bincount(ids_N, minlength=num_experts)
+    counts_E = count_ids(ids_N, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_ids_N = ids_N[order_N]
     rank_in_expert_N = torch.arange(ids_N.numel(), device=ids_N.device) - starts_E[sorted_ids_N]
@@ -190,7 +198,7 @@ def build_routing_metadata(
     if keep_TK is not None:
         ids_N = torch.where(keep_TK.flatten(), ids_N, num_experts)
     slot_index_N = torch.argsort(ids_N, stable=True)
-    counts_E = torch.bincount(ids_N, minlength=num_experts + 1)[:num_experts]
+    counts_E = count_ids(ids_N, num_experts + 1)[:num_experts]
     slot_index_R = slot_index_N
     if keep_TK is not None:
         num_rows = int(counts_E.sum())  # host sync: kept-row count (capacity mode only)

@@ -133,14 +133,15 @@ def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, con
         return dx, drw
     num_rows = gather_index.shape[0]
     if deterministic:
-        order = torch.argsort(gather_index, stable=True)
+        # Rows sorted by destination (stable), and each destination's first row: no host
+        # sync (bincount would read the max index), so this also runs in a CUDA graph.
+        sorted_dest, order = torch.sort(gather_index, stable=True)
         position = torch.empty_like(order)
         position[order] = torch.arange(num_rows, device=order.device, dtype=order.dtype)
         rows_by_dest = x.new_empty((num_rows, x.shape[1]))
         drw = launch_rows(dy, w, rows_by_dest, m_sizes, config, store_idx=_as_int32(position), **common)
-        counts = torch.bincount(gather_index, minlength=x.shape[0])
-        offsets = torch.zeros(x.shape[0] + 1, device=x.device, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=offsets[1:])
+        offsets = torch.searchsorted(sorted_dest, torch.arange(x.shape[0] + 1, device=x.device,
+                                                               dtype=sorted_dest.dtype))
         dx = torch.empty_like(x)
         launch_segment_sum(rows_by_dest, offsets, dx)
         return dx, drw
