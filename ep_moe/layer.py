@@ -35,6 +35,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from ep_moe.dispatch import combine_rows, dispatch_rows, exchange_counts, expert_major_order, group_size, split_sizes
+from ep_moe.kernels.activation import swiglu
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
@@ -176,8 +177,10 @@ class MoEStats:
     """0-dim int64: slots dropped by the capacity (always 0 when dropless)."""
 
 
-def _activate(h_RF: torch.Tensor, activation: Activation) -> torch.Tensor:
+def _activate(h_RF: torch.Tensor, activation: Activation, backend: str) -> torch.Tensor:
     if activation == "swiglu":
+        if backend == "triton":
+            return swiglu(h_RF)  # one fused pass forward and backward
         gate_RI, up_RI = h_RF.chunk(2, dim=-1)
         return F.silu(gate_RI) * up_RI
     if activation == "gelu":
@@ -257,7 +260,7 @@ class GroupedExperts(nn.Module):
         """
         h_RF = grouped_gemm(x, self.gate_up, m_sizes_e, gather_index=gather_index,
                             configs=configs[0], backend=backend)
-        a_RI = _activate(h_RF, self.activation)
+        a_RI = _activate(h_RF, self.activation, backend)
         return grouped_gemm(a_RI, self.down, m_sizes_e, scatter_index=scatter_index,
                             row_weights=row_weights, configs=configs[1], backend=backend)
 
@@ -304,9 +307,9 @@ class SharedExperts(nn.Module):
         self.gate_up = nn.Linear(config.hidden_size, up_size, bias=False, device=device, dtype=dtype)
         self.down = nn.Linear(inter, config.hidden_size, bias=False, device=device, dtype=dtype)
 
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, H]."""
-        return self.down(_activate(self.gate_up(x_TH), self.activation))
+    def forward(self, x_TH: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        """[T, H] -> [T, H]; ``backend="triton"`` fuses the SwiGLU."""
+        return self.down(_activate(self.gate_up(x_TH), self.activation, backend))
 
 
 class MoELayer(nn.Module):
@@ -436,7 +439,7 @@ class MoELayer(nn.Module):
         else:
             y_TH = self._experts_parallel(x_TH, router, meta, backend)
         if self.shared_experts is not None:
-            y_TH = y_TH + self.shared_experts(x_TH)
+            y_TH = y_TH + self.shared_experts(x_TH, backend)
         self._record(router, meta)
         return y_TH.view(x.shape)
 
