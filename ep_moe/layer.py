@@ -415,9 +415,10 @@ class MoELayer(nn.Module):
            ``all_to_all_single`` of the rows (uneven splits); rows arrive grouped by
            source rank and the grouped GEMM reads them in expert order via an index.
         4. Experts: GEMM1 (gate_up) with gather on load; activation; GEMM2 (down) with
-           scatter on store. At EP=1 GEMM2 also multiplies the top-k weights in.
-        5. EP>1: reverse all-to-all, back to slot order, top-k weight multiply (fp32).
-           Then the sum over each token's K slots, plus the shared experts.
+           scatter on store and the top-k weights multiplied in (fp32).
+        5. EP>1: reverse all-to-all (the top-k weights travelled with the rows and were
+           applied in GEMM2), back to slot order. Then the sum over each token's K
+           slots, plus the shared experts.
         """
         self._check_input(x)
         cfg = self.config
@@ -460,17 +461,21 @@ class MoELayer(nn.Module):
 
     def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, meta: RoutingMetadata,
                           backend: str) -> torch.Tensor:
-        """EP>1: dispatch, local experts in expert-major order, combine."""
+        """EP>1: dispatch rows and their top-k weights, local experts in expert-major order
+        (weights multiplied in GEMM2's epilogue), combine."""
         group = self.ep_group
         send_RH = permute_tokens(x_TH, meta)
+        send_weights_R = router.topk_weights_TK.flatten().index_select(0, meta.slot_index_R)
         recv_counts = exchange_counts(meta.counts_E, group)
         splits = split_sizes(meta.counts_E, recv_counts, self.ep_size)
         recv_SH = dispatch_rows(send_RH, splits, group)
+        recv_weights_S = dispatch_rows(send_weights_R, splits, group)
         order_S, m_sizes_e = expert_major_order(recv_counts, self.ep_size, splits.num_recv)
         out_SH = self.experts(recv_SH, m_sizes_e, gather_index=order_S, scatter_index=order_S,
-                              backend=backend, configs=self._configs(backend, splits.num_recv, x_TH.device))
+                              row_weights=recv_weights_S, backend=backend,
+                              configs=self._configs(backend, splits.num_recv, x_TH.device))
         back_RH = combine_rows(out_SH, splits, group)
-        return combine_slots(unpermute_slots(back_RH, meta), meta, router.topk_weights_TK)
+        return combine_slots(unpermute_slots(back_RH, meta), meta)
 
     @torch.no_grad()
     def _record(self, router: RouterOutput, meta: RoutingMetadata) -> None:

@@ -239,12 +239,6 @@ def unpermute_slots(y_RH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
     return out_NH.index_copy(0, meta.slot_index_R, y_RH)
 
 
-def combine_slots(y_NH: torch.Tensor, meta: RoutingMetadata,
-                  topk_weights_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Sum each token's K slots, [T, H]; multiply by ``topk_weights_TK`` first (in fp32)
-    when the weights were not already applied in the expert GEMM."""
-    y_TKH = y_NH.view(meta.num_tokens, meta.top_k, y_NH.shape[1])
-    if topk_weights_TK is None:
-        return y_TKH.sum(dim=1)
-    weighted_TKH = y_TKH.float() * topk_weights_TK.float().unsqueeze(-1)
-    return weighted_TKH.sum(dim=1).to(y_NH.dtype)
+def combine_slots(y_NH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
+    """Sum each token's K slots (already weighted by the expert GEMM), [T, H]."""
+    return y_NH.view(meta.num_tokens, meta.top_k, y_NH.shape[1]).sum(dim=1)

@@ -162,7 +162,7 @@ def test_permute_unpermute_combine_and_gradients():
     for keep in (None, keep_TK):
         meta = build_routing_metadata(ids_TK, E, keep)
         rows_RH = permute_tokens(x_TH, meta)
-        y_TH = combine_slots(unpermute_slots(rows_RH * 2, meta), meta, weights_TK)
+        y_TH = combine_slots(unpermute_slots(rows_RH * 2, meta) * weights_TK.reshape(-1, 1), meta)
         mask_TK = torch.ones(T, 3) if keep is None else keep.float()
         expected_TH = 2 * (x_TH[:, None, :] * (weights_TK * mask_TK)[..., None]).sum(1)
         torch.testing.assert_close(y_TH, expected_TH)
