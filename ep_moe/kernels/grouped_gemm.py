@@ -26,6 +26,11 @@ import triton.language as tl
 
 from ep_moe.kernels.config import KernelConfig
 
+KERNEL_VERSION = 1
+"""Version of these kernels, part of every autotune cache key. Bump it whenever a change
+here can move the best config (tiling, schedule, fusions, masking), so stale tunings stop
+matching."""
+
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed Triton

@@ -1,0 +1,210 @@
+"""Autotune benchmark: tuned vs default vs heuristic configs of every grouped GEMM pass,
+tuning time, and the time to serve cached configs, on the MoE shapes of ANCHORS.md.
+
+For each shape (a ``configs/models`` preset at an expert-parallel size) and both expert
+projections at T tokens per rank (M = T*k routed rows):
+
+1. tune: ``ep_moe.autotune.warmup(..., force=True)`` into a fresh cache directory, timed
+   end to end (data, compilation, benchmarking, the cache write);
+2. serve: the in-memory table dropped, ``get_kernel_configs`` for both projections timed
+   from the cache files (the start of a warm job; target under 50 ms a layer), then the
+   per-call cost once in memory;
+3. compare: forward, dX and dW each run on the same data (the exact kernel mode of the
+   projection, as the tuner saw it) with the default, the heuristic and the tuned config,
+   validated against the default's output, then timed with ``triton.testing.do_bench``
+   (median). FLOPs = 2*M*N*K per pass. The tuned config should never be slower than the
+   default beyond timing noise (flagged otherwise).
+
+Under torchrun (2 or 4 GPUs) it times the warmup of the whole group instead, checks that
+one rank tuned and that every rank holds identical configs, and skips step 3.
+
+    python benchmarks/bench_autotune.py [--tokens 8192] [--shapes mixtral-8x7b,deepseek-v3:8]
+    torchrun --nproc-per-node 4 benchmarks/bench_autotune.py --shapes qwen3-30b-a3b
+    python benchmarks/bench_autotune.py --tiny        # CPU: Triton interpreter smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if "--tiny" in sys.argv:  # the interpreter must be on before any kernel is decorated (import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, environment, save_results  # noqa: E402
+
+from ep_moe.autotune import Tuner, clear_memory_cache, device_limits, get_kernel_configs, warmup  # noqa: E402
+from ep_moe.autotune.bench import PassLaunch, default_device, gpu_timer, time_configs, wall_clock_timer  # noqa: E402
+from ep_moe.autotune.cache import ENV_CACHE_DIR, device_dir_name, load_model_shape  # noqa: E402
+from ep_moe.autotune.space import default_config, heuristic_config, initial_candidates  # noqa: E402
+from ep_moe.kernels.config import PASSES  # noqa: E402
+
+DEFAULT_SHAPES = "mixtral-8x7b,qwen3-30b-a3b,gpt-oss-20b,deepseek-v3:8"
+NOISE = 0.03  # tuned may read this much slower than the default before it is flagged
+
+
+def parse_shapes(text: str) -> list[tuple[str, int]]:
+    """``name[:ep_size],...`` -> [(preset, ep_size)]."""
+    out = []
+    for item in text.split(","):
+        name, _, ep = item.partition(":")
+        out.append((name, int(ep or 1)))
+    return out
+
+
+def compare(problem, rows: int, tuned, dev, device, timer) -> list[dict]:
+    """Default vs heuristic vs tuned for each pass of one problem, on one set of data."""
+    lines = []
+    flops = 2 * rows * problem.n * problem.k
+    for which in PASSES:
+        variants = {"default": default_config(problem, which, dev),
+                    "heuristic": heuristic_config(problem, which, rows, dev),
+                    "tuned": tuned.for_pass(which)}
+        distinct = list(dict.fromkeys(variants.values()))
+        launch = PassLaunch(problem, which, rows, device)
+        timings, _ = time_configs(launch, distinct, problem.dtype, timer)
+        ms = {name: (timings[distinct.index(c)].median_ms if timings[distinct.index(c)] else None)
+              for name, c in variants.items()}
+        line = {"pass": which, "rows": rows, "flops": flops,
+                **{f"{name}_config": c.short() for name, c in variants.items()},
+                **{f"{name}_ms": ms[name] for name in variants},
+                **{f"{name}_tflops": flops / ms[name] / 1e9 if ms[name] else None for name in variants}}
+        if ms["tuned"] and ms["default"]:
+            line["speedup_vs_default"] = ms["default"] / ms["tuned"]
+            line["slower_than_default"] = ms["tuned"] > ms["default"] * (1 + NOISE)
+        if ms["tuned"] and ms["heuristic"]:
+            line["speedup_vs_heuristic"] = ms["heuristic"] / ms["tuned"]
+        lines.append(line)
+        del launch
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return lines
+
+
+def time_serving(problems, rows: int, device) -> dict:
+    """Cold (from the cache files) and hot (in memory) cost of serving one layer's configs."""
+    clear_memory_cache()
+    start = time.perf_counter()
+    served = [get_kernel_configs(p, rows, device) for p in problems]
+    cold_ms = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    for _ in range(1000):
+        for p in problems:
+            get_kernel_configs(p, rows, device)
+    hot_us = (time.perf_counter() - start) * 1e6 / (1000 * len(problems))
+    return {"cold_layer_ms": cold_ms, "hot_call_us": hot_us, "served": [s.forward.short() for s in served]}
+
+
+def run_shape(name: str, ep_size: int, args, tuner: Tuner, timer, distributed: bool) -> dict:
+    problems = load_model_shape(name).problems(ep_size, args.dtype)
+    rows = args.tokens * problems[0].top_k
+    device = default_device()
+    if distributed:
+        dist.barrier()
+    start = time.perf_counter()
+    resolved = warmup(problems, num_tokens=args.tokens, force=True, tuner=tuner, timeout=args.timeout)
+    tune_s = time.perf_counter() - start
+    record = {"shape": name, "ep_size": ep_size, "tokens": args.tokens, "tune_s": tune_s,
+              "sources": {p.projection: r.source for p, r in resolved.items()},
+              "serve": time_serving(problems, rows, device)}
+    if distributed:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [r.to_dict()["table"] for r in resolved.values()])
+        record["identical_on_all_ranks"] = all(g == gathered[0] for g in gathered)
+        record["world_size"] = dist.get_world_size()
+        return record
+    dev = device_limits(device)
+    record["passes"] = {p.projection: compare(p, rows, resolved[p].for_rows(rows), dev, device, timer)
+                        for p in problems}
+    return record
+
+
+def print_record(r: dict) -> None:
+    serve = r["serve"]
+    print(f"{r['shape']} ep{r['ep_size']}: tuned in {r['tune_s']:.1f} s ({r['sources']}); serving "
+          f"a layer from the cache {serve['cold_layer_ms']:.1f} ms, in memory {serve['hot_call_us']:.1f} us/call"
+          + (f"; identical on {r['world_size']} ranks: {r['identical_on_all_ranks']}" if "world_size" in r else ""),
+          flush=True)
+    for projection, lines in r.get("passes", {}).items():
+        for x in lines:
+            fmt = lambda v: f"{v:8.3f}" if v else "    fail"  # noqa: E731
+            flag = "  SLOWER THAN DEFAULT" if x.get("slower_than_default") else ""
+            print(f"  {projection:7s} {x['pass']:7s} default {fmt(x['default_ms'])} ms  heuristic "
+                  f"{fmt(x['heuristic_ms'])} ms  tuned {fmt(x['tuned_ms'])} ms "
+                  f"({(x['tuned_tflops'] or 0):.0f} TFLOP/s, {x.get('speedup_vs_default', 0):.2f}x default, "
+                  f"{x.get('speedup_vs_heuristic', 0):.2f}x heuristic)  {x['tuned_config']}{flag}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated preset[:ep_size]")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--refine-top", type=int, default=2, help="second-round seeds per pass (0: none)")
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--cache-dir", type=Path, default=None, help="default: a fresh temporary directory")
+    parser.add_argument("--ship", action="store_true",
+                        help="copy the tuned cache files to configs/kernels/<device>/")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU smoke run: tiny shape, float32, 2 candidates, wall-clock timer")
+    parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
+    args = parser.parse_args()
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+    if args.tiny:
+        args.shapes, args.tokens, args.dtype = "tiny:1", 32, "float32"
+        timer = lambda fn: wall_clock_timer(fn, repeats=2)  # noqa: E731
+        tuner = Tuner(timer=timer, refine_top=0,
+                      candidates=lambda p, w, rows, dev: initial_candidates(p, w, rows, dev)[:2])
+    else:
+        timer = gpu_timer
+        tuner = Tuner(refine_top=args.refine_top)
+    cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="ep_moe_autotune_"))
+    if distributed:  # one directory for the node: rank 0's choice
+        box = [str(cache)]
+        dist.broadcast_object_list(box, src=0)
+        cache = Path(box[0])
+    os.environ[ENV_CACHE_DIR] = str(cache)
+    is_root = not distributed or dist.get_rank() == 0
+    env = environment()
+    if is_root:
+        print(f"device {env['device']}, torch {env['torch']}, triton {env['triton']}; cache {cache}", flush=True)
+    try:
+        records = []
+        for name, ep_size in parse_shapes(args.shapes):
+            record = run_shape(name, ep_size, args, tuner, timer, distributed)
+            records.append(record)
+            if is_root:
+                print_record(record)
+        if is_root:
+            suffix = f"_x{dist.get_world_size()}" if distributed else ""
+            out = args.out or REPO / "benchmarks" / "results" / (
+                f"autotune_{device_dir_name(env['device'])}{suffix}.json")
+            save_results(out, {"tokens": args.tokens, "dtype": args.dtype, "records": records})
+            print(json.dumps({"saved": str(out)}))
+            if args.ship:
+                ship = REPO / "configs" / "kernels" / device_dir_name(env["device"])
+                ship.mkdir(parents=True, exist_ok=True)
+                for f in cache.glob("*.json"):
+                    shutil.copy(f, ship)
+                print(json.dumps({"shipped": str(ship)}))
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,407 @@
+"""JSON files of the autotuner: the user cache, shipped configs and model shape presets.
+
+The only module of :mod:`ep_moe.autotune` that touches the file system.
+
+Cache layout: one file per :class:`CacheKey` under ``$EP_MOE_CACHE_DIR`` (default
+``~/.cache/ep_moe/autotune/``), named ``<projection>-e<E>-n<N>-k<K>-top<k>-<dtype>-<device>-
+<digest>.json`` where the digest hashes every key field. A file holds::
+
+    {"schema_version": 1, "digest": ..., "key": {every CacheKey field},
+     "buckets": {"<routed rows>": {"configs": {pass: KernelConfig}, "timings": {pass: [best
+                 candidates, fastest first]}, "default_ms": {pass: ms}}},
+     "versions": {...}, "write_id": ..., "updated": ...}
+
+Writes go to a temp file in the same directory, are fsynced and ``os.replace``d under a
+``filelock.FileLock`` on ``<file>.lock``, so readers never see half a file and need no
+lock. A file that fails validation is ignored with a warning and replaced by the next
+write. A directory that cannot be written turns this cache into an in-memory one, with
+one warning.
+
+Shipped configs are cache files copied into ``configs/kernels/<device dir>/`` (see that
+directory's README); they match on everything but the torch/triton versions and SM count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import filelock
+import torch
+import triton
+
+from ep_moe.autotune.space import DeviceLimits, GemmProblem, ModelShape, Table, TunedBucket
+from ep_moe.kernels.config import PASSES
+from ep_moe.kernels.grouped_gemm import KERNEL_VERSION
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+"""Layout version of cache files; files of any other version are ignored."""
+
+
+ENV_CACHE_DIR = "EP_MOE_CACHE_DIR"
+ENV_SHIPPED_DIR = "EP_MOE_SHIPPED_DIR"
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+"""The repository's ``configs/`` (model shapes, shipped kernel configs)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheKey:
+    """Everything that changes the best config of one problem; one cache file per key."""
+
+    kernel_version: int
+    projection: str
+    passes: tuple[str, ...]
+    num_local_experts: int
+    n: int
+    k: int
+    top_k: int
+    dtype: str
+    device_name: str
+    num_sms: int
+    capability: tuple[int, int]
+    triton_version: str
+    torch_version: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (tuples become lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CacheKey":
+        """Inverse of :meth:`to_dict` (lists come back as tuples)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+    def digest(self) -> str:
+        """Hash of every field: 16 hex digits of SHA-256 over the canonical JSON."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def stem(self) -> str:
+        """Readable part of the file name: the problem, without device or versions."""
+        return (f"{self.projection}-e{self.num_local_experts}-n{self.n}-k{self.k}"
+                f"-top{self.top_k}-{self.dtype}")
+
+    def file_name(self) -> str:
+        """``<stem>-<device>-<digest>.json``."""
+        return f"{self.stem()}-{device_dir_name(self.device_name)}-{self.digest()}.json"
+
+    def problem(self) -> GemmProblem:
+        """The problem this key was made from."""
+        return GemmProblem(projection=self.projection, num_local_experts=self.num_local_experts,
+                           n=self.n, k=self.k, top_k=self.top_k, dtype=self.dtype)
+
+
+def make_key(problem: GemmProblem, dev: DeviceLimits) -> CacheKey:
+    """The cache key of ``problem`` on a device with limits ``dev``, for the installed
+    torch and triton."""
+    return CacheKey(
+        kernel_version=KERNEL_VERSION, projection=problem.projection, passes=tuple(PASSES),
+        num_local_experts=problem.num_local_experts, n=problem.n, k=problem.k,
+        top_k=problem.top_k, dtype=problem.dtype, device_name=dev.name, num_sms=dev.num_sms,
+        capability=tuple(dev.capability), triton_version=triton.__version__,
+        torch_version=torch.__version__,
+    )
+
+
+def device_dir_name(device_name: str) -> str:
+    """File-name-safe form of a device name: ``NVIDIA H100 80GB HBM3`` -> ``NVIDIA_H100_80GB_HBM3``."""
+    return re.sub(r"[^A-Za-z0-9.]+", "_", device_name).strip("_") or "unknown"
+
+
+def cache_dir() -> Path:
+    """``$EP_MOE_CACHE_DIR``, else ``~/.cache/ep_moe/autotune``."""
+    env = os.environ.get(ENV_CACHE_DIR)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ep_moe" / "autotune"
+
+
+def shipped_dir() -> Path:
+    """``$EP_MOE_SHIPPED_DIR``, else the repository's ``configs/kernels``."""
+    env = os.environ.get(ENV_SHIPPED_DIR)
+    return Path(env).expanduser() if env else CONFIGS_DIR / "kernels"
+
+
+class BadCacheFile(ValueError):
+    """A cache file that is not valid JSON of the current schema for the expected key."""
+
+
+def parse_record(data: Any, key: CacheKey | None = None) -> Table:
+    """The table of a decoded cache file; raises :class:`BadCacheFile` saying what is wrong.
+
+    With ``key`` the file must be for exactly that key.
+    """
+    if not isinstance(data, dict):
+        raise BadCacheFile("not a JSON object")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise BadCacheFile(f"schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    if key is not None and data.get("key") != key.to_dict():
+        raise BadCacheFile("its key differs from the expected one (edited or foreign file)")
+    buckets = data.get("buckets")
+    if not isinstance(buckets, dict) or not buckets:
+        raise BadCacheFile("no buckets")
+    try:
+        table = {int(b): TunedBucket.from_dict(entry) for b, entry in buckets.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise BadCacheFile(f"malformed bucket: {e!r}") from None
+    if any(b <= 0 for b in table):
+        raise BadCacheFile("non-positive bucket")
+    return table
+
+
+def _record(key: CacheKey, table: Table, write_id: str) -> dict[str, Any]:
+    from ep_moe import __version__
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "digest": key.digest(),
+        "key": key.to_dict(),
+        "buckets": {str(b): table[b].to_dict() for b in sorted(table)},
+        "versions": {"ep_moe": __version__, "torch": torch.__version__, "triton": triton.__version__},
+        "write_id": write_id,
+        "updated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "written_by": f"{socket.gethostname()}:{os.getpid()}",
+    }
+
+
+def _read_json(path: Path) -> Any:
+    """Decoded JSON of ``path``; None if absent; :class:`BadCacheFile` if unreadable."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadCacheFile(f"unreadable: {e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadCacheFile(f"not valid JSON (truncated or corrupt): {e}") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+TuneBuckets = Callable[[tuple[int, ...]], Table]
+"""Tunes the given buckets of one key's problem and returns their table."""
+
+
+class ConfigCache:
+    """The tuned configs of one cache directory, falling back to memory if unwritable."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self._memory: dict[str, Table] = {}
+        self._memory_only = False
+
+    @property
+    def memory_only(self) -> bool:
+        """True once the directory proved unwritable: tables live in this process only."""
+        return self._memory_only
+
+    def path(self, key: CacheKey) -> Path:
+        """File of ``key`` (may not exist)."""
+        return self.directory / key.file_name()
+
+    def _read(self, key: CacheKey) -> tuple[Table, str | None] | None:
+        """(table, write id) of ``key`` from memory or file; None if absent or invalid."""
+        if key.digest() in self._memory:
+            return self._memory[key.digest()], None
+        path = self.path(key)
+        try:
+            data = _read_json(path)
+            if data is None:
+                return None
+            return parse_record(data, key), data.get("write_id")
+        except BadCacheFile as e:
+            logger.warning("ep_moe autotune cache: ignoring %s: %s; it will be replaced", path, e)
+            return None
+
+    def load(self, key: CacheKey) -> Table | None:
+        """The stored table of ``key``, or None (absent, or invalid: warned and ignored)."""
+        found = self._read(key)
+        return found[0] if found else None
+
+    def store(self, key: CacheKey, table: Table) -> None:
+        """Write ``table`` as the whole record of ``key`` (atomic, under the key's lock)."""
+        lock = self._lock(key, timeout=-1)
+        if lock is None:
+            self._memory[key.digest()] = dict(table)
+            return
+        try:
+            self._write(key, table)
+        finally:
+            lock.release()
+
+    def _write(self, key: CacheKey, table: Table) -> None:
+        """Atomic write (caller holds the lock); an OSError switches to memory-only."""
+        text = json.dumps(_record(key, table, uuid.uuid4().hex), indent=1, sort_keys=True)
+        try:
+            _write_atomic(self.path(key), text)
+        except OSError as e:
+            self._go_memory_only(e)
+            self._memory[key.digest()] = dict(table)
+
+    def _go_memory_only(self, error: OSError) -> None:
+        if not self._memory_only:
+            logger.warning("ep_moe autotune cache: cannot write to %s (%s); tuned configs are "
+                           "kept in memory for this process only. Set %s to a writable directory.",
+                           self.directory, error, ENV_CACHE_DIR)
+        self._memory_only = True
+
+    def _lock(self, key: CacheKey, timeout: float) -> filelock.FileLock | None:
+        """The acquired file lock of ``key``; None in memory-only mode (an unwritable
+        directory); ``filelock.Timeout`` after ``timeout`` seconds (-1: wait forever)."""
+        if self._memory_only:
+            return None
+        lock = filelock.FileLock(str(self.path(key)) + ".lock", timeout=timeout)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+        except filelock.Timeout:
+            raise
+        except OSError as e:
+            self._go_memory_only(e)
+            return None
+        return lock
+
+    def get_or_tune(self, key: CacheKey, buckets: Iterable[int], tune: TuneBuckets, *,
+                    force: bool = False, lock_timeout: float = -1) -> tuple[Table, str]:
+        """The table of ``key`` covering ``buckets``, tuning what is missing: (table, source).
+
+        Single flight: tuning runs under the key's file lock, and the file is re-read once
+        the lock is held, so a process that waited on another one tuning the same key reads
+        its result (source ``"cache"``) instead of tuning again. ``force`` retunes
+        ``buckets`` unless another process rewrote the file while this one waited.
+        ``lock_timeout`` seconds bound that wait (``filelock.Timeout``).
+        """
+        want = tuple(sorted(set(buckets)))
+        before = self._read(key)
+        if not force and before and set(want) <= before[0].keys():
+            return before[0], "cache"
+        lock = self._lock(key, lock_timeout)
+        try:
+            now = self._read(key)
+            # Written by another process while this one waited for the lock?
+            fresh = now is not None and now[1] is not None and (before is None or now[1] != before[1])
+            if now and set(want) <= now[0].keys() and (fresh or not force):
+                return now[0], "cache"
+            old = now[0] if now else {}
+            missing = want if force else tuple(b for b in want if b not in old)
+            table = {**old, **tune(missing)}
+            if lock is None:
+                self._memory[key.digest()] = table
+            else:
+                self._write(key, table)
+            return table, "tuned"
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def files(self) -> list[Path]:
+        """Cache files in the directory, sorted by name."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(p for p in self.directory.glob("*.json") if p.is_file())
+
+    def find(self, name: str) -> Path | None:
+        """A cache file by file name, digest, or unique prefix of either."""
+        files = self.files()
+        exact = [p for p in files if name in (p.name, p.stem, p.stem.rsplit("-", 1)[-1])]
+        if exact:
+            return exact[0]
+        prefix = [p for p in files if p.name.startswith(name) or p.stem.rsplit("-", 1)[-1].startswith(name)]
+        return prefix[0] if len(prefix) == 1 else None
+
+    def clear(self) -> int:
+        """Delete every cache, lock and temp file of the directory; returns how many."""
+        if not self.directory.is_dir():
+            return 0
+        removed = 0
+        for pattern in ("*.json", "*.json.lock", ".*.tmp"):
+            for p in self.directory.glob(pattern):
+                p.unlink(missing_ok=True)
+                removed += 1
+        self._memory.clear()
+        return removed
+
+
+def read_file(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(decoded record, None) of a cache file, or (None, what is wrong with it)."""
+    try:
+        data = _read_json(path)
+        parse_record(data)
+    except BadCacheFile as e:
+        return None, str(e)
+    return data, None
+
+
+_CACHES: dict[Path, ConfigCache] = {}
+
+
+def default_cache() -> ConfigCache:
+    """The :class:`ConfigCache` of :func:`cache_dir`, one per directory per process."""
+    directory = cache_dir()
+    if directory not in _CACHES:
+        _CACHES[directory] = ConfigCache(directory)
+    return _CACHES[directory]
+
+
+_SHIPPED_IGNORED = ("num_sms", "triton_version", "torch_version")
+
+
+def load_shipped(key: CacheKey) -> Table | None:
+    """Shipped table for ``key`` from ``shipped_dir()/<device dir>/``, matching every key
+    field but the torch/triton versions and SM count; None if there is none."""
+    directory = shipped_dir() / device_dir_name(key.device_name)
+    want = {k: v for k, v in key.to_dict().items() if k not in _SHIPPED_IGNORED}
+    for path in sorted(directory.glob(f"{key.stem()}-*.json")):
+        try:
+            data = _read_json(path)
+            table = parse_record(data)
+        except BadCacheFile as e:
+            logger.warning("ep_moe shipped configs: ignoring %s: %s", path, e)
+            continue
+        have = data.get("key") or {}
+        if {k: have.get(k) for k in want} == want:
+            return table
+    return None
+
+
+def load_model_shape(name_or_file: str) -> ModelShape:
+    """A model's MoE shape from a JSON file path or a preset name in ``configs/models/``."""
+    path = Path(name_or_file).expanduser()
+    if not path.is_file():
+        path = CONFIGS_DIR / "models" / f"{name_or_file}.json"
+    if not path.is_file():
+        presets = sorted(p.stem for p in (CONFIGS_DIR / "models").glob("*.json"))
+        raise ValueError(f"model {name_or_file!r}: no such file and no preset of that name; "
+                         f"presets: {', '.join(presets) or 'none found'}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model file {path}: not valid JSON: {e}") from None
+    return ModelShape.from_dict(data)

@@ -1,0 +1,352 @@
+"""Where kernel configs come from: the per-process table, the lookup chain, and warmup.
+
+Lookup chain for one problem on one device (:func:`get_kernel_configs`; :func:`resolve`
+walks steps 2-5):
+
+1. memory: tables installed in this process (by :func:`warmup` or an earlier lookup);
+2. the user cache file (:mod:`ep_moe.autotune.cache`);
+3. configs shipped in ``configs/kernels/<device>/``;
+4. tuning, only at :func:`warmup` or when a caller passes ``allow_tuning=True``;
+5. the shape heuristic (:func:`ep_moe.autotune.space.heuristic_table`).
+
+``EP_MOE_DISABLE_AUTOTUNE=1`` skips 2 and 4 (shipped or heuristic only);
+``EP_MOE_FORCE_AUTOTUNE=1`` (or ``force=True``) makes tuning points (:func:`warmup`) skip
+2 and 3 and retune; lookups that may not tune are unaffected.
+
+:func:`warmup` is the one point where tuning happens: every rank calls it; rank 0 of the
+group resolves every problem (cache, else tune) and publishes the tables as JSON in the
+job's c10d store; the other ranks wait for them with ``timeout`` and install exactly what
+it sent. The only module of :mod:`ep_moe.autotune` that imports ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import hashlib
+import json
+import logging
+import os
+import socket
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ep_moe.autotune.bench import Tuner, TuneFn, default_device, device_limits
+from ep_moe.autotune.cache import CacheKey, default_cache, load_shipped, make_key
+from ep_moe.autotune.space import (
+    STANDARD_BUCKETS,
+    DeviceLimits,
+    GemmProblem,
+    Table,
+    TunedBucket,
+    bucket_bounds,
+    bucket_for,
+    heuristic_table,
+)
+from ep_moe.kernels.config import GemmConfigs
+
+logger = logging.getLogger(__name__)
+
+ENV_DISABLE = "EP_MOE_DISABLE_AUTOTUNE"
+ENV_FORCE = "EP_MOE_FORCE_AUTOTUNE"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+
+
+class WarmupTimeout(RuntimeError):
+    """Rank 0 of the warmup group did not deliver configs within the timeout."""
+
+
+@dataclass(frozen=True)
+class ResolvedConfigs:
+    """The configs of one problem on one device, by token bucket, and where they came from.
+
+    ``source`` is one of ``memory``, ``cache``, ``shipped``, ``tuned``, ``heuristic`` or
+    ``fallback`` (heuristic after a tuning failure, described by ``error``).
+    """
+
+    source: str
+    table: Table
+    error: str | None = None
+    _buckets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _bounds: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.table:
+            raise ValueError("ResolvedConfigs.table is empty: it needs at least one bucket")
+        buckets = tuple(sorted(self.table))
+        object.__setattr__(self, "_buckets", buckets)
+        object.__setattr__(self, "_bounds", bucket_bounds(buckets))
+
+    def bucket(self, num_rows: int) -> int:
+        """The bucket nearest ``num_rows`` routed rows (log scale)."""
+        return self._buckets[bisect.bisect_left(self._bounds, num_rows)]
+
+    def for_rows(self, num_rows: int) -> GemmConfigs:
+        """Configs of the bucket nearest ``num_rows``."""
+        return self.table[self.bucket(num_rows)].configs
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (what rank 0 publishes)."""
+        return {"source": self.source, "error": self.error,
+                "table": {str(b): t.to_dict() for b, t in self.table.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ResolvedConfigs":
+        """Inverse of :meth:`to_dict`."""
+        table = {int(b): TunedBucket.from_dict(t) for b, t in data["table"].items()}
+        return cls(source=data["source"], table=table, error=data.get("error"))
+
+
+# This process's tables, by (problem, device); what get_kernel_configs serves from.
+_INSTALLED: dict[tuple[GemmProblem, tuple[str, int]], ResolvedConfigs] = {}
+_LIMITS: dict[tuple[str, int], DeviceLimits] = {}
+
+
+def _device_key(device: torch.device | str | int | None) -> tuple[str, int]:
+    if device is None:
+        return ("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else ("cpu", -1)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "cuda", device.index if device.index is not None else torch.cuda.current_device()
+    return device.type, -1
+
+
+def _torch_device(dev_key: tuple[str, int]) -> torch.device:
+    return torch.device(dev_key[0], dev_key[1]) if dev_key[1] >= 0 else torch.device(dev_key[0])
+
+
+def _limits(dev_key: tuple[str, int]) -> DeviceLimits:
+    if dev_key not in _LIMITS:
+        _LIMITS[dev_key] = device_limits(_torch_device(dev_key))
+    return _LIMITS[dev_key]
+
+
+def _install(problem: GemmProblem, dev_key: tuple[str, int], resolved: ResolvedConfigs) -> None:
+    _INSTALLED[(problem, dev_key)] = resolved
+    logger.info("ep_moe autotune: %s served from %s (%d buckets)%s", problem, resolved.source,
+                len(resolved.table), f": {resolved.error}" if resolved.error else "")
+
+
+def clear_memory_cache() -> None:
+    """Forget every table installed in this process (files are kept)."""
+    _INSTALLED.clear()
+
+
+def get_kernel_configs(problem: GemmProblem, num_rows: int,
+                       device: torch.device | str | int | None = None, *,
+                       allow_tuning: bool = False) -> GemmConfigs:
+    """Kernel configs (forward, dX, dW) for ``problem`` at ``num_rows`` routed rows.
+
+    Cheap enough for every layer call: after the first lookup of a (problem, device) it is
+    a dict lookup and a bisect over the token buckets. The first lookup walks the chain of
+    the module docstring without tuning (unless ``allow_tuning``; tune at :func:`warmup`
+    instead) and logs which source served.
+    """
+    dev_key = _device_key(device)
+    resolved = _INSTALLED.get((problem, dev_key))
+    if resolved is None:
+        resolved = resolve(problem, _torch_device(dev_key), tune=allow_tuning)
+        _install(problem, dev_key, resolved)
+    return resolved.for_rows(num_rows)
+
+
+def resolve(problem: GemmProblem, device: torch.device | None = None, *, tune: bool = False,
+            force: bool = False, buckets: tuple[int, ...] = STANDARD_BUCKETS,
+            tuner: TuneFn | None = None, lock_timeout: float = -1) -> ResolvedConfigs:
+    """Walk the lookup chain for ``problem`` on ``device``, skipping memory.
+
+    With ``tune`` a cache file missing some of ``buckets`` is completed by ``tuner``
+    (single flight across processes, ``lock_timeout`` bounding the wait). Errors of
+    tuning propagate; :func:`warmup` turns them into a fallback.
+    """
+    dev_key = _device_key(device)
+    dev = _limits(dev_key)
+    key = make_key(problem, dev)
+    disabled = _env_flag(ENV_DISABLE)
+    force = (force or _env_flag(ENV_FORCE)) and tune and not disabled
+    cached = None if disabled or force else default_cache().load(key)
+    if cached and (not tune or set(buckets) <= cached.keys()):
+        return ResolvedConfigs("cache", cached)
+    shipped = None if force or cached else load_shipped(key)
+    if shipped:
+        return ResolvedConfigs("shipped", shipped)
+    if tune and not disabled:
+        tuner = tuner or Tuner(device=_torch_device(dev_key))
+        table, source = default_cache().get_or_tune(
+            key, buckets, lambda missing: tuner(problem, dev, missing), force=force,
+            lock_timeout=lock_timeout)
+        return ResolvedConfigs(source, table)
+    if cached:
+        return ResolvedConfigs("cache", cached)
+    return ResolvedConfigs("heuristic", heuristic_table(problem, dev))
+
+
+def collect_problems(model_or_shapes: Any) -> list[GemmProblem]:
+    """The distinct problems of a module (submodules with ``gemm_problems()``) or an
+    iterable of :class:`GemmProblem`, in first-seen order."""
+    if isinstance(model_or_shapes, torch.nn.Module):
+        found = [p for m in model_or_shapes.modules()
+                 if callable(getattr(m, "gemm_problems", None)) for p in m.gemm_problems()]
+    elif isinstance(model_or_shapes, GemmProblem):
+        found = [model_or_shapes]
+    else:
+        found = list(model_or_shapes)
+    for p in found:
+        if not isinstance(p, GemmProblem):
+            raise TypeError(f"model_or_shapes: expected an nn.Module or GemmProblems, got an item "
+                            f"of type {type(p).__name__}; build problems with GemmProblem(...)")
+    return list(dict.fromkeys(found))
+
+
+def target_buckets(problem: GemmProblem, num_tokens: int | Iterable[int] | None) -> tuple[int, ...]:
+    """Buckets warmup tunes for ``num_tokens`` tokens per rank: the power of two nearest
+    tokens x top_k for each; None: ``STANDARD_BUCKETS``."""
+    if num_tokens is None:
+        return STANDARD_BUCKETS
+    tokens = [num_tokens] if isinstance(num_tokens, int) else list(num_tokens)
+    if not tokens or any(t < 1 for t in tokens):
+        raise ValueError(f"num_tokens={num_tokens!r}: give tokens per rank (>= 1), or None "
+                         f"for the standard buckets {STANDARD_BUCKETS}")
+    return tuple(sorted({bucket_for(t * problem.top_k) for t in tokens}))
+
+
+def _resolve_or_fallback(problem: GemmProblem, device: torch.device, buckets: tuple[int, ...],
+                         force: bool, tuner: TuneFn | None, timeout: float) -> ResolvedConfigs:
+    """:func:`resolve` with tuning; any failure becomes the heuristic with a warning."""
+    try:
+        return resolve(problem, device, tune=True, force=force, buckets=buckets, tuner=tuner,
+                       lock_timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - any tuning failure must leave every rank on the fallback
+        error = f"{type(e).__name__}: {e}"
+        logger.warning("ep_moe autotune: tuning %s failed (%s); using heuristic configs", problem, error)
+        return ResolvedConfigs("fallback", heuristic_table(problem, _limits(_device_key(device))), error)
+
+
+def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout: float = 600.0,
+           num_tokens: int | Iterable[int] | None = None, force: bool = False, *,
+           tuner: TuneFn | None = None,
+           device: torch.device | None = None) -> dict[GemmProblem, ResolvedConfigs]:
+    """Resolve (tuning where needed) the kernel configs of every problem, on every rank alike.
+
+    Call on every rank of ``group`` at one point, outside kernel launches and graph
+    capture. Without torch.distributed (or with one rank) this process resolves each
+    problem itself. Otherwise rank 0 of ``group`` (default: the world) resolves them (cache,
+    shipped, else tune, writing the cache) and publishes the tables; the other ranks never
+    tune and install exactly what it sent. A failure on rank 0 leaves every rank on the
+    same heuristic configs, with a warning. If rank 0 sends nothing within ``timeout``
+    seconds, the others raise :class:`WarmupTimeout`. On other nodes, local rank 0
+    (``LOCAL_RANK``) writes the tables into its node's cache when its key matches.
+
+    Args:
+        model_or_shapes: a module whose submodules have ``gemm_problems()``, or problems.
+        group: process group whose rank 0 tunes; default the world.
+        timeout: seconds the other ranks wait for rank 0 (and rank 0 for a cache lock).
+        num_tokens: tokens per rank to tune for (int or several); the bucket is the
+            power of two nearest tokens x top_k. None: the standard buckets.
+        force: retune even if cached (also ``EP_MOE_FORCE_AUTOTUNE=1``).
+        tuner: called as ``tuner(problem, limits, buckets)`` on rank 0 to tune what the
+            cache lacks; default :class:`~ep_moe.autotune.bench.Tuner` on ``device``.
+        device: device to tune on and install for; default the current one.
+
+    Returns:
+        The installed configs of each problem.
+    """
+    problems = collect_problems(model_or_shapes)
+    buckets = {p: target_buckets(p, num_tokens) for p in problems}  # bad input fails on every rank
+    device = device or default_device()
+    dev_key = _device_key(device)
+    distributed = dist.is_available() and dist.is_initialized()
+    if group is not None and not distributed:
+        raise ValueError("warmup: group is given but torch.distributed is not initialized; "
+                         "call torch.distributed.init_process_group first or pass group=None")
+    if not distributed or dist.get_world_size(group) == 1:
+        resolved = {p: _resolve_or_fallback(p, device, b, force, tuner, timeout) for p, b in buckets.items()}
+    else:
+        resolved = _warmup_group(buckets, group, timeout, force, tuner, device)
+    for p, r in resolved.items():
+        _install(p, dev_key, r)
+    return resolved
+
+
+# Warmup calls made so far per group (by its ranks): every rank of a group makes the same
+# calls in the same order, so the count names one exchange.
+_EXCHANGES: dict[tuple[int, ...], int] = {}
+
+
+def _exchange_key(ranks: list[int]) -> str:
+    count = _EXCHANGES.get(tuple(ranks), 0)
+    _EXCHANGES[tuple(ranks)] = count + 1
+    group_id = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+    return f"ep_moe/autotune/warmup/{group_id}/{count}"
+
+
+def _warmup_group(buckets, group, timeout, force, tuner, device):
+    """Rank 0 resolves and publishes JSON in the job's c10d store; the others wait for it
+    with ``timeout``. The store (not a collective on ``group``) carries it, so the wait
+    has its own deadline whatever the group's backend, and nothing is pickled."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    is_root = dist.get_rank() == ranks[0]
+    key = _exchange_key(ranks)
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store of init_process_group
+    if is_root:
+        payload = _root_payload(buckets, device, force, tuner, timeout)
+        store.set(key, json.dumps(payload))
+    else:
+        try:
+            store.wait([key], datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:  # DistStoreError on timeout; a lost store reads the same
+            raise WarmupTimeout(
+                f"ep_moe warmup: rank {dist.get_rank()} got no configs from rank {ranks[0]} within "
+                f"timeout={timeout}s (rank 0 stalled or died while tuning). Raise `timeout`, or fill "
+                f"the cache beforehand with `ep-moe autotune` on each node. Cause: {e}") from e
+        payload = json.loads(store.get(key))
+    if not payload["ok"]:
+        logger.warning("ep_moe autotune: rank 0 failed (%s); every rank uses heuristic configs",
+                       payload["error"])
+        dev = _limits(_device_key(device))
+        return {p: ResolvedConfigs("fallback", heuristic_table(p, dev), payload["error"]) for p in buckets}
+    resolved = {}
+    for item in payload["problems"]:
+        problem = GemmProblem(**item["problem"])
+        resolved[problem] = ResolvedConfigs.from_dict(item["resolved"])
+        if resolved[problem].source == "fallback":
+            logger.warning("ep_moe autotune: tuning %s failed on rank 0 (%s); every rank uses "
+                           "heuristic configs", problem, resolved[problem].error)
+    if not is_root and _is_other_node_leader(payload["host"]):
+        _write_node_cache(payload["problems"], device)
+    return resolved
+
+
+def _root_payload(buckets, device, force, tuner, timeout) -> dict[str, Any]:
+    """What rank 0 publishes: plain JSON-able data, never our objects."""
+    try:
+        dev = _limits(_device_key(device))
+        items = []
+        for p, b in buckets.items():
+            r = _resolve_or_fallback(p, device, b, force, tuner, timeout)
+            items.append({"problem": asdict(p), "key": make_key(p, dev).to_dict(), "resolved": r.to_dict()})
+        return {"ok": True, "host": socket.gethostname(), "problems": items}
+    except Exception as e:  # noqa: BLE001 - reported to every rank, which then falls back
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def _is_other_node_leader(root_host: str) -> bool:
+    return os.environ.get("LOCAL_RANK") == "0" and socket.gethostname() != root_host
+
+
+def _write_node_cache(items: list[dict[str, Any]], device: torch.device) -> None:
+    """Local rank 0 of another node: store rank 0's tables whose key matches this node's."""
+    dev = _limits(_device_key(device))
+    cache = default_cache()
+    for item in items:
+        key = CacheKey.from_dict(item["key"])
+        resolved = ResolvedConfigs.from_dict(item["resolved"])
+        if resolved.source in ("cache", "tuned") and make_key(key.problem(), dev) == key:
+            if cache.load(key) != resolved.table:
+                cache.store(key, resolved.table)

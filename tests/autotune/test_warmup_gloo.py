@@ -1,0 +1,92 @@
+"""warmup across 4 gloo processes: rank 0 alone tunes; a failing rank 0 leaves everyone on
+the same fallback; a stalled rank 0 makes the others fail after the timeout, not hang.
+
+The three scenarios run in order in one 4-process world (one start-up for all three).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+from _dist import STUB_CONFIGS, TINY, TINY_UP, CountingTuner, run_processes, set_cache_env, tune_calls
+
+from ep_moe.autotune import WarmupTimeout, get_kernel_configs, warmup
+from ep_moe.autotune.space import heuristic_configs
+
+NPROCS = 4
+STALL_TIMEOUT = 3.0
+STALL_DELAY = 8.0
+
+
+def _scenarios(rank, tmp):
+    out = {}
+    # 1. Normal: rank 0 tunes both problems, everyone installs what it sent.
+    set_cache_env(tmp / "ok")
+    resolved = warmup([TINY, TINY_UP], num_tokens=64, tuner=CountingTuner(str(tmp / "ok.log")))
+    out["ok"] = {
+        "sources": [r.source for r in resolved.values()],
+        "tables": [r.to_dict() for r in resolved.values()],
+        "served": get_kernel_configs(TINY, 128).forward.to_dict(),
+        "cache_files": len(list((tmp / "ok" / "cache").glob("*.json"))),
+    }
+    # 2. Rank 0's tuning raises: everyone ends on the same heuristic configs.
+    set_cache_env(tmp / "fail")
+    resolved = warmup([TINY], num_tokens=64, tuner=CountingTuner(str(tmp / "fail.log"), fail=True))
+    out["fail"] = {"source": resolved[TINY].source, "error": resolved[TINY].error,
+                   "table": resolved[TINY].to_dict(),
+                   "served": get_kernel_configs(TINY, 128).forward.to_dict()}
+    # 3. Rank 0 stalls past the timeout: the others raise WarmupTimeout, in about the timeout.
+    set_cache_env(tmp / "stall")
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        warmup([TINY], num_tokens=64, timeout=STALL_TIMEOUT,
+               tuner=CountingTuner(str(tmp / "stall.log"), delay=STALL_DELAY))
+        out["stall"] = {"raised": None}
+    except WarmupTimeout as e:
+        out["stall"] = {"raised": str(e)}
+    out["stall"]["seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gloo")
+    return tmp, run_processes(_scenarios, NPROCS, tmp)
+
+
+@pytest.mark.distributed
+def test_only_rank0_tunes_and_all_ranks_agree(runs):
+    tmp, results = runs
+    calls = tune_calls(tmp / "ok.log")
+    assert [c.split()[0] for c in calls] == ["0", "0"], "only rank 0 tunes, once per problem"
+    first = results[0]["ok"]
+    assert first["sources"] == ["tuned", "tuned"]
+    for r in results:
+        assert r["ok"]["tables"] == first["tables"]
+        assert r["ok"]["served"] == STUB_CONFIGS.forward.to_dict()
+    assert first["cache_files"] == 2
+
+
+@pytest.mark.distributed
+def test_rank0_failure_same_fallback_everywhere(runs):
+    tmp, results = runs
+    assert [c.split()[0] for c in tune_calls(tmp / "fail.log")] == ["0"]
+    from ep_moe.autotune import device_limits
+
+    expected = heuristic_configs(TINY, 128, device_limits()).forward.to_dict()
+    for r in results:
+        assert r["fail"]["source"] == "fallback" and "stub tuning failure" in r["fail"]["error"]
+        assert r["fail"]["table"] == results[0]["fail"]["table"]
+        assert r["fail"]["served"] == expected
+
+
+@pytest.mark.distributed
+def test_rank0_stall_times_out_elsewhere(runs):
+    _, results = runs
+    for r in results[1:]:
+        stall = r["stall"]
+        assert stall["raised"] and "within timeout=3.0s" in stall["raised"]
+        assert STALL_TIMEOUT - 0.5 <= stall["seconds"] < STALL_DELAY, stall
