@@ -1,0 +1,225 @@
+"""The trainer's configuration: TOML files in ``configs/train/`` plus command-line overrides.
+
+A config file has one table per component; every key is optional and defaults to the
+field default documented on the dataclasses below (``[model]`` and ``[data]`` are owned by
+``model.py`` and ``data.py``, ``[checkpoint]`` by ``checkpoint.py``; ``[moe]`` holds the
+keyword arguments of ``ep_moe.MoEConfig``, whose ``hidden_size`` comes from ``model.dim``).
+
+Overrides, applied in order after the file:
+
+- ``--set SECTION.KEY=VALUE`` (repeatable): VALUE is parsed as a TOML value, and taken as a
+  plain string when it does not parse: ``--set moe.num_experts=16``,
+  ``--set training.lr=1e-3``, ``--set data.path=corpus.txt``.
+- shorthands for the common ones: ``--steps``, ``--ep-size``, ``--data``, ``--resume``,
+  ``--checkpoint-dir``, ``--metrics-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+from checkpoint import CheckpointConfig
+from data import DataConfig
+from model import ModelConfig
+
+from ep_moe import MoEConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.toml"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """Optimisation: batch, schedule, optimizer, precision, device."""
+
+    steps: int = 300
+    """Optimizer steps in the whole run (a resumed run continues up to this)."""
+    batch_size: int = 16
+    """Sequences per rank per step; the global batch is ``batch_size * world_size``."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at ``lr * min_lr_ratio`` on the last step."""
+    warmup_steps: int = 20
+    """Linear warm-up steps from ``lr / warmup_steps`` to ``lr``."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not norms, not the router bias)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (dense and all expert shards) to this; 0 disables."""
+    seed: int = 0
+    """Seeds initialisation, the data order and the embedded corpus."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: CUDA (NCCL, Triton kernels) when a GPU is visible, else CPU (gloo, torch)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype: ``bfloat16`` autocasts attention and projections (weights and optimizer
+    stay fp32); the MoE layers compute in their parameter dtype. On CUDA, fp32 matmuls,
+    the Triton expert GEMMs included, use TF32 tensor cores."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"training.{name}={getattr(self, name)} must be positive")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"training.lr={self.lr} must be > 0 and training.min_lr_ratio="
+                             f"{self.min_lr_ratio} in [0, 1]")
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError("training.warmup_steps, grad_clip and weight_decay must be >= 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"training.device={self.device!r}: use 'auto', 'cpu' or 'cuda'")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"training.dtype={self.dtype!r}: use 'float32' or 'bfloat16'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the ranks are split. Dense weights are replicated on every rank (data parallel);
+    experts are sharded over EP groups of ``ep_size`` consecutive ranks and replicated over
+    the ``world_size / ep_size`` expert-data-parallel groups."""
+
+    ep_size: int = 0
+    """Expert-parallel degree; 0 means every rank (EP = world size)."""
+    autotune_timeout_s: float = 900.0
+    """How long the ranks wait for rank 0's kernel tuning before all fall back to defaults."""
+
+    def __post_init__(self) -> None:
+        if self.ep_size < 0:
+            raise ValueError(f"parallel.ep_size={self.ep_size} must be >= 0 (0: all ranks)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """What rank 0 reports and where."""
+
+    log_interval: int = 10
+    """Log loss, aux loss, tokens/s and expert load every this many steps, and at the first
+    and last step of the run."""
+    metrics_file: str = ""
+    """One JSON line per logged step and per evaluation, written by rank 0: a fresh run
+    truncates the file, a resumed run appends to it. Empty for none."""
+    progress_bar: bool = True
+    """Show a tqdm bar on rank 0 (when its stderr is a terminal)."""
+    eval_interval: int = 100
+    """Evaluate on held-out data every this many steps and at the end; 0 disables."""
+    eval_batches: int = 4
+    """Batches per rank in one evaluation."""
+    sample_prompt: str = ""
+    """After training, greedily continue this prompt (byte-level data only) and log it."""
+    sample_tokens: int = 32
+    """Tokens to generate for the sample."""
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1 or self.eval_interval < 0 or self.eval_batches < 1 or self.sample_tokens < 0:
+            raise ValueError("logging.log_interval and eval_batches must be >= 1, eval_interval and "
+                             "sample_tokens >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """Everything one training run reads."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of ``ep_moe.MoEConfig`` other than ``hidden_size``."""
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def moe_config(self) -> MoEConfig:
+        """The MoE layer config, its hidden size tied to the model's."""
+        if "hidden_size" in self.moe:
+            raise ValueError("moe.hidden_size is set from model.dim; remove it from [moe]")
+        return MoEConfig(hidden_size=self.model.dim, **self.moe)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (for logs and checkpoints)."""
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(JobConfig)}
+
+
+def _section(name: str, cls: type, table: dict[str, Any], source: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {', '.join(f'{name}.{k}' for k in unknown)}; "
+                         f"[{name}] takes {', '.join(sorted(known))}")
+    if "betas" in table:
+        table = {**table, "betas": tuple(table["betas"])}
+    return cls(**table)
+
+
+def build_job_config(raw: dict[str, Any], source: str = "config") -> JobConfig:
+    """Turn the nested dict of a TOML file (after overrides) into a validated ``JobConfig``."""
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise ValueError(f"{source}: unknown table(s) {unknown}; use {sorted(_SECTIONS)}")
+    kwargs: dict[str, Any] = {}
+    for name, table in raw.items():
+        if not isinstance(table, dict):
+            raise ValueError(f"{source}: [{name}] must be a table, got {table!r}")
+        kwargs[name] = dict(table) if name == "moe" else _section(name, _SECTIONS[name].default_factory, table, source)
+    job = JobConfig(**kwargs)
+    job.moe_config()  # fail now, with MoEConfig's own message, not after process-group setup
+    return job
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one ``SECTION.KEY=VALUE`` to the nested dict in place."""
+    key, sep, value = assignment.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not name:
+        raise ValueError(f"--set {assignment!r}: expected SECTION.KEY=VALUE, e.g. moe.num_experts=16")
+    raw.setdefault(section, {})[name] = _parse_value(value.strip())
+
+
+def parse_args(argv: Optional[list[str]] = None) -> JobConfig:
+    """Read ``--config`` (default: tiny.toml), apply the overrides, validate."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML file (default: %(default)s)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value; repeatable")
+    shorthands = {
+        "--steps": ("training.steps", int),
+        "--ep-size": ("parallel.ep_size", int),
+        "--data": ("data.path", str),
+        "--resume": ("checkpoint.resume", str),
+        "--checkpoint-dir": ("checkpoint.dir", str),
+        "--metrics-file": ("logging.metrics_file", str),
+    }
+    for flag, (key, typ) in shorthands.items():
+        parser.add_argument(flag, type=typ, default=None, help=f"same as --set {key}=...")
+    args = parser.parse_args(argv)
+    if not args.config.is_file():
+        parser.error(f"--config {args.config}: no such file")
+    with open(args.config, "rb") as f:
+        raw = tomllib.load(f)
+    for assignment in args.overrides:
+        apply_override(raw, assignment)
+    for flag, (key, _) in shorthands.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            section, name = key.split(".")
+            raw.setdefault(section, {})[name] = value
+    return build_job_config(raw, source=str(args.config))

@@ -1,0 +1,62 @@
+"""Train a small MoE language model with ep_moe's expert-parallel layer, under torchrun.
+
+Quick start (CPU, two processes, gloo, the torch reference experts; about a minute)::
+
+    torchrun --nproc-per-node 2 launch/train.py
+
+The same command on a GPU machine uses NCCL and the Triton kernels (tuned once at start:
+rank 0 tunes or reads the cache and broadcasts). Choose the expert-parallel size and a
+config, and override any value::
+
+    torchrun --nproc-per-node 8 launch/train.py --config configs/train/gpu.toml --ep-size 8
+    torchrun --nproc-per-node 2 launch/train.py --set moe.num_experts=16 --set training.lr=1e-3
+    python launch/train.py --steps 50          # one process, no torchrun needed
+
+Several nodes: start the same command on every node with torchrun's rendezvous (the
+checkpoint directory must be on a file system all nodes share)::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint $HEAD_NODE:29500 --rdzv-id $JOB_ID \\
+        launch/train.py --config configs/train/gpu.toml --ep-size 8
+
+(under SLURM: ``srun --ntasks-per-node=1 torchrun --nnodes $SLURM_NNODES ...`` with
+``HEAD_NODE=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)``). Fill every
+node's kernel cache before a large job with ``launch/warmup_node.sh``.
+
+Your own data: ``--data corpus.txt`` (bytes as tokens) or ``--data tokens.bin`` (flat
+uint16 ids; ``.i32`` for int32) with ``--set model.vocab_size=N``. Checkpoints go to
+``checkpoint.dir`` every ``checkpoint.interval`` steps and at the end; ``--resume latest``
+continues exactly where the newest one left off. ``--metrics-file run.jsonl`` records every
+logged step as JSON. Every option is described in ``launch/config.py`` and
+``configs/train/tiny.toml``.
+"""
+
+import logging
+import os
+import sys
+
+import torch.distributed as dist
+
+from config import parse_args
+from trainer import Trainer
+
+
+def main(argv=None) -> None:
+    """Parse the config, build the trainer, train; always tear the process group down."""
+    job = parse_args(argv)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    trainer = None
+    try:
+        trainer = Trainer(job)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

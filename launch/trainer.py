@@ -1,0 +1,330 @@
+"""The training loop behind ``launch/train.py``: set up ranks, build, train, log, checkpoint.
+
+Parallelism: every rank is a data-parallel rank with its own batches. Dense weights are
+replicated everywhere; the experts of each MoE layer are sharded over EP groups of
+``ep_size`` consecutive ranks (``ep_moe.parallel.build_ep_groups``). After ``backward``,
+``ep_moe.parallel.sync_gradients`` averages dense gradients over all ranks and expert
+gradients over the expert-data-parallel group. Every rank seeds alike before building the
+model, so replicas start equal (the layer draws experts per global id, so the weights do
+not depend on the EP size either).
+
+Exact resume: batches are a pure function of (seed, step, rank), and checkpoints hold
+weights, AdamW state, the data position and RNG states, so a resumed run logs the same
+losses as an uninterrupted one (bit for bit on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from checkpoint import Layout, find_checkpoint, load_checkpoint, save_checkpoint
+from config import JobConfig
+from data import TokenBatches, build_token_streams
+from model import MoETransformer
+
+from ep_moe.layer import expert_load, moe_aux_loss, update_expert_biases
+from ep_moe.parallel import build_ep_groups, is_expert_param, sync_gradients
+
+logger = logging.getLogger("ep_moe.train")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job and the groups it belongs to."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    ep_size: int
+    ep_rank: int
+    ep_group: Optional[ProcessGroup]
+    """The layer's all-to-all group; None at EP=1."""
+    edp_group: Optional[ProcessGroup]
+    """Replicas of this rank's experts; None when there are none."""
+
+
+def init_distributed(job: JobConfig) -> Ranks:
+    """Start torch.distributed (NCCL on CUDA, gloo on CPU) and build the EP groups.
+
+    Under torchrun the rendezvous comes from its environment; run as a plain script, the
+    process forms a group of one, so the same code path serves both.
+    """
+    want = job.training.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("training.device='cuda' but no CUDA GPU is visible; use 'auto' or 'cpu'")
+    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        # TF32 tensor cores for fp32 matmuls, dense and grouped (the Triton kernels read this).
+        torch.set_float32_matmul_precision("high")
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ep_size = job.parallel.ep_size or world
+    num_experts = job.moe_config().num_experts
+    if world % ep_size or num_experts % ep_size:
+        raise ValueError(f"parallel.ep_size={ep_size} must divide the world size ({world}) and "
+                         f"moe.num_experts ({num_experts}); pass --ep-size with a common divisor")
+    groups = build_ep_groups(ep_size)
+    return Ranks(rank=rank, world_size=world, device=device, ep_size=ep_size, ep_rank=rank % ep_size,
+                 ep_group=groups.ep_group if ep_size > 1 else None,
+                 edp_group=groups.edp_group if groups.edp_size > 1 else None)
+
+
+def _all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    """Mean over all ranks (gloo has no AVG op, so SUM then divide)."""
+    dist.all_reduce(values)
+    return values / dist.get_world_size()
+
+
+class Trainer:
+    """Owns the model, optimizer, data and checkpoints of one run; ``train()`` runs it."""
+
+    def __init__(self, job: JobConfig) -> None:
+        self.job = job
+        self.ranks = init_distributed(job)
+        tcfg = job.training
+        if self.ranks.rank == 0:
+            logger.info("config: %s", json.dumps(job.to_dict(), default=str))
+        torch.manual_seed(tcfg.seed)
+        streams = build_token_streams(job.data, tcfg.seed)
+        if streams.vocab_size > job.model.vocab_size:
+            raise ValueError(f"the data has token ids up to {streams.vocab_size - 1} but model.vocab_size="
+                             f"{job.model.vocab_size}; set model.vocab_size >= {streams.vocab_size}")
+        self.byte_level = streams.byte_level
+        self.model = MoETransformer(job.model, job.moe_config(), self.ranks.ep_group).to(self.ranks.device)
+        self.optimizer = self._build_optimizer()
+        dp = dict(seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, dp_rank=self.ranks.rank,
+                  dp_size=self.ranks.world_size)
+        self.batches = TokenBatches(streams.train, seed=tcfg.seed, **dp)
+        self.val_batches = TokenBatches(streams.val, seed=tcfg.seed + 1, **dp)
+        self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * self.ranks.world_size
+        self.layout = Layout(rank=self.ranks.rank, world_size=self.ranks.world_size,
+                             ep_rank=self.ranks.ep_rank, ep_size=self.ranks.ep_size)
+        self.step = 0
+        self._resume()
+        self._warmup_kernels()
+        self.metrics = self._open_metrics()
+
+    # --- setup -------------------------------------------------------------------------
+
+    def _build_optimizer(self) -> torch.optim.AdamW:
+        """AdamW; matrices decay, vectors (norm weights) do not."""
+        tcfg = self.job.training
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tcfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas,
+                                 fused=self.ranks.device.type == "cuda")
+
+    def _resume(self) -> None:
+        """Load the checkpoint named by ``checkpoint.resume``, if any (rank 0 picks it)."""
+        ccfg = self.job.checkpoint
+        box = [find_checkpoint(ccfg.resume, Path(ccfg.dir)) if self.ranks.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+        if path is None:
+            if ccfg.resume and self.ranks.rank == 0:
+                logger.info("no checkpoint in %s: starting from step 0", ccfg.dir)
+            return
+        extra = load_checkpoint(path, self.layout, self.model, self.optimizer)
+        self.step = int(extra["step"])
+        self.batches.load_state_dict(extra["data"])
+        if self.ranks.rank == 0:
+            logger.info("resumed from %s at step %d", path, self.step)
+
+    def _warmup_kernels(self) -> None:
+        """Tune or load the Triton kernel configs once, before the first step (CUDA only):
+        rank 0 tunes or reads its cache and broadcasts, so every rank runs the same kernels."""
+        if self.ranks.device.type != "cuda" or self.job.moe.get("backend", "auto") == "torch":
+            return
+        from ep_moe.autotune import warmup
+
+        tcfg = self.job.training
+        start = time.perf_counter()
+        resolved = warmup(self.model, timeout=self.job.parallel.autotune_timeout_s,
+                          num_tokens=tcfg.batch_size * tcfg.seq_len, device=self.ranks.device)
+        if self.ranks.rank == 0:
+            sources = sorted({r.source for r in resolved.values()})
+            logger.info("kernel configs ready in %.1fs (%d problems, from %s)",
+                        time.perf_counter() - start, len(resolved), ", ".join(sources))
+
+    def _open_metrics(self):
+        """Rank 0's JSONL metrics file: truncated on a fresh start, appended to on resume."""
+        path = self.job.logging.metrics_file
+        if not path or self.ranks.rank != 0:
+            return None
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a" if self.step else "w", encoding="utf-8")
+
+    # --- one step ----------------------------------------------------------------------
+
+    def _lr(self, step: int) -> float:
+        """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+        tcfg = self.job.training
+        if step <= tcfg.warmup_steps:
+            return tcfg.lr * step / tcfg.warmup_steps
+        progress = (step - tcfg.warmup_steps) / max(1, tcfg.steps - tcfg.warmup_steps)
+        return tcfg.lr * (tcfg.min_lr_ratio + (1 - tcfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def _autocast(self):
+        if self.job.training.dtype == "bfloat16":
+            return torch.autocast(self.ranks.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _loss(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next-token cross-entropy (fp32) and the MoE auxiliary losses of this forward."""
+        with self._autocast():
+            logits_BLV = self.model(inputs_BL.to(self.ranks.device, non_blocking=True))
+        ce = F.cross_entropy(logits_BLV.flatten(0, 1).float(),
+                             targets_BL.to(self.ranks.device, non_blocking=True).flatten())
+        return ce, moe_aux_loss(self.model)
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """Global gradient norm over dense weights and every expert shard; clip to
+        ``grad_clip``. Dense gradients are equal on every rank after the sync; expert norms
+        are summed (squared) over the EP group, whose ranks hold disjoint experts."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        dense = torch.nn.utils.get_total_norm([p.grad for p in params if not is_expert_param(p)])
+        expert_sq = torch.nn.utils.get_total_norm([p.grad for p in params if is_expert_param(p)]).square()
+        if self.ranks.ep_group is not None:
+            dist.all_reduce(expert_sq, group=self.ranks.ep_group)
+        total = (dense.square() + expert_sq).sqrt()
+        if self.job.training.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.job.training.grad_clip, total)
+        return total
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns this rank's (loss, aux loss, global grad norm)."""
+        inputs_BL, targets_BL = next(self.batches)
+        lr = self._lr(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        ce, aux = self._loss(inputs_BL, targets_BL)
+        (ce + aux).backward()
+        sync_gradients(self.model, self.ranks.ep_group, self.ranks.edp_group)
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        update_expert_biases(self.model, dist.group.WORLD)  # no-op unless moe.expert_bias
+        return ce.detach(), aux.detach(), grad_norm
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def train(self) -> None:
+        """Train from ``self.step`` to ``training.steps``, logging, evaluating and saving."""
+        tcfg, lcfg, ccfg = self.job.training, self.job.logging, self.job.checkpoint
+        rank0 = self.ranks.rank == 0
+        if rank0:
+            n_params = sum(p.numel() for p in self.model.parameters())
+            logger.info("rank 0: %.2fM parameters (its expert shard included); world %d, EP %d, "
+                        "%d tokens per step, device %s", n_params / 1e6, self.ranks.world_size,
+                        self.ranks.ep_size, self.tokens_per_step, self.ranks.device)
+        self.model.train()
+        # disable=None: tqdm turns itself off when stderr is not a terminal (logs to a file).
+        bar = tqdm(total=tcfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=None if rank0 and lcfg.progress_bar else True)
+        start = self.step
+        interval_start, interval_steps = time.perf_counter(), 0
+        with logging_redirect_tqdm():
+            for step in range(start + 1, tcfg.steps + 1):
+                loss, aux, grad_norm = self.train_step(step)
+                self.step = step
+                interval_steps += 1
+                bar.update(1)
+                last = step == tcfg.steps
+                if step % lcfg.log_interval == 0 or last or step == start + 1:
+                    elapsed = time.perf_counter() - interval_start
+                    record = self._log(step, loss, aux, grad_norm, interval_steps / elapsed)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}")
+                    interval_start, interval_steps = time.perf_counter(), 0
+                paused = time.perf_counter()  # evaluation and saving do not count in tokens/s
+                if lcfg.eval_interval and (step % lcfg.eval_interval == 0 or last):
+                    self._evaluate(step)
+                if ccfg.interval >= 0 and (last or (ccfg.interval and step % ccfg.interval == 0)):
+                    self._save(step)
+                interval_start += time.perf_counter() - paused
+            bar.close()
+            if lcfg.sample_prompt and self.byte_level:
+                self._sample(lcfg.sample_prompt, lcfg.sample_tokens)
+
+    def _log(self, step: int, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor,
+             steps_per_s: float) -> dict:
+        """All-reduce this step's stats; rank 0 logs them and appends them to the metrics file."""
+        means = _all_reduce_mean(torch.stack([loss.float(), aux.float()]))
+        load_LE = expert_load(self.model).to(self.ranks.device)
+        dist.all_reduce(load_LE)  # tokens of every rank per global expert
+        loss_v, aux_v = means.tolist()
+        record = {"step": step, "loss": loss_v, "aux_loss": aux_v, "lr": self._lr(step),
+                  "grad_norm": float(grad_norm), "tokens_per_s": steps_per_s * self.tokens_per_step,
+                  "load_min": int(load_LE.min()), "load_max": int(load_LE.max()),
+                  "load_mean": float(load_LE.float().mean())}
+        if self.ranks.rank == 0:
+            logger.info("step %5d/%d | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f | %8.0f tok/s | "
+                        "tokens/expert min %d max %d (mean %.0f)", step, self.job.training.steps,
+                        loss_v, aux_v, record["lr"], record["grad_norm"], record["tokens_per_s"],
+                        record["load_min"], record["load_max"], record["load_mean"])
+            self._write_metrics(record)
+        return record
+
+    @torch.no_grad()
+    def _evaluate(self, step: int) -> None:
+        """Mean loss over ``eval_batches`` fixed held-out batches per rank."""
+        self.model.eval()
+        losses = [self._loss(*self.val_batches.batch(i))[0] for i in range(self.job.logging.eval_batches)]
+        self.model.train()
+        val = float(_all_reduce_mean(torch.stack(losses).mean()))
+        if self.ranks.rank == 0:
+            logger.info("step %5d | val loss %.4f", step, val)
+            self._write_metrics({"step": step, "val_loss": val})
+
+    def _save(self, step: int) -> None:
+        start = time.perf_counter()
+        extra = {"step": step, "data": self.batches.state_dict()}
+        path = save_checkpoint(Path(self.job.checkpoint.dir), step, self.layout, self.model, self.optimizer,
+                               extra, {"config": self.job.to_dict()}, self.job.checkpoint.keep)
+        if self.ranks.rank == 0:
+            logger.info("saved %s in %.1fs", path, time.perf_counter() - start)
+
+    @torch.no_grad()
+    def _sample(self, prompt: str, num_tokens: int) -> None:
+        """Greedy continuation of ``prompt`` (every rank runs it: EP forwards are collective)."""
+        self.model.eval()
+        prompt_L = torch.tensor(list(prompt.encode()), dtype=torch.int64, device=self.ranks.device)
+        with self._autocast():
+            out_L = self.model.generate(prompt_L, num_tokens)
+        self.model.train()
+        if self.ranks.rank == 0:
+            text = bytes(out_L.tolist()).decode("utf-8", errors="replace")
+            logger.info("sample: %r", text)
+
+    def _write_metrics(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+    def close(self) -> None:
+        """Close the metrics file (the caller destroys the process group)."""
+        if self.metrics is not None:
+            self.metrics.close()

@@ -1,0 +1,206 @@
+"""End-to-end tests of the training entry points, on CPU.
+
+- ``launch/train.py`` under ``torchrun --nproc-per-node 2`` (gloo, torch experts, EP=2):
+  the loss falls; resuming from a checkpoint logs exactly the losses of the uninterrupted
+  run; the EP=2 checkpoint also resumes at EP=1 (experts resharded on load).
+- in-process: config overrides and their errors, checkpoint discovery, data batches.
+- ``launch/warmup_node.sh``: the first run tunes, the second is a pure cache hit.
+
+Each trainer run is a subprocess, so the Triton interpreter that ``conftest.py`` switches
+on for this process is switched off for them (the trainer's CPU path is the torch one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+STEPS = 30
+CKPT_EVERY = 10
+# The tiny default config, shortened: every step logged, checkpoints kept, no sample.
+RUN_ARGS = [
+    "--steps", str(STEPS),
+    "--set", "logging.log_interval=1",
+    "--set", "logging.eval_interval=10",
+    "--set", "logging.progress_bar=false",
+    "--set", "logging.sample_prompt=''",
+    "--set", f"checkpoint.interval={CKPT_EVERY}",
+    "--set", "checkpoint.keep=0",
+    "--set", "training.batch_size=8",
+]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _train(out: Path, *extra: str) -> list[dict]:
+    """Run the trainer on 2 gloo ranks (EP=2 unless ``extra`` says otherwise); return its
+    metrics records."""
+    metrics = out / "metrics.jsonl"
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--standalone", "launch/train.py", *RUN_ARGS,
+           "--checkpoint-dir", str(out / "ckpt"), "--metrics-file", str(metrics), *extra]
+    _run(cmd, _env(), timeout=300)
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def _by_step(records: list[dict], field: str) -> dict[int, float]:
+    return {r["step"]: r[field] for r in records if field in r}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One uninterrupted 30-step run at EP=2, checkpointing every 10 steps."""
+    out = tmp_path_factory.mktemp("full")
+    return out, _train(out, "--ep-size", "2")
+
+
+def test_loss_falls(full_run):
+    out, records = full_run
+    loss = _by_step(records, "loss")
+    assert sorted(loss) == list(range(1, STEPS + 1))
+    assert loss[1] > 5.0, "a fresh byte-level model starts near ln(256) = 5.5"
+    assert loss[STEPS] < 0.6 * loss[1], f"loss did not fall enough: {loss[1]:.3f} -> {loss[STEPS]:.3f}"
+    val = _by_step(records, "val_loss")
+    assert sorted(val) == [10, 20, 30] and val[30] < val[10]
+    last = records[-2]
+    assert last["load_min"] <= last["load_mean"] <= last["load_max"]
+    assert last["aux_loss"] > 0 and last["tokens_per_s"] > 0
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [f"step_{s:08d}" for s in (10, 20, 30)]
+
+
+def test_resume_is_exact(full_run, tmp_path):
+    """A copy of the step-10 checkpoint, picked up by ``--resume latest``, continues with
+    exactly the losses, gradient norms and expert loads of the uninterrupted run."""
+    out, records = full_run
+    shutil.copytree(out / "ckpt" / "step_00000010", tmp_path / "ckpt" / "step_00000010")
+    resumed = _train(tmp_path, "--ep-size", "2", "--resume", "latest")
+    for field in ("loss", "aux_loss", "grad_norm", "load_min", "load_max", "val_loss"):
+        want = {s: v for s, v in _by_step(records, field).items() if s > CKPT_EVERY}
+        assert _by_step(resumed, field) == want, field
+
+
+def test_resume_reshards_experts(full_run, tmp_path):
+    """The EP=2 checkpoint loads at EP=1: each rank then holds all 8 experts, read from
+    both shard files, optimizer state included; the run continues up to float rounding."""
+    out, records = full_run
+    resumed = _train(tmp_path, "--ep-size", "1", "--resume", str(out / "ckpt" / "step_00000010"))
+    want = {s: v for s, v in _by_step(records, "loss").items() if s > CKPT_EVERY}
+    assert _by_step(resumed, "loss") == pytest.approx(want, abs=1e-4)
+
+
+# --- in-process checks of the launch modules -----------------------------------------------
+
+@pytest.fixture
+def launch_modules(monkeypatch):
+    """``launch/`` on sys.path, as when torchrun runs ``launch/train.py``."""
+    monkeypatch.syspath_prepend(str(REPO / "launch"))
+    import checkpoint
+    import config
+    import data
+
+    return checkpoint, config, data
+
+
+def test_config_overrides(launch_modules):
+    _, config, _ = launch_modules
+    job = config.parse_args(["--set", "moe.num_experts=16", "--set", "training.lr=1e-3", "--steps", "7",
+                             "--data", "corpus.txt", "--set", "training.betas=[0.8, 0.9]"])
+    assert job.moe_config().num_experts == 16 and job.moe_config().hidden_size == job.model.dim
+    assert (job.training.lr, job.training.steps, job.training.betas) == (1e-3, 7, (0.8, 0.9))
+    assert job.data.path == "corpus.txt"
+    with pytest.raises(ValueError, match=r"unknown key\(s\) model.n_layer; \[model\] takes .*n_layers"):
+        config.parse_args(["--set", "model.n_layer=2"])
+    with pytest.raises(ValueError, match="training.steps=0 must be positive"):
+        config.parse_args(["--steps", "0"])
+    with pytest.raises(ValueError, match="top_k"):
+        config.parse_args(["--set", "moe.top_k=9"])
+
+
+def test_every_preset_parses(launch_modules):
+    _, config, _ = launch_modules
+    presets = sorted((REPO / "configs" / "train").glob("*.toml"))
+    assert len(presets) >= 3
+    for path in presets:
+        config.parse_args(["--config", str(path)])
+
+
+def test_latest_checkpoint_skips_partial_ones(launch_modules, tmp_path):
+    checkpoint, _, _ = launch_modules
+    assert checkpoint.find_checkpoint("latest", tmp_path / "missing") is None
+    for name in ("step_00000010", "step_00000020", "step_00000030.partial"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.json").write_text("{}")
+    (tmp_path / "step_00000040").mkdir()  # no meta.json: interrupted before completion
+    assert checkpoint.find_checkpoint("latest", tmp_path) == tmp_path / "step_00000020"
+    assert checkpoint.find_checkpoint("", tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        checkpoint.find_checkpoint(str(tmp_path / "step_00000040"), tmp_path)
+
+
+def test_batches_are_a_function_of_step_and_rank(launch_modules, tmp_path):
+    _, _, data = launch_modules
+    corpus = data.synthetic_corpus(1 << 14, seed=3)
+    assert corpus.equal(data.synthetic_corpus(1 << 14, seed=3))
+    ranks = [data.TokenBatches(corpus, seq_len=32, batch_size=4, dp_rank=r, dp_size=2, seed=0) for r in (0, 1)]
+    x0, y0 = ranks[0].batch(5)
+    assert x0.shape == (4, 32) and x0[:, 1:].equal(y0[:, :-1])
+    assert not x0.equal(ranks[1].batch(5)[0]), "ranks read different windows"
+    resumed = data.TokenBatches(corpus, seq_len=32, batch_size=4, dp_rank=0, dp_size=2, seed=0)
+    resumed.load_state_dict({"step": 5})
+    assert next(resumed)[0].equal(x0)
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(bytes(range(10)) * 2)  # ten uint16 ids 0x0100, 0x0302, ...
+    ids, vocab = data.load_tokens(str(tokens))
+    assert ids.numel() == 10 and vocab == 0x0908 + 1
+
+
+MICRO_MODEL = {"name": "micro", "num_experts": 2, "hidden_size": 16, "intermediate_size": 16,
+               "top_k": 1, "gated": False}
+_SOURCE = re.compile(r"\s(tuned|cache|shipped|heuristic|fallback)\s")
+
+
+def test_warmup_second_run_is_a_cache_hit(tmp_path):
+    """First run tunes (in the Triton interpreter: a micro shape keeps it short), second
+    run serves every config from the cache and writes nothing."""
+    if shutil.which("ep-moe", path=str(BIN)) is None:
+        pytest.skip("the ep-moe console script is not installed (pip install -e .)")
+    model = tmp_path / "micro.json"
+    model.write_text(json.dumps(MICRO_MODEL))
+    cache = tmp_path / "cache"
+    env = _env(EP_MOE_CACHE_DIR=str(cache), TRITON_INTERPRET="1", NPROC="1")
+    cmd = ["launch/warmup_node.sh", "--model", str(model), "--ep-size", "1", "--tokens", "8",
+           "--dtype", "float32", "--no-progress"]
+
+    first = _run(cmd, env, timeout=300)
+    assert set(_SOURCE.findall(first.stdout)) == {"tuned"}, first.stdout
+    files = {p: p.stat().st_mtime_ns for p in cache.glob("*.json")}
+    assert len(files) == 2, "one cache file per projection (gate_up, down)"
+
+    start = time.monotonic()
+    second = _run(cmd, env, timeout=120)
+    assert time.monotonic() - start < 60
+    assert set(_SOURCE.findall(second.stdout)) == {"cache"}, second.stdout
+    assert {p: p.stat().st_mtime_ns for p in cache.glob("*.json")} == files
