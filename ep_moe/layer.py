@@ -258,10 +258,11 @@ class GroupedExperts(nn.Module):
         Rows are in expert order (``m_sizes_e`` rows per local expert); row r reads
         ``x[gather_index[r]]`` and its output lands at ``scatter_index[r]``.
         """
-        h_RF = grouped_gemm(x, self.gate_up, m_sizes_e, gather_index=gather_index,
+        # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
+        h_RF = grouped_gemm(x, self.gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
                             configs=configs[0], backend=backend)
         a_RI = _activate(h_RF, self.activation, backend)
-        return grouped_gemm(a_RI, self.down, m_sizes_e, scatter_index=scatter_index,
+        return grouped_gemm(a_RI, self.down.to(x.dtype), m_sizes_e, scatter_index=scatter_index,
                             row_weights=row_weights, configs=configs[1], backend=backend)
 
 
@@ -373,13 +374,22 @@ class MoELayer(nn.Module):
             self.shared_experts.gate_up.weight.normal_(0.0, std)
             self.shared_experts.down.weight.normal_(0.0, std)
 
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the experts compute in: autocast's when it is on for the parameters'
+        device (as ``nn.Linear`` does), else the parameters' own."""
+        param = self.experts.gate_up
+        if torch.is_autocast_enabled(param.device.type):
+            return torch.get_autocast_dtype(param.device.type)
+        return param.dtype
+
     def gemm_problems(self) -> list["GemmProblem"]:
-        """The two grouped GEMMs of this layer, as :mod:`ep_moe.autotune` keys them."""
+        """The two grouped GEMMs of this layer, as :mod:`ep_moe.autotune` keys them (in
+        :meth:`compute_dtype`: call ``warmup`` under the training autocast)."""
         from ep_moe.autotune.space import GemmProblem  # lazy: ep_moe.autotune may import this module
 
         cfg = self.config
         common = dict(num_local_experts=self.num_local_experts, top_k=cfg.top_k,
-                      dtype=str(self.experts.gate_up.dtype).removeprefix("torch."))
+                      dtype=str(self.compute_dtype()).removeprefix("torch."))
         return [
             GemmProblem(projection="gate_up", n=cfg.gate_up_size, k=cfg.hidden_size, **common),
             GemmProblem(projection="down", n=cfg.hidden_size, k=cfg.intermediate_size, **common),
@@ -390,7 +400,7 @@ class MoELayer(nn.Module):
         if x.dim() < 1 or x.shape[-1] != hidden:
             raise ValueError(f"x has shape {tuple(x.shape)} but the layer's hidden_size is {hidden}; "
                              f"pass x as [..., {hidden}]")
-        if x.dtype != param.dtype:
+        if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type):
             raise ValueError(f"x dtype {x.dtype} does not match the layer's parameter dtype {param.dtype}; "
                              f"cast x with x.to({param.dtype}) or the layer with layer.to({x.dtype})")
         if x.device != param.device:
@@ -404,7 +414,8 @@ class MoELayer(nn.Module):
         return tuple(_kernel_configs(p, num_rows, device) for p in self.gemm_problems())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """MoE forward, ``x`` [..., H] -> same shape and dtype. Steps:
+        """MoE forward, ``x`` [..., H] -> same shape and dtype (under autocast, the
+        autocast dtype, as ``nn.Linear``; the router stays in ``router_dtype``). Steps:
 
         1. Router (fp32): scores, top-k (expert bias for selection only), renormalise;
            aux and z losses (``last_stats``).
@@ -422,7 +433,7 @@ class MoELayer(nn.Module):
         """
         self._check_input(x)
         cfg = self.config
-        x_TH = x.reshape(-1, cfg.hidden_size)
+        x_TH = x.reshape(-1, cfg.hidden_size).to(self.compute_dtype())
         router = route(
             x_TH, self.router.weight, top_k=cfg.top_k, score_func=cfg.score_func,
             norm_topk_prob=cfg.norm_topk_prob, aux_loss_coef=cfg.aux_loss_coef,

@@ -114,7 +114,8 @@ def route(
     - z (ST-MoE): ``coef * mean_t logsumexp(logits_t)^2``.
     """
     num_tokens, num_experts = x_TH.shape[0], weight_EH.shape[0]
-    logits_TE = F.linear(x_TH.to(router_dtype), weight_EH.to(router_dtype))
+    with torch.autocast(x_TH.device.type, enabled=False):  # the router stays in router_dtype
+        logits_TE = F.linear(x_TH.to(router_dtype), weight_EH.to(router_dtype))
     if score_func == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
     elif score_func == "sigmoid":

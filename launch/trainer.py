@@ -163,8 +163,9 @@ class Trainer:
 
         tcfg = self.job.training
         start = time.perf_counter()
-        resolved = warmup(self.model, timeout=self.job.parallel.autotune_timeout_s,
-                          num_tokens=tcfg.batch_size * tcfg.seq_len, device=self.ranks.device)
+        with self._autocast():  # the problems carry the dtype the experts compute in
+            resolved = warmup(self.model, timeout=self.job.parallel.autotune_timeout_s,
+                              num_tokens=tcfg.batch_size * tcfg.seq_len, device=self.ranks.device)
         if self.ranks.rank == 0:
             sources = sorted({r.source for r in resolved.values()})
             logger.info("kernel configs ready in %.1fs (%d problems, from %s)",

@@ -573,3 +573,18 @@ def test_group_errors(ep4_results):
     assert re.search(r"num_experts=6 is not divisible by the ep_group size 4; use an EP size that divides",
                      errors[0])
     assert re.search(r"ep_group has 4 ranks but MoEConfig.ep_size=2; pass a group of 2 ranks", errors[1])
+
+
+def test_autocast_runs_experts_in_the_autocast_dtype():
+    torch.manual_seed(3)
+    layer = MoELayer(_config(top_k=2))
+    x = torch.randn(10, H, requires_grad=True)
+    y_ref = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert {p.dtype for p in layer.gemm_problems()} == {"bfloat16"}
+        y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == y_ref.shape
+    assert ((y.float() - y_ref).norm() / y_ref.norm()).item() < 2e-2
+    y.float().sum().backward()
+    assert layer.experts.gate_up.grad.dtype == torch.float32
+    assert layer.router.weight.grad is not None and x.grad.dtype == torch.float32
