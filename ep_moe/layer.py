@@ -368,7 +368,7 @@ class MoELayer(nn.Module):
         """Documented init (see the class docstring); draws from the default RNG."""
         std = self.config.init_std
         self.router.weight.normal_(0.0, std)
-        expert_seed = int(torch.randint(0, 2**62, ()).item())
+        expert_seed = int(torch.randint(0, 2**62, (), device="cpu").item())  # also under a meta default device
         self.experts.reset_parameters(std, expert_seed)
         if self.shared_experts is not None:
             self.shared_experts.gate_up.weight.normal_(0.0, std)

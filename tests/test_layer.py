@@ -588,3 +588,9 @@ def test_autocast_runs_experts_in_the_autocast_dtype():
     y.float().sum().backward()
     assert layer.experts.gate_up.grad.dtype == torch.float32
     assert layer.router.weight.grad is not None and x.grad.dtype == torch.float32
+
+
+def test_builds_on_the_meta_device():
+    with torch.device("meta"):
+        layer = MoELayer(_config(top_k=2))
+    assert layer.experts.gate_up.is_meta
