@@ -1,0 +1,293 @@
+"""Expert-parallel MoE layer benchmark: ep_moe against the layers users build today, in one run.
+
+    torchrun --nproc-per-node P benchmarks/bench_ep.py [--shapes all] [--tokens 8192]
+    torchrun --nproc-per-node 2 benchmarks/bench_ep.py --device cpu --shapes tiny   # smoke test
+
+For each shape of ANCHORS.md (benchmarks/common.py SHAPES; global expert count fixed, so
+E/P experts per rank) and ``--tokens`` tokens per rank, one forward+backward of the whole
+layer (router to combine, dX and every weight gradient) of:
+
+- ``ep_moe``: :class:`ep_moe.MoELayer` (Triton grouped GEMM on CUDA, reference on CPU);
+- ``plain``: the torchtitan-style layer of ``baselines.py`` (argsort permute, uneven
+  ``all_to_all_single``, ``torch._grouped_mm`` SwiGLU experts);
+- ``deepspeed``: ``deepspeed.moe.layer.MoE`` (dropless, SwiGLU experts) when deepspeed
+  imports; skipped otherwise.
+
+All three hold the same weights (SwiGLU, softmax top-k renormalised, no aux loss) and see
+the same tokens, so they route alike. Before timing, each layer's output and input
+gradient are checked against the plain layer's (relative error, largest over ranks; a
+layer above 2e-2 is not timed). Time: median over ``--iters`` CUDA-event-timed iterations
+after ``--warmup``, per rank; the table shows the slowest rank's median (every rank's is
+recorded). ``a2a`` is the forward dispatch and combine ``all_to_all_single`` alone, on the
+split sizes of the same routing, and its share of each layer's time.
+FLOPs per rank: 3 * (2*T*k*H*2I + 2*T*k*I*H) = 18*T*k*H*I (T tokens per rank).
+
+Results: ``benchmarks/results/ep_<device>_ep<P>.json`` (``--out`` to change), with the
+device, torch, triton and deepspeed versions. Exit status 1 when ep_moe fails validation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import PlainEPMoE, deepspeed_moe_like  # noqa: E402
+from common import REPO, SHAPES, MoEShape, environment, save_results  # noqa: E402
+
+from ep_moe import MoEConfig, MoELayer  # noqa: E402
+from ep_moe.dispatch import combine_rows, dispatch_rows, exchange_counts, split_sizes  # noqa: E402
+from ep_moe.routing import build_routing_metadata, route  # noqa: E402
+
+# A shape small enough for the CPU smoke test (dims keep torch._grouped_mm's 16-byte strides).
+TINY = MoEShape("tiny", 8, 64, 32, 2)
+MAX_REL_ERR = 2e-2
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="all", help=f"comma-separated names of {list(SHAPES)} or 'tiny', "
+                                                        "or 'all'")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations per layer")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per layer first")
+    parser.add_argument("--impls", default="ep_moe,plain,deepspeed", help="which layers to time")
+    parser.add_argument("--autotune", action="store_true",
+                        help="run ep_moe.autotune.warmup for each shape first (may tune on rank 0)")
+    parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
+    return parser.parse_args()
+
+
+def init(device_kind: str) -> torch.device:
+    """Default process group from torchrun's environment (nccl on CUDA, gloo on CPU)."""
+    if device_kind == "cpu":
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device
+
+
+def import_deepspeed(device: torch.device, ep_size: int):
+    """deepspeed, initialised on the default group, or None (with the reason printed)."""
+    os.environ.setdefault("DS_ACCELERATOR", device.type)  # "cuda" or "cpu", not auto-detected
+    try:
+        import deepspeed
+    except ImportError:
+        print0("deepspeed: not installed")
+        return None
+    except Exception as exc:  # a broken install (missing dependency, accelerator detection)
+        print0(f"deepspeed: import failed ({type(exc).__name__}: {exc}); skipped")
+        return None
+    if ep_size > 1:
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+    return deepspeed
+
+
+def print0(*args) -> None:
+    """Print on rank 0 only."""
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(run, setup, iters: int, warmup: int, device: torch.device) -> float:
+    """Median time of ``run()`` in ms (CUDA events on GPU, wall clock on CPU); ``setup()``
+    runs before each iteration, outside the timed region."""
+    for _ in range(warmup):
+        setup()
+        run()
+    synchronize(device)
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        setup()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            times.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    synchronize(device)
+    if device.type == "cuda":
+        times = [start.elapsed_time(end) for start, end in times]
+    return statistics.median(times)
+
+
+def across_ranks(value: float, device: torch.device) -> list[float]:
+    """``value`` of every rank, in rank order."""
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.item() for t in every]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of ``a`` against ``b``."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def forward_backward(forward, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, input gradient) of one forward and backward."""
+    x = x.detach().requires_grad_()
+    y = forward(x)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+def time_layer(forward, params: list[torch.Tensor], x: torch.Tensor, dy: torch.Tensor, args,
+               device: torch.device) -> float:
+    """Median ms of forward+backward of ``forward`` on this rank."""
+    x = x.detach().requires_grad_()
+
+    def setup():
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    def run():
+        forward(x).backward(dy)
+
+    ms = median_ms(run, setup, args.iters, args.warmup, device)
+    setup()  # free the gradients before the next layer
+    return ms
+
+
+def time_all_to_all(layer: MoELayer, x: torch.Tensor, args, device: torch.device) -> float:
+    """Median ms of the forward dispatch + combine all-to-alls on this routing's splits."""
+    cfg = layer.config
+    with torch.no_grad():
+        router = route(x, layer.router.weight, top_k=cfg.top_k)
+        meta = build_routing_metadata(router.topk_ids_TK, cfg.num_experts)
+        splits = split_sizes(meta.counts_E, exchange_counts(meta.counts_E, layer.ep_group), layer.ep_size)
+        send_RH = torch.empty(meta.num_slots, cfg.hidden_size, device=device, dtype=x.dtype)
+
+        def run():
+            combine_rows(dispatch_rows(send_RH, splits, layer.ep_group), splits, layer.ep_group)
+
+        return median_ms(run, lambda: None, args.iters, args.warmup, device)
+
+
+def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtype, impls: list[str],
+                 deepspeed) -> tuple[MoELayer, dict]:
+    """ep_moe's layer, and {name: (forward, params)} of the plain layer and of the other
+    layers in ``impls``, all with ep_moe's weights."""
+    torch.manual_seed(0)  # same router on every rank; expert weights depend on global ids only
+    config = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                       num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0,
+                       backend="triton" if device.type == "cuda" else "torch")
+    ours = MoELayer(config, group, device=device, dtype=dtype)
+    layers = {"plain": PlainEPMoE.like(ours)}
+    if "ep_moe" in impls:
+        layers["ep_moe"] = ours
+    if "deepspeed" in impls and deepspeed is not None:
+        layers["deepspeed"] = deepspeed_moe_like(ours)
+    forwards = {name: (lambda x, m=m: m(x)[0]) if name == "deepspeed" else m for name, m in layers.items()}
+    return ours, {name: (forwards[name], list(m.parameters())) for name, m in layers.items()}
+
+
+def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch.dtype, deepspeed) -> list[dict]:
+    """Validate and time every layer on one shape; one result row per timed layer."""
+    ep_size = dist.get_world_size()
+    impls = args.impls.split(",")
+    ours, layers = build_layers(shape, group, device, dtype, impls, deepspeed)
+    if args.autotune:
+        from ep_moe.autotune import warmup
+
+        sources = warmup(ours, num_tokens=args.tokens)
+        print0(f"  autotune: {sorted({r.source for r in sources.values()})}")
+    gen = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())  # each rank its own tokens
+    x = torch.randn(args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
+    dy = torch.randn(args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
+
+    # Validate before timing: every layer against the plain one, largest error over ranks.
+    errors = {"plain": (0.0, 0.0)}
+    ref_y, ref_dx = forward_backward(layers["plain"][0], x, dy)
+    for name, (forward, params) in layers.items():
+        if name != "plain":
+            y, dx = forward_backward(forward, x, dy)
+            errors[name] = (max(across_ranks(rel_err(y, ref_y), device)),
+                            max(across_ranks(rel_err(dx, ref_dx), device)))
+            del y, dx
+    del ref_y, ref_dx
+    for _, params in layers.values():
+        for p in params:
+            p.grad = None
+
+    a2a_ms = max(across_ranks(time_all_to_all(ours, x, args, device), device)) if ep_size > 1 else 0.0
+    flops = 18 * args.tokens * shape.top_k * shape.hidden * shape.intermediate
+    rows = []
+    for name in [n for n in impls if n in layers]:
+        forward, params = layers[name]
+        err_y, err_dx = errors[name]
+        valid = max(err_y, err_dx) < MAX_REL_ERR
+        per_rank = across_ranks(time_layer(forward, params, x, dy, args, device), device) if valid else []
+        ms = max(per_rank) if per_rank else float("nan")
+        rows.append(dict(shape=shape.name, num_experts=shape.num_experts, local_experts=shape.num_experts // ep_size,
+                         hidden=shape.hidden, intermediate=shape.intermediate, top_k=shape.top_k, impl=name,
+                         ms=ms, ms_per_rank=per_rank, tflops=flops / ms / 1e9, a2a_ms=a2a_ms,
+                         a2a_share=a2a_ms / ms, rel_err_y=err_y, rel_err_dx=err_dx, valid=valid))
+        print0(f"{shape.name:16s} {name:10s} EP={ep_size} fwd+bwd {ms:8.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s"
+               f"  a2a {a2a_ms:6.2f} ms ({100 * a2a_ms / ms:4.1f}%)  err y {err_y:.1e} dx {err_dx:.1e}"
+               + ("" if valid else "  INVALID: not timed"))
+    return rows
+
+
+def main() -> int:
+    args = parse_args()
+    device = init(args.device)
+    try:
+        ep_size = dist.get_world_size()
+        group = dist.group.WORLD if ep_size > 1 else None
+        names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+        shapes = [TINY if name == TINY.name else SHAPES[name] for name in names]
+        deepspeed = import_deepspeed(device, ep_size) if "deepspeed" in args.impls.split(",") else None
+        dtype = getattr(torch, args.dtype)
+        env = environment()
+        print0(f"device {env['device']} x{ep_size}, torch {env['torch']}, triton {env['triton']}, "
+               f"deepspeed {deepspeed.__version__ if deepspeed else '-'}; {args.tokens} tokens per rank, "
+               f"{args.dtype}, median of {args.iters} after {args.warmup}")
+        rows = []
+        for shape in shapes:
+            if shape.num_experts % ep_size:
+                print0(f"{shape.name}: {shape.num_experts} experts do not divide over EP={ep_size}; skipped")
+                continue
+            rows += bench_shape(shape, args, group, device, dtype, deepspeed)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if dist.get_rank() == 0:
+            out = args.out or REPO / "benchmarks" / "results" / (
+                f"ep_{env['device'].replace(' ', '_')}_ep{ep_size}.json")
+            save_results(out, {"ep_size": ep_size, "tokens_per_rank": args.tokens, "dtype": args.dtype,
+                               "iters": args.iters, "warmup": args.warmup, "autotune": args.autotune,
+                               "deepspeed": deepspeed.__version__ if deepspeed else None, "results": rows})
+            print(json.dumps({"saved": str(out)}), flush=True)
+        return 0 if all(r["valid"] for r in rows if r["impl"] == "ep_moe") else 1
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

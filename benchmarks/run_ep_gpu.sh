@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# GPU check and EP benchmark in one go, for a 2- or 4-GPU machine (within ~9 minutes on 4x H100):
+#   1. installs the wheels in .whl/ (deepspeed and the dependencies the image lacks) into /tmp/site;
+#   2. runs the GPU tests (tests/gpu, tests/kernels; -x);
+#   3. runs benchmarks/bench_ep.py at EP = 1, 2, 4 (as many as there are GPUs) on all four shapes;
+#   4. copies the results JSON and the logs into $OUT (if set) and prints a summary table.
+# Every step has its own timeout, cut to what is left of a 530 s budget. Run from anywhere:
+#   bash benchmarks/run_ep_gpu.sh                # ITERS=10 WARMUP=3 TOKENS=8192 by default
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ITERS=${ITERS:-10}
+WARMUP=${WARMUP:-3}
+TOKENS=${TOKENS:-8192}
+BUDGET_END=$((SECONDS + ${BUDGET_S:-530}))
+LOGS=${OUT:-/tmp/ep_gpu}/logs
+RESULTS=${OUT:-/tmp/ep_gpu}/results
+mkdir -p "$LOGS" "$RESULTS"
+STARTED=$(mktemp)  # results newer than this file are this run's
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# NVLink multicast stays off on these machines (see the device notes).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+left() {  # seconds a step may take: its cap, or what is left of the budget
+  local rest=$((BUDGET_END - SECONDS))
+  echo $(( rest < $1 ? (rest > 10 ? rest : 10) : $1 ))
+}
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH || echo "wheel install failed: deepspeed comparisons will be skipped"
+else
+  echo "no .whl/ wheels: deepspeed comparisons will be skipped"
+fi
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+nvidia-smi -L
+
+timeout "$(left 240)" python3 -m pytest -x -q -p no:cacheprovider tests/gpu tests/kernels 2>&1 | tee "$LOGS/tests.log"
+TESTS_RC=${PIPESTATUS[0]}
+
+BENCH_RC=()
+for P in 1 2 4; do
+  [ "$P" -le "$NGPU" ] || continue
+  timeout "$(left 150)" python3 -m torch.distributed.run --nproc-per-node "$P" benchmarks/bench_ep.py --tokens "$TOKENS" \
+    --iters "$ITERS" --warmup "$WARMUP" 2>&1 | tee "$LOGS/bench_ep$P.log"
+  BENCH_RC+=("EP=$P:${PIPESTATUS[0]}")
+done
+find benchmarks/results -name 'ep_*_ep*.json' -newer "$STARTED" -exec cp {} "$RESULTS/" \;
+
+python3 - "$RESULTS" <<'EOF'
+"""Summary: slowest-rank fwd+bwd ms per shape and layer at each EP size, the forward
+all-to-all at the largest EP, and the plain layer's time over ep_moe's."""
+import json, sys
+from pathlib import Path
+
+runs = {}
+for path in sorted(Path(sys.argv[1]).glob("ep_*_ep*.json")):
+    data = json.loads(path.read_text())
+    runs[data["ep_size"]] = data
+if not runs:
+    sys.exit("no results")
+sizes = sorted(runs)
+device = runs[sizes[-1]]["environment"]["device"]
+print(f"\n== {device}, fwd+bwd ms per GPU (slowest rank), {runs[sizes[-1]]['tokens_per_rank']} tokens/GPU ==")
+rows = {}
+for ep, data in runs.items():
+    for r in data["results"]:
+        rows.setdefault((r["shape"], r["impl"]), {})[ep] = r
+print(f"{'shape':16s} {'layer':10s} " + " ".join(f"{'EP=' + str(ep):>8s}" for ep in sizes)
+      + f" {'a2a@EP' + str(sizes[-1]):>10s} {'plain/this':>11s}")
+for (shape, impl), by_ep in rows.items():
+    top = by_ep.get(sizes[-1])
+    plain = rows.get((shape, "plain"), {}).get(sizes[-1])
+    ratio = plain["ms"] / top["ms"] if top and plain and top["valid"] else float("nan")
+    cells = " ".join(f"{by_ep[ep]['ms']:8.2f}" if ep in by_ep else f"{'-':>8s}" for ep in sizes)
+    a2a = f"{top['a2a_ms']:10.2f}" if top else f"{'-':>10s}"
+    flag = "" if all(r["valid"] for r in by_ep.values()) else "  INVALID"
+    print(f"{shape:16s} {impl:10s} {cells} {a2a} {ratio:11.2f}{flag}")
+EOF
+echo "tests rc=$TESTS_RC; bench ${BENCH_RC[*]}; logs in $LOGS, results in $RESULTS; ${SECONDS}s"

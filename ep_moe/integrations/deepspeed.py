@@ -1,0 +1,397 @@
+"""Drop-in for ``deepspeed.moe.layer.MoE`` (DeepSpeed 0.19.8) backed by :class:`ep_moe.MoELayer`.
+
+:class:`MoE` takes DeepSpeed's constructor arguments and returns DeepSpeed's
+``(output, l_aux, exp_counts)``; :func:`replace_deepspeed_moe` swaps the DeepSpeed MoE
+layers of a built model for it, copying the weights. This module maps arguments and
+weights only; the math lives in :mod:`ep_moe.layer`. DeepSpeed itself is imported only
+by :func:`replace_deepspeed_moe`.
+
+How DeepSpeed's gating maps onto :class:`ep_moe.MoEConfig` (``TopKGate`` in
+``deepspeed/moe/sharded_moe.py``), with ``drop_tokens=False``:
+
+- Router: ``gate.wg`` (bias-free Linear, fp32 logits), softmax, top-k. Identical.
+- Combine weights: k=1 uses the raw softmax probability; k>=2 divides the k chosen
+  probabilities by their sum. So ``norm_topk_prob = k > 1``.
+- ``l_aux`` is returned unscaled (the caller multiplies it by its coefficient), so
+  ``aux_loss_coef=1``. For k=1 and k>=3 DeepSpeed's formula is ours, ``E * sum_e f_e *
+  P_e`` with ``f_e`` the fraction of the T*k slots routed to e. For k=2 (``top2gating``)
+  DeepSpeed counts only each token's first choice in ``f_e``; ours counts both slots, so
+  the two ``l_aux`` differ for k=2 (both are 1 under perfectly uniform routing).
+- ``exp_counts``: slots per global expert from this rank's tokens (int64). Identical.
+- ``hidden_states`` of any shape [..., H]; the output keeps shape and dtype. Identical.
+
+Not supported (a ``ValueError`` says what to pass instead): token dropping
+(``drop_tokens=True``: DeepSpeed's capacity floor, random token selection and
+renormalisation over the kept slots have no ep_moe equivalent, which makes
+``capacity_factor``, ``eval_capacity_factor``, ``min_capacity`` and ``use_rts``
+irrelevant), noisy gates (``noisy_gate_policy`` "Jitter"/"RSample", and top-2's Gumbel
+sampling of the second expert, ``top2_2nd_expert_sampling=True``, DeepSpeed's default),
+``use_residual``, expert tensor parallelism, and the ``used_token`` mask of ``forward``.
+``use_tutel`` (a DeepSpeed speed option, same math) is accepted and ignored.
+
+Expert modules. DeepSpeed copies any expert module; ep_moe experts are bias-free MLPs.
+The expert's ``nn.Linear`` submodules give the intermediate size, activation and weights
+(:func:`infer_expert_layout`): three Linears named gate/up/down (``gate_proj/up_proj/
+down_proj`` or Mixtral's ``w1/w3/w2``) are a SwiGLU expert; two Linears (first H -> F,
+second I -> H, in registration order) are a SwiGLU expert with ``[gate; up]`` stacked
+when F = 2I, else an MLP whose activation is an ``nn.GELU()`` or ``nn.ReLU()`` submodule.
+Otherwise pass ``intermediate_size=`` and ``activation=`` (the layer is then built with
+its own init and :func:`replace_deepspeed_moe` cannot copy the weights).
+
+Process groups and training. ``ep_size > 1`` builds the EP group with
+:func:`ep_moe.parallel.build_ep_groups` (consecutive ranks, DeepSpeed's default layout),
+once per ``ep_size`` and shared by every layer. Outside the DeepSpeed engine, average the
+gradients with :func:`ep_moe.parallel.sync_gradients`. Under ``deepspeed.initialize`` the
+engine knows MoE layers only as instances of its own class, so it would all-reduce these
+expert weights over every data-parallel rank, averaging different experts together when
+``ep_size > 1``: :meth:`MoE.set_deepspeed_parallelism`, which the engine calls on every
+module that has it, raises instead. With ``ep_size=1`` every rank holds every expert and
+the engine's all-reduce is right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union, get_args
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from ep_moe.layer import Activation, MoEConfig, MoELayer
+from ep_moe.parallel import build_ep_groups
+
+_GATE_NAMES = ("gate_proj", "w1", "gate")
+_UP_NAMES = ("up_proj", "w3", "up")
+_DOWN_NAMES = ("down_proj", "w2", "down")
+
+# (ep_size, default group) -> this rank's EP group; the key holds the default group so a
+# group of an earlier, destroyed default group is never reused.
+_EP_GROUPS: dict[tuple[int, ProcessGroup], ProcessGroup] = {}
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a DeepSpeed expert module keeps the two weights of an ep_moe expert."""
+
+    activation: Activation
+    """The expert MLP's activation, as :class:`ep_moe.MoEConfig` names it."""
+    intermediate_size: int
+    """I, the expert's hidden dimension."""
+    up: str
+    """Submodule of the Linear H -> I (SwiGLU's up projection, or the first layer of a
+    GELU/ReLU MLP), or H -> 2I holding ``[gate; up]`` when ``gate`` is None and the
+    activation is SwiGLU."""
+    down: str
+    """Submodule of the Linear I -> H."""
+    gate: Optional[str] = None
+    """Submodule of SwiGLU's separate gate Linear H -> I, if there is one."""
+
+    def gate_up_weight(self, expert: nn.Module) -> torch.Tensor:
+        """The expert's ``gate_up`` weight in ep_moe's layout, [2I or I, H]."""
+        up = expert.get_submodule(self.up).weight
+        if self.gate is None:
+            return up
+        return torch.cat([expert.get_submodule(self.gate).weight, up])
+
+    def down_weight(self, expert: nn.Module) -> torch.Tensor:
+        """The expert's ``down`` weight, [H, I]."""
+        return expert.get_submodule(self.down).weight
+
+
+def _find(names_by_leaf: dict[str, str], candidates: tuple[str, ...]) -> Optional[str]:
+    return next((names_by_leaf[c] for c in candidates if c in names_by_leaf), None)
+
+
+def _activation_module(expert: nn.Module) -> Optional[Activation]:
+    """The activation of a two-Linear expert from its activation submodule, if any."""
+    for module in expert.modules():
+        if isinstance(module, nn.ReLU):
+            return "relu"
+        if isinstance(module, nn.GELU):
+            if module.approximate != "none":
+                raise ValueError(f"expert uses nn.GELU(approximate={module.approximate!r}); ep_moe's GELU is "
+                                 "the exact erf form: use nn.GELU() in the expert")
+            return "gelu"
+    return None
+
+
+def infer_expert_layout(expert: nn.Module, hidden_size: int,
+                        activation: Optional[Activation] = None) -> ExpertLayout:
+    """Read an expert module's layout (see the module docstring); ``activation``, when
+    given, overrides what the module's submodules suggest. Raises ``ValueError`` naming
+    what does not fit."""
+    linears = [(name, m) for name, m in expert.named_modules() if isinstance(m, nn.Linear)]
+    kind = type(expert).__name__
+    for name, linear in linears:
+        if linear.bias is not None:
+            raise ValueError(f"expert {kind}.{name or '(itself)'} has a bias; ep_moe experts are bias-free: "
+                             "build the expert's Linears with bias=False")
+    if len(linears) == 3:
+        by_leaf = {name.rsplit(".", 1)[-1]: name for name, _ in linears}
+        gate, up, down = (_find(by_leaf, names) for names in (_GATE_NAMES, _UP_NAMES, _DOWN_NAMES))
+        if None in (gate, up, down):
+            raise ValueError(f"expert {kind} has three Linears {sorted(by_leaf)}; a SwiGLU expert names them "
+                             f"gate/up/down as one of {_GATE_NAMES}, {_UP_NAMES}, {_DOWN_NAMES}")
+        if activation not in (None, "swiglu"):
+            raise ValueError(f"expert {kind} is a SwiGLU expert (gate/up/down) but activation={activation!r}; "
+                             "drop activation= or pass 'swiglu'")
+        inter = expert.get_submodule(gate).out_features
+        shapes = {n: tuple(expert.get_submodule(n).weight.shape) for n in (gate, up, down)}
+        if shapes != {gate: (inter, hidden_size), up: (inter, hidden_size), down: (hidden_size, inter)}:
+            raise ValueError(f"expert {kind} weight shapes {shapes} do not fit hidden_size={hidden_size}: "
+                             f"gate and up must be [I, {hidden_size}], down [{hidden_size}, I]")
+        return ExpertLayout("swiglu", inter, up=up, down=down, gate=gate)
+    if len(linears) == 2:
+        (first, layer1), (second, layer2) = linears
+        out1, in1 = layer1.weight.shape
+        out2, inter = layer2.weight.shape
+        if in1 != hidden_size or out2 != hidden_size or out1 not in (inter, 2 * inter):
+            raise ValueError(f"expert {kind} Linears {first} [{out1}, {in1}] and {second} [{out2}, {inter}] are "
+                             f"not an MLP of hidden_size={hidden_size}: expected [F, {hidden_size}] then "
+                             f"[{hidden_size}, I] with F = I or 2I (SwiGLU)")
+        if out1 == 2 * inter:
+            if activation not in (None, "swiglu"):
+                raise ValueError(f"expert {kind}'s first Linear has 2I={out1} outputs, a fused SwiGLU "
+                                 f"[gate; up], but activation={activation!r}; pass 'swiglu'")
+            return ExpertLayout("swiglu", inter, up=first, down=second)
+        found = _activation_module(expert)
+        if activation is not None and found is not None and activation != found:
+            raise ValueError(f"expert {kind} has an nn.{'GELU' if found == 'gelu' else 'ReLU'} but "
+                             f"activation={activation!r}; drop activation= or pass {found!r}")
+        activation = activation or found
+        if activation not in ("gelu", "relu"):
+            raise ValueError(f"cannot tell the activation of expert {kind} (two Linears of I={inter}, "
+                             f"activation={activation!r}); pass activation='gelu' or 'relu'")
+        return ExpertLayout(activation, inter, up=first, down=second)
+    raise ValueError(f"expert {kind} has {len(linears)} nn.Linear submodules; ep_moe reads SwiGLU experts "
+                     "(gate/up/down Linears) and two-Linear MLPs; pass intermediate_size= and activation=")
+
+
+def deepspeed_moe_config(
+    hidden_size: int,
+    intermediate_size: int,
+    activation: Activation,
+    *,
+    num_experts: int = 1,
+    ep_size: int = 1,
+    k: int = 1,
+    use_residual: bool = False,
+    noisy_gate_policy: Optional[str] = None,
+    drop_tokens: bool = True,
+    enable_expert_tensor_parallelism: bool = False,
+    top2_2nd_expert_sampling: bool = True,
+    backend: str = "auto",
+) -> MoEConfig:
+    """The :class:`ep_moe.MoEConfig` that computes what DeepSpeed's ``MoE`` does with
+    these arguments (see the module docstring), or a ``ValueError`` naming the
+    unsupported one and what to pass instead."""
+    if drop_tokens:
+        raise ValueError("drop_tokens=True (DeepSpeed's default) drops tokens over a capacity with DeepSpeed's "
+                         "own floor, random token selection and renormalisation, which ep_moe does not "
+                         "reproduce; pass drop_tokens=False (dropless), or build ep_moe.MoELayer with "
+                         "MoEConfig(capacity_factor=...) for ep_moe's capacity mode")
+    if noisy_gate_policy not in (None, "None"):
+        raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r} is not supported: ep_moe routes "
+                         "deterministically; pass noisy_gate_policy=None")
+    if k == 2 and top2_2nd_expert_sampling:
+        raise ValueError("top2_2nd_expert_sampling=True (DeepSpeed's default for k=2) samples the second "
+                         "expert with Gumbel noise; ep_moe picks the top-2 experts deterministically: pass "
+                         "top2_2nd_expert_sampling=False")
+    if use_residual:
+        raise ValueError("use_residual=True (Residual MoE) is not supported; pass use_residual=False and add a "
+                         "dense MLP beside the layer, or use MoEConfig(num_shared_experts=...) for shared experts")
+    if enable_expert_tensor_parallelism:
+        raise ValueError("enable_expert_tensor_parallelism=True is not supported: ep_moe shards experts over "
+                         "the EP group only; pass enable_expert_tensor_parallelism=False")
+    if activation not in get_args(Activation):
+        raise ValueError(f"activation={activation!r}: use one of {get_args(Activation)}")
+    return MoEConfig(
+        hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts, top_k=k,
+        activation=activation, score_func="softmax", norm_topk_prob=k > 1, aux_loss_coef=1.0,
+        z_loss_coef=0.0, capacity_factor=None, router_dtype=torch.float32, backend=backend, ep_size=ep_size,
+    )
+
+
+def _ep_group(ep_size: int) -> Optional[ProcessGroup]:
+    """This rank's EP group of ``ep_size`` consecutive ranks, built once per default group."""
+    if ep_size == 1:
+        return None
+    if not dist.is_initialized():
+        raise ValueError(f"ep_size={ep_size} needs torch.distributed: call torch.distributed.init_process_group "
+                         "(or deepspeed.init_distributed) before building the layer, or pass ep_size=1")
+    key = (ep_size, dist.group.WORLD)
+    if key not in _EP_GROUPS:
+        _EP_GROUPS[key] = build_ep_groups(ep_size).ep_group
+    return _EP_GROUPS[key]
+
+
+def _first_param(module: Optional[nn.Module]) -> Optional[torch.Tensor]:
+    return None if module is None else next(module.parameters(), None)
+
+
+class MoE(nn.Module):
+    """``deepspeed.moe.layer.MoE``'s interface on an :class:`ep_moe.MoELayer`.
+
+    Args: DeepSpeed's, in its order (``hidden_size, expert, num_experts, ep_size, k,
+    capacity_factor, eval_capacity_factor, min_capacity, use_residual, noisy_gate_policy,
+    drop_tokens, use_rts, use_tutel, enable_expert_tensor_parallelism,
+    top2_2nd_expert_sampling``; see the module docstring for which are supported), then,
+    keyword-only:
+
+        intermediate_size, activation: the expert MLP when ``expert`` does not tell them.
+        ep_group: a ProcessGroup or 1-D DeviceMesh of ``ep_size`` ranks instead of the one
+            built from ``ep_size``.
+        backend: the grouped GEMM backend of :class:`ep_moe.MoEConfig`.
+        device, dtype: of the parameters; default those of ``expert``.
+
+    The layer is ``self.layer``; its weights are initialised by ep_moe (the expert module
+    is only read for its shape), so copy trained weights with :meth:`load_deepspeed` or
+    build with :meth:`from_deepspeed`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        expert: Optional[nn.Module] = None,
+        num_experts: int = 1,
+        ep_size: int = 1,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        use_residual: bool = False,
+        noisy_gate_policy: Optional[str] = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        use_tutel: bool = False,
+        enable_expert_tensor_parallelism: bool = False,
+        top2_2nd_expert_sampling: bool = True,
+        *,
+        intermediate_size: Optional[int] = None,
+        activation: Optional[Activation] = None,
+        ep_group: Union[None, ProcessGroup, DeviceMesh] = None,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.expert_layout = self._layout(expert, hidden_size, intermediate_size, activation)
+        intermediate_size = intermediate_size or self.expert_layout.intermediate_size
+        activation = activation or self.expert_layout.activation
+        config = deepspeed_moe_config(
+            hidden_size, intermediate_size, activation, num_experts=num_experts, ep_size=ep_size, k=k,
+            use_residual=use_residual, noisy_gate_policy=noisy_gate_policy, drop_tokens=drop_tokens,
+            enable_expert_tensor_parallelism=enable_expert_tensor_parallelism,
+            top2_2nd_expert_sampling=top2_2nd_expert_sampling, backend=backend,
+        )
+        param = _first_param(expert)
+        self.layer = MoELayer(config, ep_group if ep_group is not None else _ep_group(ep_size),
+                              device=device if device is not None or param is None else param.device,
+                              dtype=dtype if dtype is not None or param is None else param.dtype)
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+
+    @staticmethod
+    def _layout(expert: Optional[nn.Module], hidden_size: int, intermediate_size: Optional[int],
+                activation: Optional[Activation]) -> Optional[ExpertLayout]:
+        """The expert's layout, or None when it cannot be read but the explicit arguments
+        say enough; checks the explicit arguments against it."""
+        explicit = intermediate_size is not None and activation is not None
+        if expert is None:
+            if not explicit:
+                raise ValueError("expert=None: pass intermediate_size= and activation= to describe the experts")
+            return None
+        try:
+            layout = infer_expert_layout(expert, hidden_size, activation)
+        except ValueError:
+            if explicit:
+                return None
+            raise
+        if intermediate_size is not None and intermediate_size != layout.intermediate_size:
+            raise ValueError(f"intermediate_size={intermediate_size} but the expert module's is "
+                             f"{layout.intermediate_size}; drop intermediate_size= or fix the expert")
+        return layout
+
+    @classmethod
+    def from_deepspeed(cls, ds_moe: nn.Module, *, backend: str = "auto") -> "MoE":
+        """Our layer with the arguments and weights of a ``deepspeed.moe.layer.MoE``
+        (this rank's experts; its EP group must match ep_moe's layout)."""
+        gate, experts = ds_moe.deepspeed_moe.gate, ds_moe.deepspeed_moe.experts.deepspeed_experts
+        ours = cls(
+            gate.wg.weight.shape[1], experts[0], ds_moe.num_experts, ds_moe.ep_size, gate.k,
+            gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, ds_moe.use_residual,
+            gate.noisy_gate_policy, gate.drop_tokens, gate.use_rts, ds_moe.deepspeed_moe.use_tutel,
+            ds_moe.enable_expert_tensor_parallelism, gate.top2_2nd_expert_sampling, backend=backend,
+        )
+        ours.load_deepspeed(ds_moe)
+        return ours.train(ds_moe.training)
+
+    @torch.no_grad()
+    def load_deepspeed(self, ds_moe: nn.Module) -> None:
+        """Copy the router and this rank's experts from a ``deepspeed.moe.layer.MoE`` of
+        the same shape (DeepSpeed's local expert j is ep_moe's local expert j)."""
+        if self.expert_layout is None:
+            raise ValueError("this layer was built from intermediate_size=/activation= because its expert module "
+                             "could not be read, so DeepSpeed's expert weights cannot be mapped; use bias-free "
+                             "gate/up/down or two-Linear experts (see ep_moe.integrations.deepspeed)")
+        if (ds_moe.num_experts, ds_moe.ep_size) != (self.num_experts, self.ep_size):
+            raise ValueError(f"DeepSpeed layer has num_experts={ds_moe.num_experts}, ep_size={ds_moe.ep_size}; "
+                             f"this one {self.num_experts}, {self.ep_size}: build them alike")
+        ds_group = ds_moe.deepspeed_moe.ep_group
+        if ds_group is not None and self.layer.ep_group is not None:
+            ds_ranks = dist.get_process_group_ranks(ds_group)
+            our_ranks = dist.get_process_group_ranks(self.layer.ep_group)
+            if ds_ranks != our_ranks:
+                raise ValueError(f"DeepSpeed's EP group is ranks {ds_ranks} but ep_moe's is {our_ranks}: the local "
+                                 "experts would not line up; use DeepSpeed's default expert-then-data layout "
+                                 "(use_data_before_expert_parallel_=False)")
+        self.layer.router.weight.copy_(ds_moe.deepspeed_moe.gate.wg.weight)
+        for j, expert in enumerate(ds_moe.deepspeed_moe.experts.deepspeed_experts):
+            self.layer.experts.gate_up[j].copy_(self.expert_layout.gate_up_weight(expert))
+            self.layer.experts.down[j].copy_(self.expert_layout.down_weight(expert))
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Called by ``deepspeed.initialize`` on every module that has it: nothing to do at
+        ``ep_size=1``; at ``ep_size > 1`` the engine would average different experts'
+        gradients (see the module docstring), so this raises."""
+        if self.ep_size > 1:
+            raise ValueError(f"ep_moe's DeepSpeed MoE with ep_size={self.ep_size} under deepspeed.initialize: the "
+                             "engine would all-reduce expert weights over all data-parallel ranks, mixing "
+                             "different experts; train it with a torch optimizer and "
+                             "ep_moe.parallel.sync_gradients, or use ep_size=1 under the engine")
+
+    def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(output, l_aux, exp_counts)`` as DeepSpeed returns them: the output of
+        ``hidden_states``' shape and dtype, the unscaled load-balancing loss (0-dim, fp32,
+        differentiable), and the slots per global expert of this rank's tokens ([E] int64)."""
+        if used_token is not None:
+            raise ValueError("used_token is not supported: ep_moe routes every token; remove the masked tokens "
+                             "before the layer and pass used_token=None")
+        output = self.layer(hidden_states)
+        stats = self.layer.last_stats
+        return output, stats.aux_loss, stats.tokens_per_expert
+
+
+def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
+    """Swap every ``deepspeed.moe.layer.MoE`` inside ``model`` for :class:`MoE` in place,
+    with the same arguments and weights (:meth:`MoE.from_deepspeed`); returns how many
+    were swapped. Call on every rank, in the same order (EP groups are built
+    collectively)."""
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    if isinstance(model, DeepSpeedMoE):
+        raise ValueError("model is itself a deepspeed MoE layer and cannot be swapped in place; use "
+                         "MoE.from_deepspeed(model) or pass the module that holds it")
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, DeepSpeedMoE)]
+    for name, ds_moe in found:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, MoE.from_deepspeed(ds_moe, backend=backend))
+    return len(found)
+
+
+__all__ = ["ExpertLayout", "MoE", "deepspeed_moe_config", "infer_expert_layout", "replace_deepspeed_moe"]

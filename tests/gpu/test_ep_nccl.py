@@ -1,0 +1,194 @@
+"""MoELayer on CUDA in bfloat16: EP=2 and EP=4 over NCCL against EP=1, and the Triton
+backend against the torch reference on one GPU.
+
+The distributed test spawns P = 4 processes when 4 GPUs are present (else 2) through
+``dist_utils.run_distributed``, which joins them in a gloo default group; each process
+takes GPU ``rank`` and builds NCCL groups for the layer (every EP group of the
+expert-then-data layout, ``ep_moe.parallel.ep_layout``). Rank 0 also runs the EP=1
+reference: for each EP group, one EP=1 layer with the same global weights runs every
+member's tokens one rank at a time (same shapes, so the router picks the same experts)
+and accumulates the parameter gradients the group computes together. Every output, input
+gradient, router gradient and expert gradient must be within a relative (Frobenius)
+error of 2e-2.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from ep_moe import MoEConfig, MoELayer
+from ep_moe.parallel import ep_layout, is_expert_param
+
+pytestmark = pytest.mark.gpu
+
+NUM_GPUS = torch.cuda.device_count()
+WORLD = 4 if NUM_GPUS >= 4 else 2
+MAX_REL_ERR = 2e-2
+# Dims that are multiples of no block size; 8 experts divide over EP 1, 2 and 4.
+H, I, E, T = 360, 200, 8, 301
+
+SCENARIOS = {
+    "top1": dict(top_k=1),
+    "top2": dict(top_k=2),
+    "top4_gelu": dict(top_k=4, activation="gelu"),
+    "skewed": dict(top_k=2),
+    "empty_rank": dict(top_k=2),
+}
+
+
+def _config(**overrides) -> MoEConfig:
+    return MoEConfig(**{**dict(hidden_size=H, intermediate_size=I, num_experts=E, aux_loss_coef=0.01,
+                               z_loss_coef=1e-3, init_std=0.05, backend="triton"), **overrides})
+
+
+def _scenario(name: str, world_size: int):
+    """(config kwargs, global bf16 state dict, per-rank inputs, per-rank output grads), on the CPU."""
+    kwargs = SCENARIOS[name]
+    torch.manual_seed(10 + list(SCENARIOS).index(name))
+    state = {k: v.to(torch.bfloat16) for k, v in MoELayer(_config(**kwargs, backend="torch")).state_dict().items()}
+    inputs = [torch.randn(T + 7 * r, H) for r in range(world_size)]
+    if name == "empty_rank":
+        inputs[1] = torch.randn(0, H)
+    if name == "skewed":  # every token picks the first EP rank's experts (E/4 of them at EP=4)
+        inputs = [x.abs() + 0.1 for x in inputs]
+        router = state["router.weight"].float().abs()
+        router[E // 4:] *= -1
+        state["router.weight"] = router.to(torch.bfloat16)
+    inputs = [x.to(torch.bfloat16) for x in inputs]
+    return kwargs, state, inputs, [torch.randn_like(x) for x in inputs]
+
+
+def _run(layer: MoELayer, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """Forward, backward of ``sum(y * g) + aux + z``; output, input grad, counts (on the CPU)."""
+    x = x.cuda().requires_grad_()
+    y = layer(x)
+    stats = layer.last_stats
+    ((y.float() * g.cuda().float()).sum() + stats.aux_loss + stats.z_loss).backward()
+    return dict(y=y.detach().cpu(), dx=x.grad.cpu(), counts=stats.tokens_per_expert.cpu())
+
+
+def _param_grads(layer: MoELayer) -> dict[str, torch.Tensor]:
+    """Gradients keyed like the state dict (global expert ids), on the CPU."""
+    def grad(p):
+        return torch.zeros_like(p) if p.grad is None else p.grad
+
+    grads = {name: grad(p).float().cpu() for name, p in layer.named_parameters() if not is_expert_param(p)}
+    for name in ("gate_up", "down"):
+        stacked = grad(getattr(layer.experts, name))
+        for j, g in enumerate(layer.experts.global_ids()):
+            grads[f"experts.{name}.{g}"] = stacked[j].float().cpu()
+    return grads
+
+
+def _layer(kwargs: dict, state: dict, group=None) -> MoELayer:
+    layer = MoELayer(_config(**kwargs), group, device="cuda", dtype=torch.bfloat16)
+    layer.load_state_dict(state)
+    return layer
+
+
+def _nccl_groups(world_size: int, ep_size: int):
+    """This rank's NCCL EP group of ``ep_size`` ranks, and the ranks of every EP group
+    (every rank creates every group, as ``new_group`` requires)."""
+    ep_groups, _ = ep_layout(world_size, ep_size)
+    mine = None
+    for ranks in ep_groups:
+        group = dist.new_group(ranks, backend="nccl", timeout=datetime.timedelta(seconds=300))
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine, ep_groups
+
+
+def _ep_worker(rank: int, world_size: int) -> dict:
+    torch.cuda.set_device(rank)
+    results = {}
+    for ep_size in sorted({2, world_size}):
+        group, ep_groups = _nccl_groups(world_size, ep_size)
+        for name in SCENARIOS:
+            kwargs, state, inputs, grads = _scenario(name, world_size)
+            layer = _layer(kwargs, state, group)
+            results[(ep_size, name)] = dict(run=_run(layer, inputs[rank], grads[rank]), grads=_param_grads(layer))
+            if rank == 0:
+                results[(ep_size, name, "ref")] = [_ep1_reference(kwargs, state, inputs, grads, ranks)
+                                                   for ranks in ep_groups]
+    return results
+
+
+def _ep1_reference(kwargs, state, inputs, grads, ranks) -> dict:
+    """EP=1 runs of the given ranks' tokens, one rank at a time; parameter gradients summed."""
+    layer = _layer(kwargs, state)
+    runs = {r: _run(layer, inputs[r], grads[r]) for r in ranks}
+    return dict(runs=runs, grads=_param_grads(layer))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error; 0 when both are zero (an expert no token chose)."""
+    diff, ref = (a.float() - b.float()).norm(), b.float().norm()
+    return 0.0 if diff == 0 else (diff / ref).item()
+
+
+def _check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = rel_err(actual, expected)
+    assert err < MAX_REL_ERR, f"{what}: relative error {err:.2e} >= {MAX_REL_ERR}"
+
+
+@pytest.fixture(scope="module")
+def ep_results():
+    if NUM_GPUS < 2:
+        pytest.skip(f"needs 2 or more GPUs, found {NUM_GPUS}")
+    return run_distributed(_ep_worker, WORLD, timeout_s=600)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("ep_size", [2, 4])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_ep_matches_ep1_bf16(ep_results, ep_size, name):
+    if ep_size > WORLD:
+        pytest.skip(f"EP={ep_size} needs {ep_size} GPUs, found {NUM_GPUS}")
+    refs = ep_results[0][(ep_size, name, "ref")]
+    ep_groups, _ = ep_layout(WORLD, ep_size)
+    for ranks, ref in zip(ep_groups, refs):
+        summed = {}
+        for rank in ranks:
+            res = ep_results[rank][(ep_size, name)]
+            expected = ref["runs"][rank]
+            assert torch.equal(res["run"]["counts"], expected["counts"]), f"rank {rank}: routing differs"
+            for key in ("y", "dx"):
+                _check(res["run"][key], expected[key], f"EP={ep_size} {name} rank {rank} {key}")
+            for key, grad in res["grads"].items():
+                summed[key] = summed.get(key, 0) + grad  # expert keys: exactly one rank holds each
+        assert summed.keys() == ref["grads"].keys()
+        for key, grad in ref["grads"].items():
+            _check(summed[key], grad, f"EP={ep_size} {name} ranks {ranks} grad {key}")
+
+
+@pytest.mark.distributed
+def test_scenarios_are_what_they_claim(ep_results):
+    counts = ep_results[0][(WORLD, "skewed")]["run"]["counts"]
+    assert counts[E // 4:].sum() == 0 and counts.sum() > 0
+    assert ep_results[1][(WORLD, "empty_rank")]["run"]["y"].numel() == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=2), dict(top_k=1, activation="gelu"),
+                                    dict(top_k=4, activation="relu", norm_topk_prob=False),
+                                    dict(top_k=2, capacity_factor=0.5)],
+                         ids=["top2", "top1_gelu", "top4_relu", "capacity"])
+def test_triton_matches_torch_backend_bf16(kwargs):
+    torch.manual_seed(0)
+    state = {k: v.to(torch.bfloat16) for k, v in MoELayer(_config(**kwargs, backend="torch")).state_dict().items()}
+    x, g = torch.randn(2 * T, H, dtype=torch.bfloat16), torch.randn(2 * T, H, dtype=torch.bfloat16)
+    results = {}
+    for backend in ("triton", "torch"):
+        layer = _layer({**kwargs, "backend": backend}, state)
+        results[backend] = (_run(layer, x, g), _param_grads(layer))
+    (run, grads), (ref_run, ref_grads) = results["triton"], results["torch"]
+    assert torch.equal(run["counts"], ref_run["counts"])
+    for key in ("y", "dx"):
+        _check(run[key], ref_run[key], key)
+    for key, grad in ref_grads.items():
+        _check(grads[key], grad, f"grad {key}")
