@@ -231,7 +231,8 @@ def _resolve_or_fallback(problem: GemmProblem, device: torch.device, buckets: tu
 def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout: float = 600.0,
            num_tokens: int | Iterable[int] | None = None, force: bool = False, *,
            tuner: TuneFn | None = None,
-           device: torch.device | None = None) -> dict[GemmProblem, ResolvedConfigs]:
+           device: torch.device | None = None,
+           split_tuning: bool | None = None) -> dict[GemmProblem, ResolvedConfigs]:
     """Resolve (tuning where needed) the kernel configs of every problem, on every rank alike.
 
     Call on every rank of ``group`` at one point, outside kernel launches and graph
@@ -243,6 +244,13 @@ def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout
     seconds, the others raise :class:`WarmupTimeout`. On other nodes, local rank 0
     (``LOCAL_RANK``) writes the tables into its node's cache when its key matches.
 
+    With ``split_tuning`` (default: on for CUDA devices with the world group under
+    torchrun), the ranks on rank 0's node first tune disjoint shares of the problems on
+    their own GPUs (``problems[LOCAL_RANK::LOCAL_WORLD_SIZE]``, written to the shared node
+    cache under its file lock), so a node tunes about LOCAL_WORLD_SIZE times faster; rank
+    0 then reads every table from the cache (tuning whatever a share failed to deliver)
+    and publishes as above, so all ranks still install exactly rank 0's tables.
+
     Args:
         model_or_shapes: a module whose submodules have ``gemm_problems()``, or problems.
         group: process group whose rank 0 tunes; default the world.
@@ -253,6 +261,8 @@ def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout
         tuner: called as ``tuner(problem, limits, buckets)`` on rank 0 to tune what the
             cache lacks; default :class:`~ep_moe.autotune.bench.Tuner` on ``device``.
         device: device to tune on and install for; default the current one.
+        split_tuning: spread the tuning over the GPUs of rank 0's node (see above);
+            None: on for CUDA, the world group and torchrun's ``LOCAL_WORLD_SIZE`` > 1.
 
     Returns:
         The installed configs of each problem.
@@ -268,7 +278,10 @@ def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout
     if not distributed or dist.get_world_size(group) == 1:
         resolved = {p: _resolve_or_fallback(p, device, b, force, tuner, timeout) for p, b in buckets.items()}
     else:
-        resolved = _warmup_group(buckets, group, timeout, force, tuner, device)
+        if split_tuning is None:
+            split_tuning = device.type == "cuda" and group is None
+        split = split_tuning and group is None and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
+        resolved = _warmup_group(buckets, group, timeout, force, tuner, device, split)
     for p, r in resolved.items():
         _install(p, dev_key, r)
     return resolved
@@ -286,7 +299,17 @@ def _exchange_key(ranks: list[int]) -> str:
     return f"ep_moe/autotune/warmup/{group_id}/{count}"
 
 
-def _warmup_group(buckets, group, timeout, force, tuner, device):
+def _wait_for_root(store, keys: list[str], root: int, timeout: float) -> None:
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:  # DistStoreError on timeout; a lost store reads the same
+        raise WarmupTimeout(
+            f"ep_moe warmup: rank {dist.get_rank()} got no configs from rank {root} within "
+            f"timeout={timeout}s (rank 0 stalled or died while tuning). Raise `timeout`, or fill "
+            f"the cache beforehand with `ep-moe autotune` on each node. Cause: {e}") from e
+
+
+def _warmup_group(buckets, group, timeout, force, tuner, device, split):
     """Rank 0 resolves and publishes JSON in the job's c10d store; the others wait for it
     with ``timeout``. The store (not a collective on ``group``) carries it, so the wait
     has its own deadline whatever the group's backend, and nothing is pickled."""
@@ -294,17 +317,14 @@ def _warmup_group(buckets, group, timeout, force, tuner, device):
     is_root = dist.get_rank() == ranks[0]
     key = _exchange_key(ranks)
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store of init_process_group
+    if split:
+        _tune_node_share(buckets, key, store, ranks[0], is_root, force, tuner, device, timeout)
+        force = False  # the shares were (re)tuned just now; rank 0 reads them from the cache
     if is_root:
         payload = _root_payload(buckets, device, force, tuner, timeout)
         store.set(key, json.dumps(payload))
     else:
-        try:
-            store.wait([key], datetime.timedelta(seconds=timeout))
-        except RuntimeError as e:  # DistStoreError on timeout; a lost store reads the same
-            raise WarmupTimeout(
-                f"ep_moe warmup: rank {dist.get_rank()} got no configs from rank {ranks[0]} within "
-                f"timeout={timeout}s (rank 0 stalled or died while tuning). Raise `timeout`, or fill "
-                f"the cache beforehand with `ep-moe autotune` on each node. Cause: {e}") from e
+        _wait_for_root(store, [key], ranks[0], timeout)
         payload = json.loads(store.get(key))
     if not payload["ok"]:
         logger.warning("ep_moe autotune: rank 0 failed (%s); every rank uses heuristic configs",
@@ -321,6 +341,29 @@ def _warmup_group(buckets, group, timeout, force, tuner, device):
     if not is_root and _is_other_node_leader(payload["host"]):
         _write_node_cache(payload["problems"], device)
     return resolved
+
+
+def _tune_node_share(buckets, key, store, root, is_root, force, tuner, device, timeout) -> None:
+    """Split tuning: each rank on rank 0's node tunes ``problems[LOCAL_RANK::LOCAL_WORLD_SIZE]``
+    into the node cache and reports done; rank 0 waits for the shares (at most ``timeout``;
+    it tunes anything missing itself afterwards). Ranks on other nodes only pass through."""
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if is_root:
+        store.set(f"{key}/host", socket.gethostname())
+    else:
+        _wait_for_root(store, [f"{key}/host"], root, timeout)
+        if store.get(f"{key}/host").decode() != socket.gethostname():
+            return
+    for problem in list(buckets)[local_rank::local_world]:
+        _resolve_or_fallback(problem, device, buckets[problem], force, tuner, timeout)
+    store.set(f"{key}/share/{local_rank}", "done")
+    if is_root:
+        shares = [f"{key}/share/{i}" for i in range(local_world)]
+        try:
+            store.wait(shares, datetime.timedelta(seconds=timeout))
+        except RuntimeError:
+            logger.warning("ep_moe autotune: not every local rank finished its tuning share within "
+                           "timeout=%ss; rank 0 tunes what is missing", timeout)
 
 
 def _root_payload(buckets, device, force, tuner, timeout) -> dict[str, Any]:

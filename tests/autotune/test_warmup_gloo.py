@@ -6,6 +6,8 @@ The three scenarios run in order in one 4-process world (one start-up for all th
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 
 import pytest
@@ -16,6 +18,7 @@ from ep_moe.autotune import WarmupTimeout, get_kernel_configs, warmup
 from ep_moe.autotune.space import heuristic_configs
 
 NPROCS = 4
+SPLIT_PROBLEMS = [TINY, TINY_UP] + [dataclasses.replace(TINY, top_k=k) for k in (1, 3, 4)]
 STALL_TIMEOUT = 3.0
 STALL_DELAY = 8.0
 
@@ -48,6 +51,12 @@ def _scenarios(rank, tmp):
     except WarmupTimeout as e:
         out["stall"] = {"raised": str(e)}
     out["stall"]["seconds"] = time.monotonic() - start
+    # 4. Split tuning over the node's ranks: each problem tuned once, by its share's owner.
+    set_cache_env(tmp / "split")
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(NPROCS))
+    resolved = warmup(SPLIT_PROBLEMS, num_tokens=64, split_tuning=True,
+                      tuner=CountingTuner(str(tmp / "split.log")))
+    out["split"] = {"tables": [resolved[p].to_dict() for p in SPLIT_PROBLEMS]}
     return out
 
 
@@ -90,3 +99,12 @@ def test_rank0_stall_times_out_elsewhere(runs):
         stall = r["stall"]
         assert stall["raised"] and "within timeout=3.0s" in stall["raised"]
         assert STALL_TIMEOUT - 0.5 <= stall["seconds"] < STALL_DELAY, stall
+
+
+@pytest.mark.distributed
+def test_split_tuning_spreads_problems_over_local_ranks(runs):
+    tmp, results = runs
+    by_rank = sorted(c.split()[0] for c in tune_calls(tmp / "split.log"))
+    assert by_rank == ["0", "0", "1", "2", "3"], "each problem tuned once, by LOCAL_RANK::4"
+    for r in results:
+        assert r["split"]["tables"] == results[0]["split"]["tables"]
