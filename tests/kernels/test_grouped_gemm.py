@@ -44,13 +44,14 @@ TMA_VARIANTS = {"tma": True, "pointers": False} if ON_GPU else {"interpreter": N
 CONFIGS = configs_for(torch.float32)
 
 
-# (m_sizes, N, K): zero-row experts, everything on one expert, one row, one expert, and
-# sizes that are multiples of no block.
+# (m_sizes, N, K): zero-row experts, everything on one expert, one row, one expert, no
+# rows at all, and sizes that are multiples of no block.
 CASES = {
     "ragged": ([5, 0, 17, 3], 37, 45),
     "all_on_one": ([0, 23, 0], 40, 33),
     "one_row": ([0, 1], 24, 20),
     "one_expert": ([19], 29, 64),
+    "no_rows": ([0, 0, 0], 24, 20),
 }
 if ON_GPU:
     CASES["large"] = ([300, 0, 1000, 7, 129, 2048, 1, 515], 1536, 2048)
