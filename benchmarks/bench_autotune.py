@@ -15,8 +15,9 @@ projections at T tokens per rank (M = T*k routed rows):
    (median). FLOPs = 2*M*N*K per pass. The tuned config should never be slower than the
    default beyond timing noise (flagged otherwise).
 
-Under torchrun (2 or 4 GPUs) it times the warmup of the whole group instead, checks that
-one rank tuned and that every rank holds identical configs, and skips step 3.
+Under torchrun (2 or 4 GPUs) it times the warmup of the whole group instead (split tuning:
+the node's GPUs tune disjoint problems, rank 0 publishes), checks that every rank holds
+identical configs, and skips step 3.
 
     python benchmarks/bench_autotune.py [--tokens 8192] [--shapes mixtral-8x7b,deepseek-v3:8]
     torchrun --nproc-per-node 4 benchmarks/bench_autotune.py --shapes qwen3-30b-a3b
