@@ -127,13 +127,16 @@ def test_unsupported_arguments_raise(kwargs, pattern):
         MoE(H, SwiGLUExpert(), **{"num_experts": E, **kwargs})
 
 
-def test_forward_and_engine_errors():
+def test_forward_and_engine_errors(monkeypatch):
     moe = MoE(H, SwiGLUExpert(), num_experts=E, k=1, drop_tokens=False)
     with pytest.raises(ValueError, match=r"used_token is not supported"):
         moe(torch.randn(3, H), torch.ones(3))
-    moe.set_deepspeed_parallelism()  # ep_size=1: nothing to do
+    # a layer the engine cannot see as an MoE layer (built before ``import deepspeed``)
+    monkeypatch.setattr("ep_moe.integrations.deepspeed._deepspeed_moe_class", lambda: None)
+    moe.set_deepspeed_parallelism()  # ep_size=1: the engine's all-reduce over all ranks is right
     moe.ep_size = 2
-    with pytest.raises(ValueError, match=r"ep_size=2 under deepspeed.initialize.*ep_moe.parallel.sync_gradients"):
+    with pytest.raises(ValueError, match=r"ep_size=2 was built before deepspeed was imported.*import deepspeed "
+                                         r"before building the model"):
         moe.set_deepspeed_parallelism()
 
 
@@ -277,17 +280,24 @@ def test_replace_rejects_a_bare_layer(deepspeed):
         replace_deepspeed_moe(nn.Sequential(DeepSpeedMoE(H, SwiGLUExpert(), num_experts=E, k=1)))
 
 
-def _ep2_worker(rank, world_size):
-    """EP=2 on gloo: DeepSpeed's layer against the replaced one on each rank's tokens; then
-    the DeepSpeed engine refuses an ep_size=2 replacement and trains an ep_size=1 one."""
+def _init_deepspeed():
+    """deepspeed.init_distributed over the gloo group of run_distributed."""
     import deepspeed
-    from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     # DeepSpeed's CPU backend compiles a shared-memory all-reduce op on init (about a
     # minute); gloo does the same job for these tests. (The attribute deepspeed.comm.torch
     # is the torch package, so reach the module through importlib.)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def _ep2_worker(rank, world_size):
+    """EP=2 on gloo: DeepSpeed's layer against the replaced one on each rank's tokens; then
+    the DeepSpeed engine trains an ep_size=1 replacement."""
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    deepspeed = _init_deepspeed()
     out = {}
     ds_model = TwoMoEModel(DeepSpeedMoE, k=2, ep_size=2)
     for moe in ds_model.moes:  # each rank's local experts differ; routers stay replicated
@@ -301,12 +311,6 @@ def _ep2_worker(rank, world_size):
     out["replaced"] = replace_deepspeed_moe(ours)
     x = torch.randn(4, 5, H, generator=torch.Generator().manual_seed(rank))
     out["ds"], out["ours"] = _run(ds_model, x, aux_weight=0.0), _run(ours, x, aux_weight=0.0)
-
-    try:
-        deepspeed.initialize(model=ours, optimizer=torch.optim.SGD(ours.parameters(), lr=0.1),
-                             config={"train_micro_batch_size_per_gpu": 1})
-    except ValueError as err:
-        out["engine_error"] = str(err)
 
     model = TwoMoEModel(DeepSpeedMoE, k=1)
     replace_deepspeed_moe(model)
@@ -328,10 +332,102 @@ def test_replace_at_ep2_and_engine(deepspeed):
         assert torch.equal(res["ours"]["counts"], res["ds"]["counts"])
         for key in ("y", "dx", "inp", "out"):
             torch.testing.assert_close(res["ours"][key], res["ds"][key], atol=1e-5, rtol=1e-5)
-        assert re.search(r"ep_size=2 under deepspeed.initialize", res["engine_error"])
     # ep_size=1 under the engine: gradients all-reduced, so both ranks take the same step
     after = [res["after"] for res in results]
     for key, value in after[0].items():
         torch.testing.assert_close(after[1][key], value)
     changed = [k for k in after[0] if not torch.equal(after[0][k], results[0]["before"][k])]
     assert "moes.0.layer.experts.gate_up.0" in changed and "moes.0.layer.router.weight" in changed
+
+
+def _comparable(model) -> dict[str, torch.Tensor]:
+    """A TwoMoEModel's weights by role, experts in ep_moe's layout ([local experts, ...]),
+    whether its MoE layers are DeepSpeed's or ours."""
+    out = {name: p.detach().clone() for name, p in model.named_parameters() if not name.startswith("moes.")}
+    for i, moe in enumerate(model.moes):
+        if isinstance(moe, MoE):
+            out[f"{i}.router"] = moe.layer.router.weight.detach().clone()
+            out[f"{i}.gate_up"] = moe.layer.experts.gate_up.detach().clone()
+            out[f"{i}.down"] = moe.layer.experts.down.detach().clone()
+        else:
+            layout = infer_expert_layout(moe.deepspeed_moe.experts.deepspeed_experts[0], H)
+            experts = moe.deepspeed_moe.experts.deepspeed_experts
+            out[f"{i}.router"] = moe.deepspeed_moe.gate.wg.weight.detach().clone()
+            out[f"{i}.gate_up"] = torch.stack([layout.gate_up_weight(e).detach() for e in experts])
+            out[f"{i}.down"] = torch.stack([layout.down_weight(e).detach() for e in experts])
+    return out
+
+
+def _engine_worker(rank, world_size, ep_size):
+    """One step of the DeepSpeed engine (ZeRO 0, fp32, client SGD) on DeepSpeed's own
+    ep_size MoE model and on its replacement, from the same weights and tokens."""
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+    from deepspeed.utils import groups
+
+    deepspeed = _init_deepspeed()
+    out = {}
+    name = f"ep_size_{ep_size}"
+    if world_size // ep_size > 1:
+        # DeepSpeed's data-before-expert layout (EP group [0, 2] at world 4) is not ep_moe's
+        probe = MoE(H, SwiGLUExpert(), num_experts=E, ep_size=ep_size, k=1, drop_tokens=False)
+        try:
+            probe.set_deepspeed_parallelism(use_data_before_expert_parallel_=True)
+        except ValueError as err:
+            out["layout_error"] = str(err)
+        for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                      groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+            table.pop(name, None)  # forget those groups; the engines below build the default ones
+
+    ds_model = TwoMoEModel(DeepSpeedMoE, k=1, ep_size=ep_size)
+    for moe in ds_model.moes:  # experts differ across EP ranks, equal across their replicas
+        _init_(moe.deepspeed_moe.experts, seed=10 + rank % ep_size)
+    ours = TwoMoEModel(DeepSpeedMoE, k=1, ep_size=ep_size)
+    ours.load_state_dict(ds_model.state_dict())
+    replace_deepspeed_moe(ours)
+    x = torch.randn(3, 4, H, generator=torch.Generator().manual_seed(rank))
+    for key, model in (("ds", ds_model), ("ours", ours)):
+        out[f"{key}_before"] = _comparable(model)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                          config={"train_micro_batch_size_per_gpu": 1})
+        out[f"{key}_has_moe"] = engine.has_moe_layers
+        y, l_aux, _ = engine(x)
+        engine.backward(y.square().mean() + 0.1 * l_aux.sum())
+        engine.step()
+        out[f"{key}_after"] = _comparable(model)
+    layer = ours.moes[0].layer
+    out["ep_group_is_deepspeeds"] = layer.ep_group is groups._get_expert_parallel_group(name)
+    out["tags"] = {(p.allreduce, p.group_name) for p in layer.experts.parameters()}
+    out["router_tagged"] = hasattr(layer.router.weight, "allreduce")
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_engine_step_matches_deepspeed(deepspeed, world_size):
+    """Under deepspeed.initialize at ep_size=2 the replaced layers take DeepSpeed's step:
+    expert gradients all-reduced over the expert-data-parallel group only, scaled as
+    DeepSpeed scales its own experts' (and the rest as usual)."""
+    ep_size = 2
+    results = run_distributed(_engine_worker, world_size, ep_size, timeout_s=120)
+    for rank, res in enumerate(results):
+        assert res["ds_has_moe"] and res["ours_has_moe"]
+        assert res["ep_group_is_deepspeeds"]
+        assert res["tags"] == {(False, "ep_size_2")} and not res["router_tagged"]
+        before, ours, ref = res["ours_before"], res["ours_after"], res["ds_after"]
+        assert before.keys() == ref.keys() == ours.keys()
+        for key in ref:
+            torch.testing.assert_close(before[key], res["ds_before"][key], atol=0, rtol=0)
+            torch.testing.assert_close(ours[key], ref[key], atol=1e-6, rtol=1e-5, msg=lambda m: f"{key}: {m}")
+            assert not torch.equal(ours[key], before[key]), key  # every weight took a step
+        if world_size > ep_size:
+            assert re.search(r"expert-parallel group \[\d, \d\].*ep_moe's expert-then-data layout.*"
+                             r'"use_data_before_expert_parallelism": false', res["layout_error"])
+    # dense weights and routers agree on every rank; experts on the replicas of an EP rank only
+    for rank, res in enumerate(results):
+        for key, value in res["ours_after"].items():
+            if key.endswith(("gate_up", "down")):
+                replica = results[rank % ep_size]["ours_after"][key]
+                torch.testing.assert_close(value, replica, atol=0, rtol=0)
+                assert not torch.equal(value, results[(rank + 1) % ep_size]["ours_after"][key])
+            else:
+                torch.testing.assert_close(value, results[0]["ours_after"][key], atol=0, rtol=0)

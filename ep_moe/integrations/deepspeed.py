@@ -41,16 +41,38 @@ its own init and :func:`replace_deepspeed_moe` cannot copy the weights).
 Process groups and training. ``ep_size > 1`` builds the EP group with
 :func:`ep_moe.parallel.build_ep_groups` (consecutive ranks, DeepSpeed's default layout),
 once per ``ep_size`` and shared by every layer. Outside the DeepSpeed engine, average the
-gradients with :func:`ep_moe.parallel.sync_gradients`. Under ``deepspeed.initialize`` the
-engine knows MoE layers only as instances of its own class, so it would all-reduce these
-expert weights over every data-parallel rank, averaging different experts together when
-``ep_size > 1``: :meth:`MoE.set_deepspeed_parallelism`, which the engine calls on every
-module that has it, raises instead. With ``ep_size=1`` every rank holds every expert and
-the engine's all-reduce is right.
+gradients with :func:`ep_moe.parallel.sync_gradients`.
+
+Under ``deepspeed.initialize`` the layer trains as DeepSpeed's own MoE does, at any
+``ep_size``. The engine recognises MoE layers by ``isinstance(module,
+deepspeed.moe.layer.MoE)``, so when ``deepspeed`` is already imported, :class:`MoE`
+builds an instance of a subclass of both classes (``isinstance(layer, MoE)`` still
+holds; the layer's code is ours). The engine then calls
+:meth:`MoE.set_deepspeed_parallelism`, which, as DeepSpeed's ``_create_process_groups``
+does, creates DeepSpeed's expert and expert-data-parallel groups named
+``ep_size_<ep_size>`` (honouring the engine's ``use_data_before_expert_parallelism``),
+makes DeepSpeed's expert-parallel group the layer's all-to-all group, and tags the
+expert weights as DeepSpeed's ``Experts`` tags its own (``allreduce=False``,
+``group_name="ep_size_<ep_size>"``). The engine thus all-reduces expert gradients over
+the expert-data-parallel group only and divides them, like every other gradient, by the
+data-parallel world size, exactly as :func:`ep_moe.parallel.sync_gradients` does; the
+router and the rest of the model are averaged over all data-parallel ranks. Tested
+against DeepSpeed's own MoE with ZeRO stage 0, fp32 and a client torch optimizer (one
+step at world 2 and 4, ``ep_size=2``); for ZeRO stage 1/2 pass DeepSpeed's MoE optimizer
+param groups (``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``,
+which reads the tags above) as for DeepSpeed's own MoE. ZeRO stage 3 is refused by the
+engine as for native MoE. ``engine.save_checkpoint`` does not know this layer's expert
+weights (DeepSpeed's per-expert checkpoint files expect its own module names): save them
+with ``torch.save(model.state_dict())`` on every expert-parallel rank instead.
+:meth:`MoE.set_deepspeed_parallelism` raises (naming the fix) where this cannot work: a
+layer built before ``import deepspeed`` at ``ep_size > 1``, DeepSpeed groups that are not
+ep_moe's expert-then-data layout (``use_data_before_expert_parallelism=True`` with
+several EP groups), or a custom ``ep_group`` of other ranks.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional, Union, get_args
 
@@ -61,7 +83,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from ep_moe.layer import Activation, MoEConfig, MoELayer
-from ep_moe.parallel import build_ep_groups
+from ep_moe.parallel import build_ep_groups, ep_layout, is_expert_param
 
 _GATE_NAMES = ("gate_proj", "w1", "gate")
 _UP_NAMES = ("up_proj", "w3", "up")
@@ -232,6 +254,40 @@ def _first_param(module: Optional[nn.Module]) -> Optional[torch.Tensor]:
     return None if module is None else next(module.parameters(), None)
 
 
+def _deepspeed_moe_class() -> Optional[type]:
+    """``deepspeed.moe.layer.MoE`` if deepspeed is imported in this process, else None
+    (never imports deepspeed)."""
+    return getattr(sys.modules.get("deepspeed.moe.layer"), "MoE", None)
+
+
+# our class -> its subclass that is also a deepspeed.moe.layer.MoE
+_ENGINE_CLASSES: dict[type, type] = {}
+
+
+def _engine_class(cls: type, ds_cls: type) -> type:
+    """``cls`` made an instance of DeepSpeed's MoE too, so that the DeepSpeed engine sees
+    it as an MoE layer (see the module docstring)."""
+    if cls not in _ENGINE_CLASSES:
+        name = "_EngineMoE" if cls is MoE else cls.__name__
+        _ENGINE_CLASSES[cls] = type(name, (cls, ds_cls), {
+            "__module__": cls.__module__, "__qualname__": name if cls is MoE else cls.__qualname__,
+            "__doc__": cls.__doc__})
+    return _ENGINE_CLASSES[cls]
+
+
+def __getattr__(name: str):
+    # lets pickle find the class of a layer built after ``import deepspeed``
+    if name == "_EngineMoE":
+        from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+        return _engine_class(MoE, DeepSpeedMoE)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _rank_group(layout: list[list[int]], rank: int) -> list[int]:
+    return next(ranks for ranks in layout if rank in ranks)
+
+
 class MoE(nn.Module):
     """``deepspeed.moe.layer.MoE``'s interface on an :class:`ep_moe.MoELayer`.
 
@@ -249,8 +305,16 @@ class MoE(nn.Module):
 
     The layer is ``self.layer``; its weights are initialised by ep_moe (the expert module
     is only read for its shape), so copy trained weights with :meth:`load_deepspeed` or
-    build with :meth:`from_deepspeed`.
+    build with :meth:`from_deepspeed`. Built while ``deepspeed`` is imported, the instance
+    is also a ``deepspeed.moe.layer.MoE`` so that the DeepSpeed engine treats it as an MoE
+    layer (see the module docstring).
     """
+
+    def __new__(cls, *args, **kwargs):
+        ds_cls = _deepspeed_moe_class()
+        if ds_cls is not None and not issubclass(cls, ds_cls):
+            cls = _engine_class(cls, ds_cls)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -277,7 +341,7 @@ class MoE(nn.Module):
         device=None,
         dtype=None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): under DeepSpeed the next class is DeepSpeed's MoE
         self.expert_layout = self._layout(expert, hidden_size, intermediate_size, activation)
         intermediate_size = intermediate_size or self.expert_layout.intermediate_size
         activation = activation or self.expert_layout.activation
@@ -294,6 +358,7 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"  # DeepSpeed's name of the expert groups
 
     @staticmethod
     def _layout(expert: Optional[nn.Module], hidden_size: int, intermediate_size: Optional[int],
@@ -355,14 +420,50 @@ class MoE(nn.Module):
             self.layer.experts.down[j].copy_(self.expert_layout.down_weight(expert))
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Called by ``deepspeed.initialize`` on every module that has it: nothing to do at
-        ``ep_size=1``; at ``ep_size > 1`` the engine would average different experts'
-        gradients (see the module docstring), so this raises."""
+        """Called by ``deepspeed.initialize`` on every module that has it (call on every
+        rank, in the same order): as DeepSpeed's MoE, create (once per ``ep_size``) and
+        take DeepSpeed's expert-parallel group, and tag the expert weights so the engine
+        all-reduces them over the expert-data-parallel group only (module docstring)."""
+        ds_cls = _deepspeed_moe_class()
+        if ds_cls is None or not isinstance(self, ds_cls):
+            if self.ep_size == 1:
+                return  # the engine sees no MoE and averages every weight over all ranks: right at ep_size=1
+            raise ValueError(f"ep_moe's DeepSpeed MoE with ep_size={self.ep_size} was built before deepspeed was "
+                             "imported, so the DeepSpeed engine does not see it as an MoE layer and would "
+                             "all-reduce its expert weights over all data-parallel ranks, mixing different "
+                             "experts; import deepspeed before building the model (or build the layer with "
+                             "MoE.from_deepspeed / replace_deepspeed_moe)")
+        from deepspeed.utils import groups
+
+        name = self.expert_group_name
+        if name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(
+                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        ds_ep_group = groups._get_expert_parallel_group(name)
+        ds_ep = dist.get_process_group_ranks(ds_ep_group)
+        ds_edp = dist.get_process_group_ranks(groups._get_expert_data_parallel_group(name))
+        rank = dist.get_rank()
+        ep_groups, edp_groups = ep_layout(dist.get_world_size(), self.ep_size)
+        ours = (_rank_group(ep_groups, rank), _rank_group(edp_groups, rank))
+        if (ds_ep, ds_edp) != ours:
+            raise ValueError(f"DeepSpeed's expert groups {name!r} put rank {rank} in expert-parallel group {ds_ep} "
+                             f"and expert-data-parallel group {ds_edp}, but ep_moe's expert-then-data layout "
+                             f"(ep_moe.parallel.ep_layout) in {ours[0]} and {ours[1]}; set "
+                             '"use_data_before_expert_parallelism": false in the DeepSpeed config (without '
+                             "pipeline or tensor parallelism), or create the groups that way before "
+                             "deepspeed.initialize")
         if self.ep_size > 1:
-            raise ValueError(f"ep_moe's DeepSpeed MoE with ep_size={self.ep_size} under deepspeed.initialize: the "
-                             "engine would all-reduce expert weights over all data-parallel ranks, mixing "
-                             "different experts; train it with a torch optimizer and "
-                             "ep_moe.parallel.sync_gradients, or use ep_size=1 under the engine")
+            current = dist.get_process_group_ranks(self.layer.ep_group)
+            if current != ds_ep:
+                raise ValueError(f"this layer's ep_group is ranks {current} but DeepSpeed's expert-parallel group "
+                                 f"{name!r} is {ds_ep}: the engine would reduce gradients over the wrong "
+                                 "replicas; build the layer without ep_group= (or with one of ranks "
+                                 f"{ds_ep}) to train it under deepspeed.initialize")
+            self.layer.ep_group = ds_ep_group  # same ranks, so ep_rank and the expert sharding hold
+        for param in self.layer.parameters():
+            if is_expert_param(param):  # as deepspeed.moe.experts.Experts tags its own
+                param.allreduce = False
+                param.group_name = name
 
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -384,10 +485,13 @@ def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
     collectively)."""
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
+    if isinstance(model, MoE):
+        return 0
     if isinstance(model, DeepSpeedMoE):
         raise ValueError("model is itself a deepspeed MoE layer and cannot be swapped in place; use "
                          "MoE.from_deepspeed(model) or pass the module that holds it")
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, DeepSpeedMoE)]
+    found = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, DeepSpeedMoE) and not isinstance(m, MoE)]  # ours are DeepSpeedMoE too
     for name, ds_moe in found:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, MoE.from_deepspeed(ds_moe, backend=backend))
