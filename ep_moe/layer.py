@@ -250,17 +250,20 @@ class GroupedExperts(nn.Module):
         gather_index: Optional[torch.Tensor] = None,
         scatter_index: Optional[torch.Tensor] = None,
         row_weights: Optional[torch.Tensor] = None,
+        unique_gather: bool = False,
         backend: str = "torch",
         configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None),
     ) -> torch.Tensor:
         """GEMM1 (gather on load), activation, GEMM2 (scatter and row weights on store).
 
         Rows are in expert order (``m_sizes_e`` rows per local expert); row r reads
-        ``x[gather_index[r]]`` and its output lands at ``scatter_index[r]``.
+        ``x[gather_index[r]]`` and its output lands at ``scatter_index[r]``;
+        ``unique_gather`` says each row of x is read once (rows that arrived by all-to-all),
+        so GEMM1's backward writes dx through the index with no reduction.
         """
         # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
         h_RF = grouped_gemm(x, self.gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
-                            configs=configs[0], backend=backend)
+                            unique_gather=unique_gather, configs=configs[0], backend=backend)
         a_RI = _activate(h_RF, self.activation, backend)
         return grouped_gemm(a_RI, self.down.to(x.dtype), m_sizes_e, scatter_index=scatter_index,
                             row_weights=row_weights, configs=configs[1], backend=backend)
@@ -483,7 +486,7 @@ class MoELayer(nn.Module):
         recv_weights_S = dispatch_rows(send_weights_R, splits, group)
         order_S, m_sizes_e = expert_major_order(recv_counts, self.ep_size, splits.num_recv)
         out_SH = self.experts(recv_SH, m_sizes_e, gather_index=order_S, scatter_index=order_S,
-                              row_weights=recv_weights_S, backend=backend,
+                              row_weights=recv_weights_S, unique_gather=True, backend=backend,
                               configs=self._configs(backend, splits.num_recv, x_TH.device))
         back_RH = combine_rows(out_SH, splits, group)
         return combine_slots(unpermute_slots(back_RH, meta), meta)

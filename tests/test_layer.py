@@ -312,6 +312,8 @@ SCENARIOS = {
     "sigmoid_gelu_bias_shared": dict(top_k=2, score_func="sigmoid", activation="gelu", expert_bias=True,
                                      num_shared_experts=1),
     "relu_unnormalised": dict(top_k=3, activation="relu", norm_topk_prob=False),
+    # The Triton kernels (interpreter) on the EP path: gather of arrived rows, fused SwiGLU.
+    "triton_top2": dict(top_k=2, backend="triton"),
 }
 
 

@@ -65,7 +65,7 @@ def _grouped_gemm_fwd(
     scatter_index: Optional[torch.Tensor],
     row_weights: Optional[torch.Tensor],
     config: list[int],
-    deterministic: bool,
+    dx_mode: str,
 ) -> torch.Tensor:
     out = x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
     launch_rows(
@@ -76,7 +76,7 @@ def _grouped_gemm_fwd(
 
 
 @_grouped_gemm_fwd.register_fake
-def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weights, config, deterministic):
+def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode):
     return x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
 
 
@@ -90,7 +90,7 @@ def _grouped_gemm_bwd(
     scatter_index: Optional[torch.Tensor],
     row_weights: Optional[torch.Tensor],
     config: list[int],
-    deterministic: bool,
+    dx_mode: str,
     need_dx: bool,
     need_dw: bool,
     need_drw: bool,
@@ -100,7 +100,7 @@ def _grouped_gemm_bwd(
     dx, dw, drw = x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if need_dx or need_drw:
         dx, drw_f32 = _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                  configs.dx, deterministic, need_drw)
+                                  configs.dx, dx_mode, need_drw)
         if need_drw:
             drw = drw_f32.to(row_weights.dtype)
     if need_dw:
@@ -114,7 +114,7 @@ def _grouped_gemm_bwd(
 
 @_grouped_gemm_bwd.register_fake
 def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
-                           deterministic, need_dx, need_dw, need_drw):
+                           dx_mode, need_dx, need_dw, need_drw):
     dx = x.new_empty(x.shape) if (need_dx or need_drw) else x.new_empty(0)
     dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
     drw = row_weights.new_empty(row_weights.shape) if need_drw else x.new_empty(0)
@@ -122,9 +122,10 @@ def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_w
 
 
 def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
-                deterministic, need_drw):
-    """dX through the row kernel; rows of a gathered x are summed without float atomics
-    (sorted by destination, then a segment sum) unless ``deterministic`` is False."""
+                dx_mode, need_drw):
+    """dX through the row kernel. Rows of a gathered x: ``dx_mode`` "unique" (each row read
+    at most once) stores straight through the index; "sort" sums repeated rows without
+    float atomics (sorted by destination, then a segment sum); "atomic" adds in fp32."""
     common = dict(transpose_w=False, load_idx=scatter_index, scale=row_weights,
                   scale_by_load_row=True, dot_with=x if need_drw else None, dot_idx=gather_index)
     if gather_index is None:
@@ -132,7 +133,12 @@ def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, con
         drw = launch_rows(dy, w, dx, m_sizes, config, **common)
         return dx, drw
     num_rows = gather_index.shape[0]
-    if deterministic:
+    if dx_mode == "unique":
+        covered = num_rows == x.shape[0]  # a permutation writes every row; else unread rows are 0
+        dx = torch.empty_like(x) if covered else torch.zeros_like(x)
+        drw = launch_rows(dy, w, dx, m_sizes, config, store_idx=gather_index, **common)
+        return dx, drw
+    if dx_mode == "sort":
         # Rows sorted by destination (stable), and each destination's first row: no host
         # sync (bincount would read the max index), so this also runs in a CUDA graph.
         sorted_dest, order = torch.sort(gather_index, stable=True)
@@ -153,10 +159,10 @@ def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, con
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, m_sizes, gather_index, scatter_index, row_weights, config, deterministic = inputs
+    x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode = inputs
     ctx.save_for_backward(x, w, m_sizes, gather_index, scatter_index, row_weights)
     ctx.config = config
-    ctx.deterministic = deterministic
+    ctx.dx_mode = dx_mode
 
 
 def _backward(ctx, dy):
@@ -165,7 +171,7 @@ def _backward(ctx, dy):
     need_drw = row_weights is not None and ctx.needs_input_grad[5]
     dx, dw, drw = torch.ops.ep_moe.grouped_gemm_bwd(
         dy.contiguous(), x, w, m_sizes, gather_index, scatter_index, row_weights,
-        ctx.config, ctx.deterministic, need_dx, need_dw, need_drw,
+        ctx.config, ctx.dx_mode, need_dx, need_dw, need_drw,
     )
     return (dx if need_dx else None, dw if need_dw else None, None, None, None,
             drw if need_drw else None, None, None)
@@ -251,6 +257,7 @@ def grouped_gemm(
     row_weights: Optional[torch.Tensor] = None,
     configs: Optional[GemmConfigs] = None,
     deterministic: bool = True,
+    unique_gather: bool = False,
     backend: Backend = "auto",
     debug: Optional[bool] = None,
 ) -> torch.Tensor:
@@ -271,6 +278,10 @@ def grouped_gemm(
             fitted to x's element size and the device's shared memory.
         deterministic: sum the gradient of gathered rows in a fixed order (default) instead
             of with float atomics.
+        unique_gather: promise that ``gather_index`` reads each row of x at most once (a
+            permutation, as for rows that arrived by all-to-all): the backward then
+            writes dx straight through the index, with no sort and no extra buffer.
+            Checked in debug mode.
         backend: ``"triton"``, ``"torch"`` (reference), or ``"auto"``: Triton on CUDA and in
             the Triton interpreter, the reference elsewhere.
         debug: check index ranges and ``m_sizes`` on the GPU (host syncs); default from
@@ -279,7 +290,12 @@ def grouped_gemm(
     Returns:
         [M, N] tensor of x's dtype: rows of expert e are ``x_e @ w[e]^T``.
     """
-    _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, _debug_enabled(debug))
+    debug = _debug_enabled(debug)
+    _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug)
+    if unique_gather and gather_index is not None and (debug or x.device.type == "cpu") \
+            and not torch.compiler.is_compiling() and torch.unique(gather_index).numel() != gather_index.numel():
+        raise ValueError("unique_gather=True but gather_index reads some rows of x more than once; "
+                         "pass unique_gather=False")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend={backend!r}: use 'auto', 'triton' or 'torch'")
     use_triton = backend == "triton" or (backend == "auto" and (x.is_cuda or interpreter_active()))
@@ -291,5 +307,5 @@ def grouped_gemm(
     return torch.ops.ep_moe.grouped_gemm_fwd(
         x, w, _as_int32(m_sizes), _as_int32(gather_index), _as_int32(scatter_index), row_weights,
         _configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
-        deterministic,
+        "unique" if unique_gather else ("sort" if deterministic else "atomic"),
     )

@@ -130,6 +130,29 @@ def test_nondeterministic_dx_matches():
     assert rel_err(outs[1], outs[0]) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("rows_of_x", [17, 25], ids=["permutation", "subset"])
+def test_unique_gather_matches_sorted_path(rows_of_x):
+    sizes = [5, 0, 9, 3]
+    m_sizes = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(rows_of_x, 45, device=DEVICE, requires_grad=True)
+    w = torch.randn(4, 37, 45, device=DEVICE)
+    g = torch.randperm(rows_of_x, device=DEVICE)[:sum(sizes)]
+    grads = []
+    for unique in (False, True):
+        y = grouped_gemm(x, w, m_sizes, gather_index=g, configs=CONFIGS, unique_gather=unique,
+                         backend="triton")
+        grads.append(torch.autograd.grad(y, x, torch.ones_like(y))[0])
+    assert torch.equal(grads[1] == 0, grads[0] == 0)  # rows never read stay zero
+    assert rel_err(grads[1], grads[0]) < TOL[torch.float32]
+
+
+def test_unique_gather_rejects_repeats():
+    a = _args()
+    with pytest.raises(ValueError, match="unique_gather=True"):
+        grouped_gemm(a["x"], a["w"], a["m_sizes"], gather_index=torch.tensor([0, 0, 1, 2, 3, 4]),
+                     unique_gather=True)
+
+
 def test_gathered_rows_never_read_get_zero_grad():
     sizes = [4, 4]
     m_sizes = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
