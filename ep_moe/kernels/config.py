@@ -34,7 +34,8 @@ class KernelConfig:
     BLOCK_K: int = 64
     """Reduction step (forward: K; dX: N of the forward problem; dW: K columns per tile)."""
     GROUP_SIZE_M: int = 8
-    """Tiles along M visited together before moving along N, for L2 reuse of weight tiles."""
+    """Tiles along M visited together before moving along N, for L2 reuse of weight tiles
+    (forward and dX; dW tiles each cover a whole expert's rows, so it has no M order)."""
     num_warps: int = 8
     """Warps per program."""
     num_stages: int = 3

@@ -340,3 +340,33 @@ def test_torch_backend_matches_triton():
     b = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
                      configs=CONFIGS, backend="triton")
     assert rel_err(b, a) < TOL[torch.float32]
+
+
+def test_every_config_field_reaches_the_launch(monkeypatch):
+    """Each KernelConfig field is a launch argument (GROUP_SIZE_M only where tiles have an
+    M order: forward and dX), so no field is silently ignored."""
+    import ep_moe.kernels.grouped_gemm as gg
+
+    launches = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.__setitem__(self.name, kwargs)
+
+    monkeypatch.setattr(gg, "_grouped_rows_kernel", Recorder("rows"))
+    monkeypatch.setattr(gg, "_grouped_dw_kernel", Recorder("dw"))
+    cfg = KernelConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, GROUP_SIZE_M=5, num_warps=2, num_stages=3)
+    x, w = torch.randn(8, 16), torch.randn(2, 24, 16)
+    m_sizes = torch.tensor([3, 5], dtype=torch.int32)
+    gg.launch_rows(x, w, torch.empty(8, 24), m_sizes, cfg, transpose_w=True)
+    gg.launch_dw(torch.randn(8, 24), x, torch.empty_like(w), m_sizes, cfg)
+    for name, kwargs in launches.items():
+        expected = {f: getattr(cfg, f) for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+        if name == "rows":
+            expected["GROUP_SIZE_M"] = cfg.GROUP_SIZE_M
+        assert {k: kwargs[k] for k in expected} == expected, name
+        assert kwargs["USE_TMA"] is False  # asked for none; the interpreter/CPU has none anyway
+    assert set(launches) == {"rows", "dw"}
