@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, SHAPES, bench_ms, environment, random_routing, save_results  # noqa: E402
 
 from ep_moe import GemmConfigs, KernelConfig, grouped_gemm  # noqa: E402
-from ep_moe.kernels.grouped_gemm import launch_dw, launch_gather_rows, launch_rows  # noqa: E402
+from ep_moe.kernels.grouped_gemm import launch_dw, launch_rows  # noqa: E402
+from ep_moe.kernels.permute import launch_gather_rows  # noqa: E402
 
 
 def matmul_ceiling() -> float:

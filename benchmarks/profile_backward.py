@@ -15,6 +15,7 @@ from common import SHAPES, bench_ms, random_routing  # noqa: E402
 
 from ep_moe.kernels.config import DEFAULT_CONFIGS  # noqa: E402
 from ep_moe.kernels import grouped_gemm as gg  # noqa: E402
+from ep_moe.kernels.permute import launch_gather_rows  # noqa: E402
 
 
 def ir_markers(compiled) -> dict:
@@ -41,7 +42,7 @@ def main():
     buf = torch.empty(rows, k, device="cuda", dtype=torch.bfloat16)
     flops = 2 * rows * n * k
     pieces = {
-        "gather rows": lambda: gg.launch_gather_rows(x, g),
+        "gather rows": lambda: launch_gather_rows(x, g),
         "dw contiguous": lambda: gg.launch_dw(dy, x_sorted, dw, m_sizes, DEFAULT_CONFIGS["dw"]),
         "dx rows": lambda: gg.launch_rows(dy, w, buf, m_sizes, DEFAULT_CONFIGS["dx"], transpose_w=False),
         "dx rows + store idx": lambda: gg.launch_rows(dy, w, buf, m_sizes, DEFAULT_CONFIGS["dx"],

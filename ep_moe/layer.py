@@ -38,6 +38,7 @@ from ep_moe.dispatch import combine_rows, dispatch_rows, exchange_counts, expert
 from ep_moe.kernels.activation import swiglu
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm
+from ep_moe.kernels.permute import permute_tokens, sum_slot_rows
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
 from ep_moe.routing import (
     DropPolicy,
@@ -48,9 +49,7 @@ from ep_moe.routing import (
     capacity_keep_mask,
     combine_slots,
     expert_capacity,
-    permute_tokens,
     route,
-    unpermute_slots,
 )
 
 if TYPE_CHECKING:
@@ -194,6 +193,7 @@ def _resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+@torch.compiler.disable  # a cache lookup (maybe file reads): run eagerly, the configs enter as constants
 def _kernel_configs(problem: "GemmProblem", num_rows: int, device: torch.device) -> Optional[GemmConfigs]:
     """Tuned configs for one Triton GEMM call, or None (the kernels' defaults) when the
     autotuner is not available."""
@@ -431,8 +431,8 @@ class MoELayer(nn.Module):
         4. Experts: GEMM1 (gate_up) with gather on load; activation; GEMM2 (down) with
            scatter on store and the top-k weights multiplied in (fp32).
         5. EP>1: reverse all-to-all (the top-k weights travelled with the rows and were
-           applied in GEMM2), back to slot order. Then the sum over each token's K
-           slots, plus the shared experts.
+           applied in GEMM2), then each token's K rows summed in one pass (no slot-order
+           buffer), plus the shared experts.
         """
         self._check_input(x)
         cfg = self.config
@@ -467,18 +467,17 @@ class MoELayer(nn.Module):
             y_NH = self.experts(x_TH, meta.counts_E, gather_index=meta.token_index_R,
                                 scatter_index=meta.slot_index_R, row_weights=weights_N,
                                 backend=backend, configs=configs)
-        else:
-            y_RH = self.experts(x_TH, meta.counts_E, gather_index=meta.token_index_R,
-                                row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
-            y_NH = unpermute_slots(y_RH, meta)
-        return combine_slots(y_NH, meta)
+            return combine_slots(y_NH, meta)
+        y_RH = self.experts(x_TH, meta.counts_E, gather_index=meta.token_index_R,
+                            row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
+        return sum_slot_rows(y_RH, meta, backend)
 
     def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, meta: RoutingMetadata,
                           backend: str) -> torch.Tensor:
         """EP>1: dispatch rows and their top-k weights, local experts in expert-major order
         (weights multiplied in GEMM2's epilogue), combine."""
         group = self.ep_group
-        send_RH = permute_tokens(x_TH, meta)
+        send_RH = permute_tokens(x_TH, meta, backend)
         send_weights_R = router.topk_weights_TK.flatten().index_select(0, meta.slot_index_R)
         recv_counts = exchange_counts(meta.counts_E, group)
         splits = split_sizes(meta.counts_E, recv_counts, self.ep_size)
@@ -489,7 +488,7 @@ class MoELayer(nn.Module):
                               row_weights=recv_weights_S, unique_gather=True, backend=backend,
                               configs=self._configs(backend, splits.num_recv, x_TH.device))
         back_RH = combine_rows(out_SH, splits, group)
-        return combine_slots(unpermute_slots(back_RH, meta), meta)
+        return sum_slot_rows(back_RH, meta, backend)
 
     @torch.no_grad()
     def _record(self, router: RouterOutput, meta: RoutingMetadata) -> None:

@@ -62,6 +62,9 @@ class RoutingMetadata:
     """Slot ``t*K + k`` of each routed row (int64): the scatter index back to slot order."""
     token_index_R: torch.Tensor
     """Token of each routed row (int64, ``slot_index_R // K``): the gather index."""
+    row_of_slot_N: torch.Tensor
+    """Routed row of each slot (int64, -1 for a dropped slot): the inverse of
+    ``slot_index_R``, which :func:`ep_moe.kernels.permute.sum_slot_rows` sums by."""
     num_tokens: int
     """T."""
     top_k: int
@@ -204,40 +207,16 @@ def build_routing_metadata(
     if keep_TK is not None:
         num_rows = int(counts_E.sum())  # host sync: kept-row count (capacity mode only)
         slot_index_R = slot_index_N[:num_rows]
+    row_of_slot_N = torch.full_like(ids_N, -1).scatter_(
+        0, slot_index_R, torch.arange(slot_index_R.shape[0], device=ids_N.device))
     return RoutingMetadata(
         counts_E=counts_E,
         slot_index_R=slot_index_R,
         token_index_R=torch.div(slot_index_R, top_k, rounding_mode="floor"),
+        row_of_slot_N=row_of_slot_N,
         num_tokens=num_tokens,
         top_k=top_k,
     )
-
-
-class _PermuteTokens(torch.autograd.Function):
-    """Rows of x in routed order; backward sums each token's K slot gradients in a fixed
-    order (no atomics): rows go back to slot order, then a sum over K."""
-
-    @staticmethod
-    def forward(ctx, x_TH, meta: RoutingMetadata):
-        ctx.meta = meta
-        return x_TH.index_select(0, meta.token_index_R)
-
-    @staticmethod
-    def backward(ctx, grad_RH):
-        grad_NH = unpermute_slots(grad_RH, ctx.meta)
-        return grad_NH.view(ctx.meta.num_tokens, ctx.meta.top_k, grad_NH.shape[1]).sum(dim=1), None
-
-
-def permute_tokens(x_TH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
-    """``x_TH[meta.token_index_R]``: one [R, H] copy in routed (expert-sorted) order."""
-    return _PermuteTokens.apply(x_TH, meta)
-
-
-def unpermute_slots(y_RH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
-    """Routed rows back to slot order, [N, H]; dropped slots are zero."""
-    shape = (meta.num_slots, y_RH.shape[1])
-    out_NH = y_RH.new_empty(shape) if meta.dropless else y_RH.new_zeros(shape)
-    return out_NH.index_copy(0, meta.slot_index_R, y_RH)
 
 
 def combine_slots(y_NH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:

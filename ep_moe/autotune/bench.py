@@ -55,11 +55,11 @@ from ep_moe.autotune.space import (
 from ep_moe.kernels.config import PASSES, GemmConfigs, KernelConfig, Pass
 from ep_moe.kernels.grouped_gemm import (
     launch_dw,
-    launch_gather_rows,
     launch_rows,
     num_programs_for,
     smem_limit_for,
 )
+from ep_moe.kernels.permute import launch_gather_rows
 
 logger = logging.getLogger(__name__)
 

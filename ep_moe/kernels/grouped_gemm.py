@@ -1,4 +1,5 @@
-"""Triton kernels of the grouped GEMM: forward, dX and dW, plus a segment sum.
+"""Triton kernels of the grouped GEMM: forward, dX and dW, plus a segment sum (the row
+gather they use lives in :mod:`ep_moe.kernels.permute`).
 
 Problem. ``w`` is [E, N, K]; the routed problem has ``M = sum(m_sizes)`` rows sorted by
 expert, row ``r`` belonging to expert ``e(r)``. Forward::
@@ -63,12 +64,14 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
     """Whether tiles of every tensor can be loaded through TMA tensor descriptors.
 
     Needs Hopper or newer, a Triton with host-side descriptors, not the interpreter, a
-    contiguous last dim and 16-byte aligned base and strides.
+    contiguous last dim, 16-byte aligned base and strides, and no empty dim.
     """
     if TensorDescriptor is None or interpreter_active():
         return False
     for t in tensors:
         if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+        if t.numel() == 0:  # a descriptor needs every dim positive
             return False
         elem = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * elem) % 16 for st in t.stride()[:-1]):
@@ -262,24 +265,6 @@ def _grouped_dw_kernel(
         tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
-# out[r] = src[idx[r]] * scale[idx[r]] (scale in fp32, optional): materialises gathered and
-# weighted rows in expert order for the dW kernel, in one pass.
-# Tiling: one program per (BLOCK_R rows, BLOCK_C columns).
-@triton.jit
-def _gather_rows_kernel(src_ptr, idx_ptr, scale_ptr, out_ptr, num_rows, C, stride_sm, stride_om,
-                        SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    r_ok = offs_r < num_rows
-    mask = r_ok[:, None] & (offs_c < C)[None, :]
-    src_rows = tl.load(idx_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
-    vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_c[None, :], mask=mask, other=0.0)
-    if SCALE:
-        vals = vals.to(tl.float32) * tl.load(scale_ptr + src_rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
-             vals.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 # out[t] = sum of src rows offsets[t] .. offsets[t+1]-1, in order: the deterministic
 # reduction of a gathered operand's gradient (rows pre-sorted by destination).
 # Tiling: one program per (destination row, BLOCK_K columns); fp32 accumulation.
@@ -380,7 +365,7 @@ def launch_rows(
 def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torch.Tensor,
               config: KernelConfig) -> None:
     """Launch the dW kernel into ``dw`` [E, N, K] from expert-ordered rows of ``dy`` [M, N]
-    and ``x`` [M, K] (gather or weight them first with :func:`launch_gather_rows`)."""
+    and ``x`` [M, K] (gather or weight them first with :func:`ep_moe.kernels.permute.launch_gather_rows`)."""
     num_experts, n, k = dw.shape
     m_starts = torch.cumsum(m_sizes, 0, dtype=torch.int32) - m_sizes
     c = config
@@ -400,25 +385,6 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
         INPUT_PRECISION=_input_precision(x.dtype),
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
-
-
-def launch_gather_rows(src: torch.Tensor, idx: torch.Tensor | None,
-                       scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``src[idx] * scale[idx][:, None]`` as a new contiguous tensor of src's dtype (idx
-    None: the identity). One pass; the scale multiply is in fp32."""
-    if idx is None:
-        idx = torch.arange(src.shape[0], device=src.device, dtype=torch.int32)
-    num_rows, cols = idx.shape[0], src.shape[1]
-    out = src.new_empty((num_rows, cols))
-    if num_rows == 0:
-        return out
-    block_c = min(triton.next_power_of_2(max(cols, 16)), 256)
-    block_r = 16
-    _gather_rows_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c))](
-        src, idx, scale if scale is not None else idx, out, num_rows, cols, src.stride(0), out.stride(0),
-        SCALE=scale is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
-    )
-    return out
 
 
 def launch_segment_sum(src: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:

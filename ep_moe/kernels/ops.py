@@ -19,11 +19,11 @@ from ep_moe.kernels.config import PASSES, GemmConfigs, KernelConfig
 from ep_moe.kernels.grouped_gemm import (
     interpreter_active,
     launch_dw,
-    launch_gather_rows,
     launch_rows,
     launch_segment_sum,
     smem_limit_for,
 )
+from ep_moe.kernels.permute import launch_gather_rows
 from ep_moe.kernels.reference import grouped_gemm_reference
 
 Backend = Literal["auto", "triton", "torch"]

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ep_moe import GemmConfigs, KernelConfig, grouped_gemm
-from ep_moe.kernels.grouped_gemm import launch_dw, launch_gather_rows, launch_rows, smem_limit_for
+from ep_moe.kernels.grouped_gemm import launch_dw, launch_rows, smem_limit_for
+from ep_moe.kernels.permute import launch_gather_rows
 from ep_moe.kernels.reference import grouped_gemm_reference
 
 ON_GPU = torch.cuda.is_available()
@@ -215,10 +216,11 @@ def test_empty_experts_get_zero_dw():
 def test_torch_compile_matches_eager():
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     x, w, m_sizes, g, s, rw = make_problem("ragged", dtype, True, True, True)
+    configs = configs_for(dtype)  # resolved outside the compiled region, as the layer does
 
     def f(x, w, rw):
         y = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
-                         configs=configs_for(dtype), backend="triton")
+                         configs=configs, backend="triton")
         return torch.nn.functional.silu(y) * 2
 
     torch._dynamo.reset()

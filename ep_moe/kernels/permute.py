@@ -1,0 +1,153 @@
+"""Row permutation kernels and the token <-> routed-row ops of the MoE layer.
+
+Two memory-bound kernels, each the other's adjoint:
+
+* gather: ``out[r] = src[idx[r]]`` (optionally scaled per source row, fp32), e.g. tokens
+  into routed (expert-sorted) order before an all-to-all, or weighted ``dy`` rows in
+  expert order for the dW kernel;
+* slot sum: ``out[t] = sum_k src[row_of_slot[t*K + k]]``: each token's K routed rows
+  summed in slot order (fp32 accumulation, rows ``< 0``, i.e. dropped slots, skipped),
+  e.g. the combine of the expert outputs, or the gradient of the gather above.
+
+:func:`permute_tokens` and :func:`sum_slot_rows` wrap them as differentiable ops (each
+backward is the other kernel, so no [N, H] slot-order buffer and no atomics), with a
+plain-PyTorch path for the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from ep_moe.routing import RoutingMetadata
+
+
+# out[r] = src[idx[r]] * scale[idx[r]] (scale in fp32, optional), in one pass.
+# Tiling: one program per (BLOCK_R rows, BLOCK_C columns).
+@triton.jit
+def _gather_rows_kernel(src_ptr, idx_ptr, scale_ptr, out_ptr, num_rows, C, stride_sm, stride_om,
+                        SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok = offs_r < num_rows
+    mask = r_ok[:, None] & (offs_c < C)[None, :]
+    src_rows = tl.load(idx_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
+    vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_c[None, :], mask=mask, other=0.0)
+    if SCALE:
+        vals = vals.to(tl.float32) * tl.load(scale_ptr + src_rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
+             vals.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# out[t] = sum over k < TOP_K of src[rows[t*TOP_K + k]], rows < 0 skipped, in slot order
+# with fp32 accumulation: reads each routed row once and writes each token once.
+# Tiling: one program per (BLOCK_T tokens, BLOCK_C columns), the K slots unrolled.
+@triton.jit
+def _sum_slot_rows_kernel(src_ptr, rows_ptr, out_ptr, num_tokens, C, stride_sm, stride_om,
+                          TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = offs_t < num_tokens
+    c_ok = offs_c < C
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        rows = tl.load(rows_ptr + offs_t.to(tl.int64) * TOP_K + k, mask=t_ok, other=-1).to(tl.int64)
+        ok = rows >= 0
+        vals = tl.load(src_ptr + rows[:, None] * stride_sm + offs_c[None, :],
+                       mask=ok[:, None] & c_ok[None, :], other=0.0)
+        acc += vals.to(tl.float32)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
+
+
+def _column_block(cols: int) -> int:
+    return min(triton.next_power_of_2(max(cols, 16)), 256)
+
+
+def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
+                       scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``src[idx] * scale[idx][:, None]`` as a new contiguous tensor of src's dtype (idx
+    None: the identity). One pass; the scale multiply is in fp32. ``src`` must have a
+    contiguous last dim."""
+    if idx is None:
+        idx = torch.arange(src.shape[0], device=src.device, dtype=torch.int32)
+    num_rows, cols = idx.shape[0], src.shape[1]
+    out = src.new_empty((num_rows, cols))
+    if num_rows == 0 or cols == 0:
+        return out
+    block_c, block_r = _column_block(cols), 16
+    _gather_rows_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c))](
+        src, idx, scale if scale is not None else idx, out, num_rows, cols, src.stride(0), out.stride(0),
+        SCALE=scale is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+    )
+    return out
+
+
+def launch_sum_slot_rows(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``out[t] = sum_k src[row_of_slot[t*top_k + k]]`` ([N / top_k, C], src's dtype),
+    negative rows skipped. ``src`` must have a contiguous last dim."""
+    num_tokens, cols = row_of_slot.shape[0] // top_k, src.shape[1]
+    out = src.new_empty((num_tokens, cols))
+    if num_tokens == 0 or cols == 0:
+        return out
+    block_c, block_t = _column_block(cols), 16
+    _sum_slot_rows_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(cols, block_c))](
+        src, row_of_slot, out, num_tokens, cols, src.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+    )
+    return out
+
+
+def _gather(src: torch.Tensor, idx: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    if use_triton:
+        return launch_gather_rows(src.contiguous(), idx)
+    return src.index_select(0, idx)
+
+
+def _sum_slots(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int, use_triton: bool) -> torch.Tensor:
+    if use_triton:
+        return launch_sum_slot_rows(src.contiguous(), row_of_slot, top_k)
+    picked = src.index_select(0, row_of_slot.clamp_min(0)).masked_fill((row_of_slot < 0)[:, None], 0)
+    return picked.view(-1, top_k, src.shape[1]).sum(dim=1, dtype=torch.float32).to(src.dtype)
+
+
+class _PermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, meta, use_triton):
+        ctx.meta, ctx.use_triton = meta, use_triton
+        return _gather(x_TH, meta.token_index_R, use_triton)
+
+    @staticmethod
+    def backward(ctx, grad_RH):
+        return _sum_slots(grad_RH, ctx.meta.row_of_slot_N, ctx.meta.top_k, ctx.use_triton), None, None
+
+
+class _SumSlotRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_RH, meta, use_triton):
+        ctx.meta, ctx.use_triton = meta, use_triton
+        return _sum_slots(rows_RH, meta.row_of_slot_N, meta.top_k, use_triton)
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        return _gather(grad_TH, ctx.meta.token_index_R, ctx.use_triton), None, None
+
+
+def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "torch") -> torch.Tensor:
+    """Tokens in routed (expert-sorted) order: ``x_TH[meta.token_index_R]``, [R, H].
+
+    Differentiable; the backward sums each token's K row gradients in slot order (no
+    atomics). ``backend``: ``"triton"`` (the kernels above) or ``"torch"``.
+    """
+    return _PermuteTokens.apply(x_TH, meta, backend == "triton")
+
+
+def sum_slot_rows(rows_RH: torch.Tensor, meta: "RoutingMetadata", backend: str = "torch") -> torch.Tensor:
+    """Routed rows summed per token, [T, H]: ``y[t] = sum_k rows_RH[row of slot t*K+k]``
+    in slot order, dropped slots contributing zero. Rows must already carry their top-k
+    weights. Differentiable; the backward gathers ``grad[meta.token_index_R]``."""
+    return _SumSlotRows.apply(rows_RH, meta, backend == "triton")
