@@ -1,26 +1,28 @@
 """Autotune benchmark: tuned vs default vs heuristic configs of every grouped GEMM pass,
 tuning time, and the time to serve cached configs, on the MoE shapes of ANCHORS.md.
 
-For each shape (a ``configs/models`` preset at an expert-parallel size) and both expert
-projections at T tokens per rank (M = T*k routed rows):
+Each shape is a ``configs/models`` preset at an expert-parallel size; its problems are both
+expert projections at T tokens per rank (M = T*k routed rows).
 
-1. tune: ``ep_moe.autotune.warmup(..., force=True)`` into a fresh cache directory, timed
-   end to end (data, compilation, benchmarking, the cache write);
-2. serve: the in-memory table dropped, ``get_kernel_configs`` for both projections timed
-   from the cache files (the start of a warm job; target under 50 ms a layer), then the
-   per-call cost once in memory;
-3. compare: forward, dX and dW each run on the same data (the exact kernel mode of the
-   projection, as the tuner saw it) with the default, the heuristic and the tuned config,
-   validated against the default's output, then timed with ``triton.testing.do_bench``
-   (median). FLOPs = 2*M*N*K per pass. The tuned config should never be slower than the
-   default beyond timing noise (flagged otherwise).
+1. tune: one ``ep_moe.autotune.warmup(..., force=True)`` over the distinct problems of all
+   shapes into a fresh cache directory, timed end to end (data, compilation, benchmarking,
+   the cache writes);
+2. serve: per shape, the in-memory table dropped, ``get_kernel_configs`` for both
+   projections timed from the cache files (the start of a warm job; target under 50 ms a
+   layer), then the per-call cost once in memory;
+3. compare: per shape, forward, dX and dW each run on the same data (the exact kernel mode
+   of the projection, as the tuner saw it) with the default, the heuristic and the tuned
+   config, validated against the default's output, then timed with
+   ``triton.testing.do_bench`` (median). FLOPs = 2*M*N*K per pass. The tuned config should
+   never be slower than the default beyond timing noise (flagged otherwise).
 
-Under torchrun (2 or 4 GPUs) it times the warmup of the whole group instead (split tuning:
-the node's GPUs tune disjoint problems, rank 0 publishes), checks that every rank holds
-identical configs, and skips step 3.
+Under torchrun (2 or 4 GPUs) step 1 is the warmup of the whole group (split tuning: the
+node's GPUs tune disjoint shares of all problems, rank 0 publishes) and checks that every
+rank holds identical configs; rank 0 does step 2; step 3 is spread over the ranks (rank r
+compares shapes r, r + world, ...) and gathered on rank 0.
 
     python benchmarks/bench_autotune.py [--tokens 8192] [--shapes mixtral-8x7b,deepseek-v3:8]
-    torchrun --nproc-per-node 4 benchmarks/bench_autotune.py --shapes qwen3-30b-a3b
+    torchrun --nproc-per-node 4 benchmarks/bench_autotune.py
     python benchmarks/bench_autotune.py --tiny        # CPU: Triton interpreter smoke run
 """
 
@@ -106,37 +108,26 @@ def time_serving(problems, rows: int, device) -> dict:
     return {"cold_layer_ms": cold_ms, "hot_call_us": hot_us, "served": [s.forward.short() for s in served]}
 
 
-def run_shape(name: str, ep_size: int, args, tuner: Tuner, timer, distributed: bool) -> dict:
-    problems = load_model_shape(name).problems(ep_size, args.dtype)
-    rows = args.tokens * problems[0].top_k
-    device = default_device()
+def tune(problems, args, tuner: Tuner, distributed: bool) -> tuple[dict, dict]:
+    """One timed warmup over every problem; under torchrun, whether all ranks got identical tables."""
     if distributed:
         dist.barrier()
     start = time.perf_counter()
     resolved = warmup(problems, num_tokens=args.tokens, force=True, tuner=tuner, timeout=args.timeout)
-    tune_s = time.perf_counter() - start
-    record = {"shape": name, "ep_size": ep_size, "tokens": args.tokens, "tune_s": tune_s,
-              "sources": {p.projection: r.source for p, r in resolved.items()},
-              "serve": time_serving(problems, rows, device)}
+    summary = {"tune_s_total": time.perf_counter() - start, "num_problems": len(problems),
+               "world_size": dist.get_world_size() if distributed else 1}
     if distributed:
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [r.to_dict()["table"] for r in resolved.values()])
-        record["identical_on_all_ranks"] = all(g == gathered[0] for g in gathered)
-        record["world_size"] = dist.get_world_size()
-        return record
-    dev = device_limits(device)
-    record["passes"] = {p.projection: compare(p, rows, resolved[p].for_rows(rows), dev, device, timer)
-                        for p in problems}
-    return record
+        dist.all_gather_object(gathered, [resolved[p].to_dict()["table"] for p in problems])
+        summary["identical_on_all_ranks"] = all(g == gathered[0] for g in gathered)
+    return resolved, summary
 
 
 def print_record(r: dict) -> None:
     serve = r["serve"]
-    print(f"{r['shape']} ep{r['ep_size']}: tuned in {r['tune_s']:.1f} s ({r['sources']}); serving "
-          f"a layer from the cache {serve['cold_layer_ms']:.1f} ms, in memory {serve['hot_call_us']:.1f} us/call"
-          + (f"; identical on {r['world_size']} ranks: {r['identical_on_all_ranks']}" if "world_size" in r else ""),
-          flush=True)
-    for projection, lines in r.get("passes", {}).items():
+    print(f"{r['shape']} ep{r['ep_size']}: {r['sources']}; serving a layer from the cache "
+          f"{serve['cold_layer_ms']:.1f} ms, in memory {serve['hot_call_us']:.1f} us/call", flush=True)
+    for projection, lines in r["passes"].items():
         for x in lines:
             fmt = lambda v: f"{v:8.3f}" if v else "    fail"  # noqa: E731
             flag = "  SLOWER THAN DEFAULT" if x.get("slower_than_default") else ""
@@ -184,17 +175,36 @@ def main() -> None:
     if is_root:
         print(f"device {env['device']}, torch {env['torch']}, triton {env['triton']}; cache {cache}", flush=True)
     try:
-        records = []
-        for name, ep_size in parse_shapes(args.shapes):
-            record = run_shape(name, ep_size, args, tuner, timer, distributed)
-            records.append(record)
-            if is_root:
-                print_record(record)
+        shapes = parse_shapes(args.shapes)
+        by_shape = [load_model_shape(name).problems(ep_size, args.dtype) for name, ep_size in shapes]
+        rows = [args.tokens * problems[0].top_k for problems in by_shape]
+        resolved, summary = tune(list(dict.fromkeys(p for ps in by_shape for p in ps)), args, tuner, distributed)
+        device = default_device()
         if is_root:
-            suffix = f"_x{dist.get_world_size()}" if distributed else ""
+            identical = f"; identical on all ranks: {summary['identical_on_all_ranks']}" if distributed else ""
+            print(f"tuned {summary['num_problems']} problems in {summary['tune_s_total']:.1f} s on "
+                  f"{summary['world_size']} rank(s){identical}", flush=True)
+            serve = [time_serving(problems, n, device) for problems, n in zip(by_shape, rows)]
+        rank, world = dist.get_rank() if distributed else 0, summary["world_size"]
+        dev = device_limits(device)
+        passes = {i: {p.projection: compare(p, rows[i], resolved[p].for_rows(rows[i]), dev, device, timer)
+                      for p in by_shape[i]}
+                  for i in range(rank, len(shapes), world)}  # this rank's share of the shapes
+        if distributed:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, passes)
+            passes = {i: x for g in gathered for i, x in g.items()}
+        if is_root:
+            records = [{"shape": name, "ep_size": ep_size, "tokens": args.tokens,
+                        "sources": {p.projection: resolved[p].source for p in by_shape[i]},
+                        "serve": serve[i], "passes": passes[i]}
+                       for i, (name, ep_size) in enumerate(shapes)]
+            for record in records:
+                print_record(record)
+            suffix = f"_x{world}" if distributed else ""
             out = args.out or REPO / "benchmarks" / "results" / (
                 f"autotune_{device_dir_name(env['device'])}{suffix}.json")
-            save_results(out, {"tokens": args.tokens, "dtype": args.dtype, "records": records})
+            save_results(out, {"tokens": args.tokens, "dtype": args.dtype, **summary, "records": records})
             print(json.dumps({"saved": str(out)}))
             if args.ship:
                 ship = REPO / "configs" / "kernels" / device_dir_name(env["device"])
