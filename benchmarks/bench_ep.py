@@ -8,6 +8,9 @@ E/P experts per rank) and ``--tokens`` tokens per rank, one forward+backward of 
 layer (router to combine, dX and every weight gradient) of:
 
 - ``ep_moe``: :class:`ep_moe.MoELayer` (Triton grouped GEMM on CUDA, reference on CPU);
+  at EP>1 also ``ep_moe_c<C>s<S>`` for each ``--overlap`` variant C:S with C > 1 (the
+  same layer with its tokens in C pipelined chunks, all-to-all overlapped with the GEMMs,
+  which leave S SMs to it);
 - ``plain``: the torchtitan-style layer of ``baselines.py`` (argsort permute, uneven
   ``all_to_all_single``, ``torch._grouped_mm`` SwiGLU experts);
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` (dropless, SwiGLU experts) when deepspeed
@@ -29,6 +32,7 @@ device, torch, triton and deepspeed versions. Exit status 1 when ep_moe fails va
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -45,7 +49,7 @@ from baselines import PlainEPMoE, deepspeed_moe_like  # noqa: E402
 from common import REPO, SHAPES, MoEShape, environment, save_results  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
-from ep_moe.dispatch import combine_rows, dispatch_rows, exchange_counts, split_sizes  # noqa: E402
+from ep_moe.dispatch import exchange_counts, split_sizes, start_combine, start_dispatch  # noqa: E402
 from ep_moe.routing import build_routing_metadata, route  # noqa: E402
 
 # A shape small enough for the CPU smoke test (dims keep torch._grouped_mm's 16-byte strides).
@@ -63,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per layer")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per layer first")
     parser.add_argument("--impls", default="ep_moe,plain,deepspeed", help="which layers to time")
+    parser.add_argument("--overlap", default="1,2:0,2:16",
+                        help="ep_moe variants at EP>1, comma-separated CHUNKS[:COMM_SMS] (MoEConfig "
+                             "overlap_chunks and overlap_comm_sms); EP=1 runs 1 only")
     parser.add_argument("--autotune", action="store_true",
                         help="run ep_moe.autotune.warmup for each shape first (may tune on rank 0)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
@@ -180,19 +187,29 @@ def time_all_to_all(layer: MoELayer, x: torch.Tensor, args, device: torch.device
     with torch.no_grad():
         router = route(x, layer.router.weight, top_k=cfg.top_k)
         meta = build_routing_metadata(router.topk_ids_TK, cfg.num_experts)
-        splits = split_sizes(meta.counts_E, exchange_counts(meta.counts_E, layer.ep_group), layer.ep_size)
+        counts_CE = meta.counts_E[None]
+        (splits,) = split_sizes(counts_CE, exchange_counts(counts_CE, layer.ep_group), layer.ep_size)
         send_RH = torch.empty(meta.num_slots, cfg.hidden_size, device=device, dtype=x.dtype)
 
         def run():
-            combine_rows(dispatch_rows(send_RH, splits, layer.ep_group), splits, layer.ep_group)
+            recv_SH = start_dispatch(send_RH, splits, layer.ep_group).wait()
+            start_combine(recv_SH, splits, layer.ep_group).wait()
 
         return median_ms(run, lambda: None, args.iters, args.warmup, device)
 
 
+def sharing_modules(layer: MoELayer, overlap_chunks: int, comm_sms: int) -> MoELayer:
+    """A layer with other overlap settings that shares ``layer``'s modules (same parameters)."""
+    config = dataclasses.replace(layer.config, overlap_chunks=overlap_chunks, overlap_comm_sms=comm_sms)
+    variant = MoELayer(config, layer.ep_group, device="meta")
+    variant.router, variant.experts, variant.shared_experts = layer.router, layer.experts, layer.shared_experts
+    return variant
+
+
 def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtype, impls: list[str],
-                 deepspeed) -> tuple[MoELayer, dict]:
+                 variants: list[tuple[int, int]], deepspeed) -> tuple[MoELayer, dict]:
     """ep_moe's layer, and {name: (forward, params)} of the plain layer and of the other
-    layers in ``impls``, all with ep_moe's weights."""
+    layers in ``impls`` (ep_moe once per (chunks, comm SMs) variant), all with ep_moe's weights."""
     torch.manual_seed(0)  # same router on every rank; expert weights depend on global ids only
     config = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                        num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0,
@@ -200,7 +217,9 @@ def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtyp
     ours = MoELayer(config, group, device=device, dtype=dtype)
     layers = {"plain": PlainEPMoE.like(ours)}
     if "ep_moe" in impls:
-        layers["ep_moe"] = ours
+        for chunks, sms in variants:
+            name = "ep_moe" if chunks == 1 else f"ep_moe_c{chunks}s{sms}"
+            layers[name] = ours if chunks == 1 else sharing_modules(ours, chunks, sms)
     if "deepspeed" in impls and deepspeed is not None:
         layers["deepspeed"] = deepspeed_moe_like(ours)
     forwards = {name: (lambda x, m=m: m(x)[0]) if name == "deepspeed" else m for name, m in layers.items()}
@@ -211,7 +230,9 @@ def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch
     """Validate and time every layer on one shape; one result row per timed layer."""
     ep_size = dist.get_world_size()
     impls = args.impls.split(",")
-    ours, layers = build_layers(shape, group, device, dtype, impls, deepspeed)
+    variants = [(int(c), int(s or 0)) for c, _, s in (v.partition(":") for v in args.overlap.split(","))]
+    variants = variants if ep_size > 1 else [(1, 0)]
+    ours, layers = build_layers(shape, group, device, dtype, impls, variants, deepspeed)
     if args.autotune:
         from ep_moe.autotune import warmup
 
@@ -238,7 +259,7 @@ def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch
     a2a_ms = max(across_ranks(time_all_to_all(ours, x, args, device), device)) if ep_size > 1 else 0.0
     flops = 18 * args.tokens * shape.top_k * shape.hidden * shape.intermediate
     rows = []
-    for name in [n for n in impls if n in layers]:
+    for name in [n for n in layers if ("ep_moe" if n.startswith("ep_moe") else n) in impls]:
         forward, params = layers[name]
         err_y, err_dx = errors[name]
         valid = max(err_y, err_dx) < MAX_REL_ERR
@@ -248,7 +269,7 @@ def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch
                          hidden=shape.hidden, intermediate=shape.intermediate, top_k=shape.top_k, impl=name,
                          ms=ms, ms_per_rank=per_rank, tflops=flops / ms / 1e9, a2a_ms=a2a_ms,
                          a2a_share=a2a_ms / ms, rel_err_y=err_y, rel_err_dx=err_dx, valid=valid))
-        print0(f"{shape.name:16s} {name:10s} EP={ep_size} fwd+bwd {ms:8.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s"
+        print0(f"{shape.name:16s} {name:12s} EP={ep_size} fwd+bwd {ms:8.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s"
                f"  a2a {a2a_ms:6.2f} ms ({100 * a2a_ms / ms:4.1f}%)  err y {err_y:.1e} dx {err_dx:.1e}"
                + ("" if valid else "  INVALID: not timed"))
     return rows
@@ -284,7 +305,7 @@ def main() -> int:
                                "iters": args.iters, "warmup": args.warmup, "autotune": args.autotune,
                                "deepspeed": deepspeed.__version__ if deepspeed else None, "results": rows})
             print(json.dumps({"saved": str(out)}), flush=True)
-        return 0 if all(r["valid"] for r in rows if r["impl"] == "ep_moe") else 1
+        return 0 if all(r["valid"] for r in rows if r["impl"].startswith("ep_moe")) else 1
     finally:
         dist.destroy_process_group()
 

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # GPU check and EP benchmark in one go, for a 2- or 4-GPU machine (within ~9 minutes on 4x H100):
 #   1. installs the wheels in .whl/ (deepspeed and the dependencies the image lacks) into /tmp/site;
-#   2. runs the GPU tests (tests/gpu, tests/kernels; -x);
-#   3. runs benchmarks/bench_ep.py at EP = 1, 2, 4 (as many as there are GPUs) on all four shapes;
+#   2. runs the GPU tests (tests/gpu, tests/kernels; -x; over 8 workers when pytest-xdist is there);
+#   3. runs benchmarks/bench_ep.py at EP = 1, 2, 4 (as many as there are GPUs) on all four shapes,
+#      with the overlap variants in $OVERLAP at EP>1, kernel configs from $EP_MOE_CACHE_DIR (a
+#      cache benchmarks/run_autotune_gpu.sh filled, when run first on this machine) or shipped;
 #   4. copies the results JSON and the logs into $OUT (if set) and prints a summary table.
 # Every step has its own timeout, cut to what is left of a 530 s budget. Run from anywhere:
-#   bash benchmarks/run_ep_gpu.sh                # ITERS=10 WARMUP=3 TOKENS=8192 by default
+#   bash benchmarks/run_ep_gpu.sh          # ITERS=10 WARMUP=3 TOKENS=8192 OVERLAP=1,2:0,2:16 by default
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ITERS=${ITERS:-10}
 WARMUP=${WARMUP:-3}
 TOKENS=${TOKENS:-8192}
+OVERLAP=${OVERLAP:-1,2:0,2:16}
+export EP_MOE_CACHE_DIR=${EP_MOE_CACHE_DIR:-/tmp/ep_moe_cache}
 BUDGET_END=$((SECONDS + ${BUDGET_S:-530}))
 LOGS=${OUT:-/tmp/ep_gpu}/logs
 RESULTS=${OUT:-/tmp/ep_gpu}/results
@@ -35,21 +39,24 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 nvidia-smi -L
 
-timeout "$(left 240)" python3 -m pytest -x -q -p no:cacheprovider tests/gpu tests/kernels 2>&1 | tee "$LOGS/tests.log"
+XDIST=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
+timeout "$(left 240)" python3 -m pytest -x -q -p no:cacheprovider $XDIST tests/gpu tests/kernels 2>&1 \
+  | grep -v DEBUG | tee "$LOGS/tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
 BENCH_RC=()
 for P in 1 2 4; do
   [ "$P" -le "$NGPU" ] || continue
   timeout "$(left 150)" python3 -m torch.distributed.run --nproc-per-node "$P" benchmarks/bench_ep.py --tokens "$TOKENS" \
-    --iters "$ITERS" --warmup "$WARMUP" 2>&1 | tee "$LOGS/bench_ep$P.log"
+    --iters "$ITERS" --warmup "$WARMUP" --overlap "$OVERLAP" 2>&1 | tee "$LOGS/bench_ep$P.log"
   BENCH_RC+=("EP=$P:${PIPESTATUS[0]}")
 done
 find benchmarks/results -name 'ep_*_ep*.json' -newer "$STARTED" -exec cp {} "$RESULTS/" \;
 
 python3 - "$RESULTS" <<'EOF'
 """Summary: slowest-rank fwd+bwd ms per shape and layer at each EP size, the forward
-all-to-all at the largest EP, and the plain layer's time over ep_moe's."""
+all-to-all at the largest EP, the plain layer's time over this one's there, and this
+one's per-GPU time there over EP=1's (ep_moe's EP=1 for its overlap variants)."""
 import json, sys
 from pathlib import Path
 
@@ -66,15 +73,17 @@ rows = {}
 for ep, data in runs.items():
     for r in data["results"]:
         rows.setdefault((r["shape"], r["impl"]), {})[ep] = r
-print(f"{'shape':16s} {'layer':10s} " + " ".join(f"{'EP=' + str(ep):>8s}" for ep in sizes)
-      + f" {'a2a@EP' + str(sizes[-1]):>10s} {'plain/this':>11s}")
+print(f"{'shape':16s} {'layer':12s} " + " ".join(f"{'EP=' + str(ep):>8s}" for ep in sizes)
+      + f" {'a2a@EP' + str(sizes[-1]):>10s} {'plain/this':>11s} {'EP' + str(sizes[-1]) + '/EP1':>9s}")
 for (shape, impl), by_ep in rows.items():
     top = by_ep.get(sizes[-1])
     plain = rows.get((shape, "plain"), {}).get(sizes[-1])
     ratio = plain["ms"] / top["ms"] if top and plain and top["valid"] else float("nan")
+    ep1 = rows.get((shape, "ep_moe" if impl.startswith("ep_moe") else impl), {}).get(1)
+    scaling = top["ms"] / ep1["ms"] if top and ep1 and top["valid"] else float("nan")
     cells = " ".join(f"{by_ep[ep]['ms']:8.2f}" if ep in by_ep else f"{'-':>8s}" for ep in sizes)
     a2a = f"{top['a2a_ms']:10.2f}" if top else f"{'-':>10s}"
     flag = "" if all(r["valid"] for r in by_ep.values()) else "  INVALID"
-    print(f"{shape:16s} {impl:10s} {cells} {a2a} {ratio:11.2f}{flag}")
+    print(f"{shape:16s} {impl:12s} {cells} {a2a} {ratio:11.2f} {scaling:9.2f}{flag}")
 EOF
 echo "tests rc=$TESTS_RC; bench ${BENCH_RC[*]}; logs in $LOGS, results in $RESULTS; ${SECONDS}s"

@@ -7,8 +7,8 @@ it receives, P ranks of the EP group, e local experts). One EP>1 layer forward i
    owns experts ``p*e .. p*e+e-1``) and receives, from every source rank, how many rows
    it will get for each of its local experts (``recv_counts_Pe``, rank-major).
 2. :func:`split_sizes`: the single host sync of the layer, the split sizes that
-   ``all_to_all_single`` needs.
-3. :func:`dispatch_rows`: rows go to the owners of their experts and arrive grouped by
+   ``all_to_all_single`` needs (for every chunk of the pipeline at once).
+3. :func:`start_dispatch`: rows go to the owners of their experts and arrive grouped by
    source rank, then by local expert::
 
        arrival order (rank-major):   [src0: e0 e1 | src1: e0 e1 | src2: e0 e1]
@@ -17,10 +17,12 @@ it receives, P ranks of the EP group, e local experts). One EP>1 layer forward i
    :func:`expert_major_order` gives the gather index from the second order into the
    first, so the grouped GEMM reads the rows in expert order straight from the arrival
    buffer and the down projection scatters back into it: no permute copy.
-4. :func:`combine_rows`: the reverse all-to-all returns the expert outputs to the ranks
+4. :func:`start_combine`: the reverse all-to-all returns the expert outputs to the ranks
    that own their tokens, in the order they were sent.
 
-With a group of one rank (or none) no collective runs: the functions return their input.
+The exchanges are asynchronous (:class:`PendingExchange`) so that :mod:`ep_moe.pipeline`
+can overlap one chunk's all-to-all with another chunk's expert GEMMs. With a group of one
+rank (or none) no collective runs: the functions return their input.
 """
 
 from __future__ import annotations
@@ -53,21 +55,28 @@ class SplitSizes:
         return sum(self.recv)
 
 
-def exchange_counts(counts_E: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
-    """All-to-all of per-expert counts: returns ``recv_counts`` [P*e], rank-major, where
-    ``recv_counts[p*e + j]`` is how many rows rank p sends for local expert j."""
-    if group_size(group) == 1:
-        return counts_E
-    recv_counts = torch.empty_like(counts_E)
-    dist.all_to_all_single(recv_counts, counts_E.contiguous(), group=group)
-    return recv_counts
+def exchange_counts(counts: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    """All-to-all of per-expert counts ``[..., E]`` (one row per chunk, or a single [E]):
+    returns ``recv_counts`` of the same shape, rank-major per row, where
+    ``recv_counts[..., p*e + j]`` is how many rows rank p sends for local expert j. One
+    collective for every chunk."""
+    ep_size = group_size(group)
+    if ep_size == 1:
+        return counts
+    send_PCe = counts.reshape(-1, ep_size, counts.shape[-1] // ep_size).transpose(0, 1).contiguous()
+    recv_PCe = torch.empty_like(send_PCe)
+    dist.all_to_all_single(recv_PCe, send_PCe, group=group)
+    return recv_PCe.transpose(0, 1).reshape(counts.shape)
 
 
-def split_sizes(counts_E: torch.Tensor, recv_counts: torch.Tensor, ep_size: int) -> SplitSizes:
-    """Sum the counts per rank and bring them to the host, in one transfer."""
-    per_rank = torch.cat([counts_E.view(ep_size, -1).sum(1), recv_counts.view(ep_size, -1).sum(1)])
+def split_sizes(counts_CE: torch.Tensor, recv_counts_CE: torch.Tensor, ep_size: int) -> list[SplitSizes]:
+    """Split sizes of each chunk (row of ``[C, E]`` counts), summed per rank and brought to
+    the host in one transfer: the layer's single host sync."""
+    num_chunks = counts_CE.shape[0]
+    per_rank = torch.stack([counts_CE.view(num_chunks, ep_size, -1).sum(2),
+                            recv_counts_CE.view(num_chunks, ep_size, -1).sum(2)], dim=1)
     sizes = per_rank.tolist()  # host sync: all_to_all_single needs split sizes as ints
-    return SplitSizes(send=sizes[:ep_size], recv=sizes[ep_size:])
+    return [SplitSizes(send=send, recv=recv) for send, recv in sizes]
 
 
 def expert_major_order(recv_counts: torch.Tensor, ep_size: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,35 +100,38 @@ def expert_major_order(recv_counts: torch.Tensor, ep_size: int, num_rows: int) -
     return gather_index_S, recv_counts_Pe.sum(dim=0)
 
 
-def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                group: Optional[ProcessGroup]) -> torch.Tensor:
+class PendingExchange:
+    """An all-to-all in flight: :meth:`wait` returns its output once the current stream
+    may use it (NCCL: a stream wait, the host does not block; gloo: blocks)."""
+
+    def __init__(self, out: torch.Tensor, work: Optional[dist.Work]) -> None:
+        self._out, self._work = out, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._out
+
+
+def start_exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                   group: Optional[ProcessGroup]) -> PendingExchange:
+    """Start ``all_to_all_single`` of the rows of ``x`` with uneven splits (not
+    differentiable; :mod:`ep_moe.pipeline` wires the backward). No group: ``x`` itself."""
     if group_size(group) == 1:
-        return x
+        return PendingExchange(x, None)
     out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-    return out
+    work = dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group, async_op=True)
+    return PendingExchange(out, work)
 
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; the backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
-        return _all_to_all(x, output_splits, input_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        return _all_to_all(grad_out, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+def start_dispatch(send_RH: torch.Tensor, splits: SplitSizes, group: Optional[ProcessGroup]) -> PendingExchange:
+    """Rows grouped by destination rank go to the owners of their experts; they arrive
+    ([S, ...]) grouped by source rank, then local expert."""
+    return start_exchange(send_RH, splits.recv, splits.send, group)
 
 
-def dispatch_rows(send_RH: torch.Tensor, splits: SplitSizes, group: Optional[ProcessGroup]) -> torch.Tensor:
-    """Send routed rows (grouped by destination rank) to their experts' ranks; returns the
-    [S, H] rows that arrived here, grouped by source rank then local expert."""
-    return _AllToAll.apply(send_RH, splits.recv, splits.send, group)
-
-
-def combine_rows(out_SH: torch.Tensor, splits: SplitSizes, group: Optional[ProcessGroup]) -> torch.Tensor:
-    """Return expert outputs (in arrival order) to the ranks that sent the rows; the
-    result [R, H] is in this rank's send order."""
-    return _AllToAll.apply(out_SH, splits.send, splits.recv, group)
+def start_combine(out_SH: torch.Tensor, splits: SplitSizes, group: Optional[ProcessGroup]) -> PendingExchange:
+    """The reverse of :func:`start_dispatch`: rows in arrival order go back to the ranks
+    that sent them and arrive ([R, ...]) in that rank's send order."""
+    return start_exchange(out_SH, splits.send, splits.recv, group)

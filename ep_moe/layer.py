@@ -34,16 +34,16 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.dispatch import combine_rows, dispatch_rows, exchange_counts, expert_major_order, group_size, split_sizes
+from ep_moe.dispatch import exchange_counts, expert_major_order, group_size, split_sizes
 from ep_moe.kernels.activation import swiglu
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm
 from ep_moe.kernels.permute import permute_tokens, sum_slot_rows
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
+from ep_moe.pipeline import ChunkPlan, expert_pipeline
 from ep_moe.routing import (
     DropPolicy,
     RouterOutput,
-    RoutingMetadata,
     ScoreFunc,
     build_routing_metadata,
     capacity_keep_mask,
@@ -112,6 +112,13 @@ class MoEConfig:
     ep_size: Optional[int] = None
     """Expected EP size; when set, the layer checks that its group has this many ranks
     (None: whatever the group has, 1 without a group)."""
+    overlap_chunks: int = 1
+    """EP>1: split each rank's tokens into this many chunks and overlap one chunk's
+    all-to-all with another's expert GEMMs (:mod:`ep_moe.pipeline`); 1 runs dispatch,
+    experts and combine in sequence. Every rank of the EP group must use the same value."""
+    overlap_comm_sms: int = 16
+    """With ``overlap_chunks > 1``: SMs the persistent grouped GEMMs leave free for the
+    all-to-all's kernels while they overlap (0: the GEMMs take every SM)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -133,6 +140,11 @@ class MoEConfig:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"MoEConfig.{name}={value!r}: must be >= 0 (0 disables it)")
+        if not isinstance(self.overlap_chunks, int) or self.overlap_chunks < 1:
+            raise ValueError(f"MoEConfig.overlap_chunks={self.overlap_chunks!r}: must be an int >= 1 "
+                             "(1: no overlap)")
+        if not isinstance(self.overlap_comm_sms, int) or self.overlap_comm_sms < 0:
+            raise ValueError(f"MoEConfig.overlap_comm_sms={self.overlap_comm_sms!r}: must be an int >= 0")
         if not self.init_std > 0:
             raise ValueError(f"MoEConfig.init_std={self.init_std!r}: must be > 0")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
@@ -191,6 +203,12 @@ def _resolve_backend(backend: str, x: torch.Tensor) -> str:
     if backend == "auto":
         return "triton" if x.is_cuda else "torch"
     return backend
+
+
+def _chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:
+    """``num_chunks`` contiguous token ranges as equal as possible (some may be empty)."""
+    edges = [num_tokens * c // num_chunks for c in range(num_chunks + 1)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 @torch.compiler.disable  # a cache lookup (maybe file reads): run eagerly, the configs enter as constants
@@ -261,12 +279,23 @@ class GroupedExperts(nn.Module):
         ``unique_gather`` says each row of x is read once (rows that arrived by all-to-all),
         so GEMM1's backward writes dx through the index with no reduction.
         """
-        # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
-        h_RF = grouped_gemm(x, self.gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
-                            unique_gather=unique_gather, configs=configs[0], backend=backend)
-        a_RI = _activate(h_RF, self.activation, backend)
-        return grouped_gemm(a_RI, self.down.to(x.dtype), m_sizes_e, scatter_index=scatter_index,
-                            row_weights=row_weights, configs=configs[1], backend=backend)
+        return expert_mlp(x, self.gate_up, self.down, m_sizes_e, activation=self.activation,
+                          gather_index=gather_index, scatter_index=scatter_index, row_weights=row_weights,
+                          unique_gather=unique_gather, backend=backend, configs=configs)
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, m_sizes_e: torch.Tensor, *,
+               activation: Activation, gather_index: Optional[torch.Tensor] = None,
+               scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
+               unique_gather: bool = False, backend: str = "torch",
+               configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None)) -> torch.Tensor:
+    """The math of :meth:`GroupedExperts.forward` with the weights passed in."""
+    # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
+    h_RF = grouped_gemm(x, gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
+                        unique_gather=unique_gather, configs=configs[0], backend=backend)
+    a_RI = _activate(h_RF, activation, backend)
+    return grouped_gemm(a_RI, down.to(x.dtype), m_sizes_e, scatter_index=scatter_index,
+                        row_weights=row_weights, configs=configs[1], backend=backend)
 
 
 def _split_experts_hook(module: GroupedExperts, state_dict, prefix, local_metadata) -> None:
@@ -447,20 +476,20 @@ class MoELayer(nn.Module):
             capacity = expert_capacity(cfg.capacity_factor, x_TH.shape[0], cfg.top_k, cfg.num_experts)
             keep_TK = capacity_keep_mask(router.topk_ids_TK, router.topk_scores_TK, num_experts=cfg.num_experts,
                                          capacity=capacity, drop_policy=cfg.drop_policy)
-        meta = build_routing_metadata(router.topk_ids_TK, cfg.num_experts, keep_TK)
         backend = _resolve_backend(cfg.backend, x)
         if self.ep_size == 1:
-            y_TH = self._experts_local(x_TH, router, meta, backend)
+            y_TH = self._experts_local(x_TH, router, keep_TK, backend)
         else:
-            y_TH = self._experts_parallel(x_TH, router, meta, backend)
+            y_TH = self._experts_parallel(x_TH, router, keep_TK, backend)
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH, backend)
-        self._record(router, meta)
+        self._record(router, keep_TK)
         return y_TH.view(x.shape)
 
-    def _experts_local(self, x_TH: torch.Tensor, router: RouterOutput, meta: RoutingMetadata,
+    def _experts_local(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                        backend: str) -> torch.Tensor:
         """EP=1: one gather GEMM, one scatter GEMM with the top-k weights fused in."""
+        meta = build_routing_metadata(router.topk_ids_TK, self.config.num_experts, keep_TK)
         weights_N = router.topk_weights_TK.flatten()
         configs = self._configs(backend, meta.slot_index_R.shape[0], x_TH.device)
         if meta.dropless:
@@ -472,30 +501,48 @@ class MoELayer(nn.Module):
                             row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
         return sum_slot_rows(y_RH, meta, backend)
 
-    def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, meta: RoutingMetadata,
+    def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> torch.Tensor:
-        """EP>1: dispatch rows and their top-k weights, local experts in expert-major order
-        (weights multiplied in GEMM2's epilogue), combine."""
-        group = self.ep_group
-        send_RH = permute_tokens(x_TH, meta, backend)
-        send_weights_R = router.topk_weights_TK.flatten().index_select(0, meta.slot_index_R)
-        recv_counts = exchange_counts(meta.counts_E, group)
-        splits = split_sizes(meta.counts_E, recv_counts, self.ep_size)
-        recv_SH = dispatch_rows(send_RH, splits, group)
-        recv_weights_S = dispatch_rows(send_weights_R, splits, group)
-        order_S, m_sizes_e = expert_major_order(recv_counts, self.ep_size, splits.num_recv)
-        out_SH = self.experts(recv_SH, m_sizes_e, gather_index=order_S, scatter_index=order_S,
-                              row_weights=recv_weights_S, unique_gather=True, backend=backend,
-                              configs=self._configs(backend, splits.num_recv, x_TH.device))
-        back_RH = combine_rows(out_SH, splits, group)
-        return sum_slot_rows(back_RH, meta, backend)
+        """EP>1: the tokens in ``overlap_chunks`` chunks; per chunk, rows and their top-k
+        weights dispatched, the local experts in expert-major order (weights multiplied in
+        GEMM2's epilogue), rows combined and summed per token; chunks pipelined
+        (:mod:`ep_moe.pipeline`). One exchange of counts and one host sync for all chunks."""
+        cfg, group = self.config, self.ep_group
+        bounds = _chunk_bounds(x_TH.shape[0], cfg.overlap_chunks)
+        metas = [build_routing_metadata(router.topk_ids_TK[a:b], cfg.num_experts,
+                                        None if keep_TK is None else keep_TK[a:b]) for a, b in bounds]
+        counts_CE = torch.stack([m.counts_E for m in metas])
+        recv_counts_CE = exchange_counts(counts_CE, group)
+        splits = split_sizes(counts_CE, recv_counts_CE, self.ep_size)
+        plans = [ChunkPlan(s, *expert_major_order(recv, self.ep_size, s.num_recv))
+                 for s, recv in zip(splits, recv_counts_CE)]
+        send_rows = [permute_tokens(x_TH[a:b], m, backend) for (a, b), m in zip(bounds, metas)]
+        send_weights = [router.topk_weights_TK[a:b].flatten().index_select(0, m.slot_index_R)
+                        for (a, b), m in zip(bounds, metas)]
+        configs = {}  # per distinct chunk row count
+
+        def run_experts(rows_SH, row_weights_S, plan: ChunkPlan, gate_up, down):
+            rows = rows_SH.shape[0]
+            if rows not in configs:
+                configs[rows] = self._configs(backend, rows, x_TH.device)
+            return expert_mlp(rows_SH, gate_up, down, plan.m_sizes_e, activation=cfg.activation,
+                              gather_index=plan.order_S, scatter_index=plan.order_S, row_weights=row_weights_S,
+                              unique_gather=True, backend=backend, configs=configs[rows])
+
+        comm_sms = cfg.overlap_comm_sms if cfg.overlap_chunks > 1 else 0
+        back_rows = expert_pipeline(run_experts, plans, group, self.experts.gate_up, self.experts.down,
+                                    send_rows, send_weights, comm_sms)
+        y_chunks = [sum_slot_rows(rows, m, backend) for rows, m in zip(back_rows, metas)]
+        return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
 
     @torch.no_grad()
-    def _record(self, router: RouterOutput, meta: RoutingMetadata) -> None:
+    def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor]) -> None:
         counts_E = router.counts_E.detach()
+        num_dropped = (torch.zeros((), dtype=torch.int64, device=counts_E.device) if keep_TK is None
+                       else keep_TK.numel() - keep_TK.sum())
         self.last_stats = MoEStats(
             aux_loss=router.aux_loss, z_loss=router.z_loss, tokens_per_expert=counts_E,
-            num_dropped=meta.num_slots - meta.counts_E.sum(),
+            num_dropped=num_dropped,
         )
         if self.expert_bias is not None and self.training:
             self._load_since_update += counts_E

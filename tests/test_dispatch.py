@@ -7,12 +7,12 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from ep_moe.dispatch import (
     SplitSizes,
-    combine_rows,
-    dispatch_rows,
     exchange_counts,
     expert_major_order,
     group_size,
     split_sizes,
+    start_combine,
+    start_dispatch,
 )
 
 NUM_LOCAL = 2  # local experts per rank in the distributed tests
@@ -39,10 +39,12 @@ def test_expert_major_order_matches_loop(ep_size, num_local):
     assert m_sizes_e.tolist() == recv_counts.view(ep_size, num_local).sum(0).tolist()
 
 
-def test_split_sizes_sums_per_rank():
-    splits = split_sizes(torch.tensor([1, 2, 3, 0]), torch.tensor([2, 0, 1, 1]), ep_size=2)
-    assert splits == SplitSizes(send=[3, 3], recv=[2, 2])
-    assert splits.num_recv == 4
+def test_split_sizes_sums_per_rank_for_each_chunk():
+    counts_CE = torch.tensor([[1, 2, 3, 0], [0, 0, 5, 1]])
+    recv_CE = torch.tensor([[2, 0, 1, 1], [0, 0, 0, 3]])
+    splits = split_sizes(counts_CE, recv_CE, ep_size=2)
+    assert splits == [SplitSizes(send=[3, 3], recv=[2, 2]), SplitSizes(send=[0, 6], recv=[0, 3])]
+    assert splits[0].num_recv == 4
 
 
 def test_no_collective_without_group(monkeypatch):
@@ -50,19 +52,16 @@ def test_no_collective_without_group(monkeypatch):
         raise AssertionError("a collective ran at EP=1")
 
     monkeypatch.setattr(dist, "all_to_all_single", fail)
-    counts_E = torch.tensor([2, 1])
-    rows = torch.randn(3, 4, requires_grad=True)
-    splits = split_sizes(counts_E, exchange_counts(counts_E, None), ep_size=1)
+    counts_CE = torch.tensor([[2, 1]])
+    rows = torch.randn(3, 4)
+    (splits,) = split_sizes(counts_CE, exchange_counts(counts_CE, None), ep_size=1)
     assert group_size(None) == 1 and splits == SplitSizes(send=[3], recv=[3])
-    out = combine_rows(dispatch_rows(rows, splits, None) * 2, splits, None)
-    out.sum().backward()
-    torch.testing.assert_close(out, rows * 2)
-    torch.testing.assert_close(rows.grad, torch.full_like(rows, 2.0))
+    assert start_combine(start_dispatch(rows, splits, None).wait(), splits, None).wait() is rows
 
 
-def _all_counts(world_size):
-    """counts[p][E]: rows rank p sends to each global expert; rank 1 sends nothing."""
-    gen = torch.Generator().manual_seed(world_size)
+def _all_counts(world_size, chunk):
+    """counts[p][E]: rows rank p sends to each global expert in ``chunk``; rank 1 sends nothing."""
+    gen = torch.Generator().manual_seed(10 * world_size + chunk)
     counts = torch.randint(0, 4, (world_size, world_size * NUM_LOCAL), generator=gen)
     counts[1] = 0
     return counts
@@ -74,37 +73,38 @@ def _row_ids(counts_E, src):
 
 
 def _dispatch_worker(rank, world_size):
-    counts_E = _all_counts(world_size)[rank]
-    send_RH = _row_ids(counts_E, rank)[:, None].repeat(1, 3).requires_grad_()
+    """Two chunks: counts of both exchanged in one collective, rows dispatched (both in
+    flight at once) and combined back."""
+    counts_CE = torch.stack([_all_counts(world_size, c)[rank] for c in range(2)])
     group = dist.group.WORLD
-    recv_counts = exchange_counts(counts_E, group)
-    splits = split_sizes(counts_E, recv_counts, world_size)
-    recv_SH = dispatch_rows(send_RH, splits, group)
-    order_S, m_sizes_e = expert_major_order(recv_counts, world_size, splits.num_recv)
-    back_RH = combine_rows(recv_SH + 0.5, splits, group)
-    (recv_SH * (2 * recv_SH.detach() + rank)).sum().backward()
-    return dict(recv_counts=recv_counts, splits=splits, recv=recv_SH.detach(), order=order_S,
-                m_sizes=m_sizes_e, back=back_RH.detach(), send=send_RH.detach(), grad=send_RH.grad)
+    recv_counts_CE = exchange_counts(counts_CE, group)
+    splits = split_sizes(counts_CE, recv_counts_CE, world_size)
+    sends = [_row_ids(counts_CE[c], rank)[:, None].repeat(1, 3) for c in range(2)]
+    pending = [start_dispatch(sends[c], splits[c], group) for c in range(2)]
+    recvs = [p.wait() for p in pending]
+    backs = [start_combine(recv + 0.5, s, group).wait() for recv, s in zip(recvs, splits)]
+    orders = [expert_major_order(recv_counts_CE[c], world_size, splits[c].num_recv) for c in range(2)]
+    return dict(recv_counts=recv_counts_CE, splits=splits, recv=recvs, order=orders, back=backs, send=sends)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dispatch_and_combine_on_gloo(world_size):
-    counts = _all_counts(world_size)
     results = run_distributed(_dispatch_worker, world_size)
-    for q, res in enumerate(results):
-        mine = slice(q * NUM_LOCAL, (q + 1) * NUM_LOCAL)
-        assert res["recv_counts"].tolist() == counts[:, mine].flatten().tolist()
-        assert res["splits"].send == counts[q].view(world_size, NUM_LOCAL).sum(1).tolist()
-        assert res["splits"].recv == counts[:, mine].sum(1).tolist()
-        arrival = [1000.0 * p + 10 * e + i for p in range(world_size) for e in range(mine.start, mine.stop)
-                   for i in range(int(counts[p, e]))]
-        assert res["recv"][:, 0].tolist() == arrival
-        expert_major = [1000.0 * p + 10 * e + i for e in range(mine.start, mine.stop) for p in range(world_size)
-                        for i in range(int(counts[p, e]))]
-        assert res["recv"][res["order"], 0].tolist() == expert_major
-        assert res["m_sizes"].tolist() == counts[:, mine].sum(0).tolist()
-        torch.testing.assert_close(res["back"], res["send"] + 0.5)
-        dest_rank = torch.tensor([e // NUM_LOCAL for e in range(counts.shape[1]) for _ in range(int(counts[q, e]))])
-        torch.testing.assert_close(res["grad"], 2 * res["send"] + dest_rank[:, None].float())
-    assert results[1]["send"].shape[0] == 0
+    for chunk in range(2):
+        counts = _all_counts(world_size, chunk)
+        for q, res in enumerate(results):
+            mine = slice(q * NUM_LOCAL, (q + 1) * NUM_LOCAL)
+            splits, recv, (order, m_sizes) = res["splits"][chunk], res["recv"][chunk], res["order"][chunk]
+            assert res["recv_counts"][chunk].tolist() == counts[:, mine].flatten().tolist()
+            assert splits.send == counts[q].view(world_size, NUM_LOCAL).sum(1).tolist()
+            assert splits.recv == counts[:, mine].sum(1).tolist()
+            arrival = [1000.0 * p + 10 * e + i for p in range(world_size) for e in range(mine.start, mine.stop)
+                       for i in range(int(counts[p, e]))]
+            assert recv[:, 0].tolist() == arrival
+            expert_major = [1000.0 * p + 10 * e + i for e in range(mine.start, mine.stop)
+                            for p in range(world_size) for i in range(int(counts[p, e]))]
+            assert recv[order, 0].tolist() == expert_major
+            assert m_sizes.tolist() == counts[:, mine].sum(0).tolist()
+            torch.testing.assert_close(res["back"][chunk], res["send"][chunk] + 0.5)
+    assert results[1]["send"][0].shape[0] == 0

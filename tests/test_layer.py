@@ -276,6 +276,7 @@ def test_ep_layout_expert_then_data():
     (dict(top_k=2, backend="cuda"), r"backend='cuda'"),
     (dict(top_k=2, router_dtype=torch.int32), r"router_dtype=torch.int32: use a float dtype"),
     (dict(top_k=2, aux_loss_coef=-1.0), r"aux_loss_coef=-1.0: must be >= 0"),
+    (dict(top_k=2, overlap_chunks=0), r"overlap_chunks=0: must be an int >= 1"),
 ])
 def test_config_errors(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -314,6 +315,11 @@ SCENARIOS = {
     "relu_unnormalised": dict(top_k=3, activation="relu", norm_topk_prob=False),
     # The Triton kernels (interpreter) on the EP path: gather of arrived rows, fused SwiGLU.
     "triton_top2": dict(top_k=2, backend="triton"),
+    # The chunked pipeline (ep_moe.pipeline): chunks of 6, 4 and 0 tokens (empty rank).
+    "overlap2": dict(top_k=2, overlap_chunks=2),
+    "overlap3_capacity": dict(top_k=3, capacity_factor=0.75, overlap_chunks=3),
+    "overlap2_triton": dict(top_k=2, backend="triton", overlap_chunks=2),
+    "empty_rank_overlap2": dict(top_k=2, overlap_chunks=2),
 }
 
 
@@ -326,7 +332,7 @@ def _scenario(name, world_size):
     if kwargs.get("expert_bias"):
         state["expert_bias"] = torch.randn(E) * 0.3
     inputs = [torch.randn(3, 4, H) for _ in range(world_size)]
-    if name == "empty_rank":
+    if name.startswith("empty_rank"):
         inputs[1] = torch.randn(0, 4, H)
     if name == "skewed":  # every token picks rank 0's experts
         owned = E // world_size

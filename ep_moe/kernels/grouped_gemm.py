@@ -18,6 +18,8 @@ B operand is ``w[e]`` read transposed (forward) or as stored (dX), chosen by str
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -49,6 +51,26 @@ def num_programs_for(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+_RESERVED_SMS = contextvars.ContextVar("ep_moe_reserved_sms", default=0)
+
+
+@contextlib.contextmanager
+def reserve_sms(count: int):
+    """Inside the block, persistent kernels launch ``count`` fewer programs than SMs, so
+    work running beside them (an all-to-all's communication kernels) finds SMs free
+    instead of waiting for a whole GEMM to finish."""
+    token = _RESERVED_SMS.set(max(0, count))
+    try:
+        yield
+    finally:
+        _RESERVED_SMS.reset(token)
+
+
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent launch now: one per SM, less any :func:`reserve_sms`."""
+    return max(1, num_programs_for(device) - _RESERVED_SMS.get())
 
 
 @functools.lru_cache(maxsize=None)
@@ -289,7 +311,7 @@ def _input_precision(dtype: torch.dtype) -> str:
 
 
 def _persistent_grid(device: torch.device, max_tiles: int) -> tuple[int]:
-    return (max(1, min(num_programs_for(device), max_tiles)),)
+    return (max(1, min(persistent_programs(device), max_tiles)),)
 
 
 def launch_rows(
@@ -348,7 +370,7 @@ def launch_rows(
         out.stride(0), out.stride(1),
         dot_with.stride(0) if dot_with is not None else 0,
         dot_with.stride(1) if dot_with is not None else 0,
-        NUM_SMS=num_programs_for(a.device),
+        NUM_SMS=persistent_programs(a.device),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
         GROUP_SIZE_M=c.GROUP_SIZE_M,
         LOAD_IDX=load_idx is not None, STORE_IDX=store_idx is not None,
@@ -379,7 +401,7 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
         dy.stride(0), dy.stride(1),
         x.stride(0), x.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
-        NUM_SMS=num_programs_for(x.device),
+        NUM_SMS=persistent_programs(x.device),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
         USE_TMA=use_tma,
         INPUT_PRECISION=_input_precision(x.dtype),

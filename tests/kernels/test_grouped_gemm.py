@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from ep_moe import GemmConfigs, KernelConfig, grouped_gemm
-from ep_moe.kernels.grouped_gemm import launch_dw, launch_rows, smem_limit_for
+from ep_moe.kernels.grouped_gemm import (
+    launch_dw,
+    launch_rows,
+    num_programs_for,
+    persistent_programs,
+    reserve_sms,
+    smem_limit_for,
+)
 from ep_moe.kernels.permute import launch_gather_rows
 from ep_moe.kernels.reference import grouped_gemm_reference
 
@@ -209,6 +216,25 @@ def test_empty_experts_get_zero_dw():
     dw = torch.full((3, 24, 20), float("nan"), device=DEVICE)
     launch_dw(dy, x, dw, m_sizes, CONFIGS.dw)
     assert torch.equal(dw[0], torch.zeros_like(dw[0])) and torch.equal(dw[2], torch.zeros_like(dw[2]))
+
+
+def test_reserved_sms_shrink_the_persistent_grid_and_keep_results():
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    x, w, m_sizes, g, s, rw = make_problem("ragged", dtype, True, True, True)
+    leaves = [x.requires_grad_(), w.requires_grad_(), rw.requires_grad_()]
+
+    def run():
+        y = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw,
+                         configs=CONFIGS, backend="triton")
+        return (y, *torch.autograd.grad(y, leaves, torch.ones_like(y)))
+
+    full = run()
+    with reserve_sms(num_programs_for(DEVICE) - 1):
+        assert persistent_programs(DEVICE) == 1
+        one_program = run()
+    assert persistent_programs(DEVICE) == num_programs_for(DEVICE)
+    for a, b in zip(one_program, full):  # same tiles, same reduction order: bitwise equal
+        assert torch.equal(a, b)
 
 
 # --- torch.compile --------------------------------------------------------------------
