@@ -63,8 +63,10 @@ class _ExpertPipeline(torch.autograd.Function):
         weights = [w.detach().requires_grad_(record and w.requires_grad) for w in (gate_up, down)]
         graphs, rows_out = [], []
         for c, plan in enumerate(plans):
-            rows_SH = rows_in[c].wait().requires_grad_(record and send[c].requires_grad)
-            row_weights_S = weights_in[c].wait().requires_grad_(record and send[num_chunks + c].requires_grad)
+            # detach: without a group the "received" rows are the sent tensors themselves
+            rows_SH = rows_in[c].wait().detach().requires_grad_(record and send[c].requires_grad)
+            row_weights_S = weights_in[c].wait().detach().requires_grad_(
+                record and send[num_chunks + c].requires_grad)
             with torch.set_grad_enabled(record), reserve_sms(comm_sms):
                 out_SH = expert_fn(rows_SH, row_weights_S, plan, *weights)
             graphs.append((out_SH, rows_SH, row_weights_S))

@@ -583,6 +583,25 @@ def test_group_errors(ep4_results):
     assert re.search(r"ep_group has 4 ranks but MoEConfig.ep_size=2; pass a group of 2 ranks", errors[1])
 
 
+@pytest.mark.parametrize("kwargs", [dict(top_k=2), dict(top_k=3, capacity_factor=0.75, overlap_chunks=3),
+                                    dict(top_k=2, backend="triton")],
+                         ids=["top2", "capacity_three_chunks", "triton"])
+def test_ep_code_path_without_group_matches_ep1_path(kwargs):
+    """The EP>1 path (permute, pipeline, slot sum) with no group runs no collective and
+    must give the EP=1 path's output and gradients."""
+    torch.manual_seed(3)
+    layer = MoELayer(_config(**kwargs))
+    x, g = torch.randn(3, 5, H), torch.randn(3, 5, H)
+    want = _run_layer(layer, x, g), _param_grads(layer)
+    layer.zero_grad(set_to_none=True)
+    layer._experts_local = layer._experts_parallel
+    got = _run_layer(layer, x, g), _param_grads(layer)
+    for key in ("y", "dx", "aux", "z", "dropped"):
+        _close(got[0][key], want[0][key])
+    for key, grad in want[1].items():
+        _close(got[1][key], grad)
+
+
 def test_autocast_runs_experts_in_the_autocast_dtype():
     torch.manual_seed(3)
     layer = MoELayer(_config(top_k=2))

@@ -325,6 +325,10 @@ class Tuner:
     """Best candidates recorded per pass."""
     min_gain: float = 0.01
     """Relative speedup over the default a candidate needs to be chosen."""
+    confirm_rounds: int = 3
+    """Head-to-head re-timings of the fastest candidate against the default, alternating;
+    the candidate must also win their medians by ``min_gain``, so one lucky timing among
+    dozens cannot replace the default with a config that is not faster (0: no check)."""
     progress: bool = True
     """Show a tqdm bar over candidates."""
     seed: int = 0
@@ -372,9 +376,24 @@ class Tuner:
         default = default_config(problem, which, dev)
         default_ms = timed[default].median_ms if default in timed else None
         best = min(timed, key=lambda c: timed[c].median_ms)
+        if default_ms is not None and best != default and self.confirm_rounds:
+            timed.update(self._confirm(launch, (default, best), problem.dtype, timer, reference))
+            default_ms = timed[default].median_ms
         if default_ms is not None and timed[best].median_ms > default_ms * (1 - self.min_gain):
             best = default
         order = sorted(timed, key=lambda c: (c != best, timed[c].median_ms))
         ranked = [CandidateTiming(config=c, median_ms=timed[c].median_ms, p20_ms=timed[c].p20_ms,
                                   p80_ms=timed[c].p80_ms) for c in order]
         return best, ranked, default_ms
+
+    def _confirm(self, launch: PassLaunch, pair: tuple[KernelConfig, KernelConfig], dtype: str,
+                 timer: Timer, reference: torch.Tensor | None) -> dict[KernelConfig, Timing]:
+        """Median over ``confirm_rounds`` alternating timings of (default, challenger); a
+        challenger that fails now gets an infinite time."""
+        samples: dict[KernelConfig, list[Timing]] = {c: [] for c in pair}
+        for _ in range(self.confirm_rounds):
+            results, _ = time_configs(launch, list(pair), dtype, timer, reference)
+            for config, timing in zip(pair, results):
+                samples[config].append(timing or Timing(math.inf, math.inf, math.inf))
+        return {c: Timing(statistics.median(t.median_ms for t in ts), statistics.median(t.p20_ms for t in ts),
+                          statistics.median(t.p80_ms for t in ts)) for c, ts in samples.items()}

@@ -100,6 +100,20 @@ def test_default_kept_unless_clearly_beaten(isolated, other_ms, chosen):
         assert table[ROWS].default_ms[which] == 1.0
 
 
+def test_one_lucky_timing_does_not_replace_the_default(isolated):
+    """The challenger reads 20% faster once, then 10% slower in the head-to-head rounds."""
+    per_pass = [1.0, 0.8] + [1.0, 1.1] * 3
+    timings = iter(per_pass * len(PASSES))
+    tuner = Tuner(timer=lambda fn: Timing(next(timings), 0.0, 0.0), refine_top=0, progress=False,
+                  candidates=lambda p, w, rows, dev: [DEFAULT_CONFIGS[w], SMALL])
+    table = tuner(TINY, __import__("ep_moe.autotune", fromlist=["x"]).device_limits(), (ROWS,))
+    for which in PASSES:
+        assert table[ROWS].configs.for_pass(which) == DEFAULT_CONFIGS[which]
+        assert {t.config: t.median_ms for t in table[ROWS].timings[which]} == {DEFAULT_CONFIGS[which]: 1.0,
+                                                                                 SMALL: 1.1}
+    assert next(timings, None) is None  # exactly the rounds described
+
+
 @pytest.mark.slow
 def test_end_to_end_tuning_in_the_interpreter(isolated):
     tuner = Tuner(timer=lambda fn: wall_clock_timer(fn, repeats=2), refine_top=0, progress=False,

@@ -174,7 +174,9 @@ def test_scenarios_are_what_they_claim(ep_results):
     assert ep_results[1][(WORLD, "empty_rank")]["run"]["y"].numel() == 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(top_k=2), dict(top_k=1, activation="gelu"),
+# top_k=1 without renormalising: renormalised, its combine weight is p/p = 1 and the router
+# gradient through it is zero up to rounding, i.e. noise that no tolerance can compare.
+@pytest.mark.parametrize("kwargs", [dict(top_k=2), dict(top_k=1, activation="gelu", norm_topk_prob=False),
                                     dict(top_k=4, activation="relu", norm_topk_prob=False),
                                     dict(top_k=2, capacity_factor=0.5)],
                          ids=["top2", "top1_gelu", "top4_relu", "capacity"])
