@@ -22,7 +22,8 @@ gradient are checked against the plain layer's (relative error, largest over ran
 layer above 2e-2 is not timed). Time: median over ``--iters`` CUDA-event-timed iterations
 after ``--warmup``, per rank; the table shows the slowest rank's median (every rank's is
 recorded). ``a2a`` is the forward dispatch and combine ``all_to_all_single`` alone, on the
-split sizes of the same routing, and its share of each layer's time.
+split sizes of the same routing with rows as the layer sends them (ep_moe: one per token
+and destination rank; the others: one per token and expert), and its share of the time.
 FLOPs per rank: 3 * (2*T*k*H*2I + 2*T*k*I*H) = 18*T*k*H*I (T tokens per rank).
 
 Results: ``benchmarks/results/ep_<device>_ep<P>.json`` (``--out`` to change), with the
@@ -49,8 +50,8 @@ from baselines import PlainEPMoE, deepspeed_moe_like  # noqa: E402
 from common import REPO, SHAPES, MoEShape, environment, save_results  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
-from ep_moe.dispatch import exchange_counts, split_sizes, start_combine, start_dispatch  # noqa: E402
-from ep_moe.routing import build_routing_metadata, route  # noqa: E402
+from ep_moe.dispatch import SplitSizes, counts_to_host, exchange_counts, start_combine, start_dispatch  # noqa: E402
+from ep_moe.routing import rank_counts, route  # noqa: E402
 
 # A shape small enough for the CPU smoke test (dims keep torch._grouped_mm's 16-byte strides).
 TINY = MoEShape("tiny", 8, 64, 32, 2)
@@ -181,19 +182,22 @@ def time_layer(forward, params: list[torch.Tensor], x: torch.Tensor, dy: torch.T
     return ms
 
 
-def time_all_to_all(layer: MoELayer, x: torch.Tensor, args, device: torch.device) -> float:
-    """Median ms of the forward dispatch + combine all-to-alls on this routing's splits."""
-    cfg = layer.config
+def time_all_to_all(layer: MoELayer, x: torch.Tensor, per_slot: bool, args, device: torch.device) -> float:
+    """Median ms of the forward dispatch + combine all-to-alls of this routing: one row per
+    (token, destination rank) as ep_moe sends, or with ``per_slot`` one row per (token,
+    expert) as the plain and DeepSpeed layers send."""
+    cfg, group = layer.config, layer.ep_group
     with torch.no_grad():
         router = route(x, layer.router.weight, top_k=cfg.top_k)
-        meta = build_routing_metadata(router.topk_ids_TK, cfg.num_experts)
-        counts_CE = meta.counts_E[None]
-        (splits,) = split_sizes(counts_CE, exchange_counts(counts_CE, layer.ep_group), layer.ep_size)
-        send_RH = torch.empty(meta.num_slots, cfg.hidden_size, device=device, dtype=x.dtype)
+        _, counts_P2 = rank_counts(router.topk_ids_TK, None, layer.num_local_experts, layer.ep_size)
+        counts_CPX = counts_P2[None, :, 1 if per_slot else 0, None]
+        send, recv = counts_to_host(counts_CPX, exchange_counts(counts_CPX, group))
+        splits = SplitSizes(send=[n for (n,) in send[0]], recv=[n for (n,) in recv[0]])
+        send_UH = torch.empty(sum(splits.send), cfg.hidden_size, device=device, dtype=x.dtype)
 
         def run():
-            recv_SH = start_dispatch(send_RH, splits, layer.ep_group).wait()
-            start_combine(recv_SH, splits, layer.ep_group).wait()
+            recv_SH = start_dispatch(send_UH, splits, group).wait()
+            start_combine(recv_SH, splits, group).wait()
 
         return median_ms(run, lambda: None, args.iters, args.warmup, device)
 
@@ -256,7 +260,9 @@ def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch
         for p in params:
             p.grad = None
 
-    a2a_ms = max(across_ranks(time_all_to_all(ours, x, args, device), device)) if ep_size > 1 else 0.0
+    # The all-to-alls as each layer sends: ep_moe one row per (token, rank), the others one per slot.
+    a2a = {per_slot: max(across_ranks(time_all_to_all(ours, x, per_slot, args, device), device))
+           if ep_size > 1 else 0.0 for per_slot in (False, True)}
     flops = 18 * args.tokens * shape.top_k * shape.hidden * shape.intermediate
     rows = []
     for name in [n for n in layers if ("ep_moe" if n.startswith("ep_moe") else n) in impls]:
@@ -265,6 +271,7 @@ def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch
         valid = max(err_y, err_dx) < MAX_REL_ERR
         per_rank = across_ranks(time_layer(forward, params, x, dy, args, device), device) if valid else []
         ms = max(per_rank) if per_rank else float("nan")
+        a2a_ms = a2a[not name.startswith("ep_moe")]
         rows.append(dict(shape=shape.name, num_experts=shape.num_experts, local_experts=shape.num_experts // ep_size,
                          hidden=shape.hidden, intermediate=shape.intermediate, top_k=shape.top_k, impl=name,
                          ms=ms, ms_per_rank=per_rank, tflops=flops / ms / 1e9, a2a_ms=a2a_ms,

@@ -1,9 +1,9 @@
 """Where EP>1 spends time besides the all-to-all: the EP>1 code path run on one GPU.
 
 With no EP group the dispatch functions return their input, so running the layer's
-expert-parallel path (permute, weights sent with the rows, arrival-order gather index,
-unique-gather GEMM1, combine, unpermute) on one GPU measures everything EP>1 adds except
-the communication. Side by side with the EP=1 path (gather/scatter fused in the GEMMs),
+expert-parallel path (rank routing, token permute, local routing of the arrived rows,
+their slot sum, the per-token sum of returned rows, the pipeline) on one GPU measures
+everything EP>1 adds except the communication. Side by side with the EP=1 path (gather/scatter fused in the GEMMs),
 forward+backward of the whole layer, CUDA-event medians, then the top CUDA kernels of
 each path from torch.profiler.
 

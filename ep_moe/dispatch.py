@@ -1,24 +1,18 @@
 """All-to-all dispatch and combine of routed rows: communication only.
 
-Shape suffixes follow the legend in :mod:`ep_moe.routing` (R rows this rank sends, S rows
-it receives, P ranks of the EP group, e local experts). One EP>1 layer forward is:
+Shape suffixes follow the legend in :mod:`ep_moe.routing` (U rows this rank sends, one
+per token and destination rank; P ranks of the EP group). One EP>1 layer forward is:
 
-1. :func:`exchange_counts`: each rank sends its per-expert counts ``counts_E`` (rank p
-   owns experts ``p*e .. p*e+e-1``) and receives, from every source rank, how many rows
-   it will get for each of its local experts (``recv_counts_Pe``, rank-major).
-2. :func:`split_sizes`: the single host sync of the layer, the split sizes that
+1. :func:`exchange_counts`: each rank sends, per destination rank, how many rows and
+   kept slots it will send there (:func:`ep_moe.routing.rank_counts`), and receives the
+   same from every source rank.
+2. :func:`counts_to_host`: the single host sync of the layer, the split sizes that
    ``all_to_all_single`` needs (for every chunk of the pipeline at once).
-3. :func:`start_dispatch`: rows go to the owners of their experts and arrive grouped by
-   source rank, then by local expert::
-
-       arrival order (rank-major):   [src0: e0 e1 | src1: e0 e1 | src2: e0 e1]
-       expert-major (GEMM order):    [e0: src0 src1 src2 | e1: src0 src1 src2]
-
-   :func:`expert_major_order` gives the gather index from the second order into the
-   first, so the grouped GEMM reads the rows in expert order straight from the arrival
-   buffer and the down projection scatters back into it: no permute copy.
-4. :func:`start_combine`: the reverse all-to-all returns the expert outputs to the ranks
-   that own their tokens, in the order they were sent.
+3. :func:`start_dispatch`: rows (and their local expert ids and top-k weights) go to the
+   destination ranks and arrive grouped by source rank; the receiver routes them to its
+   experts as an EP=1 layer would (gather on GEMM1's load, slot sum after GEMM2).
+4. :func:`start_combine`: the reverse all-to-all returns one summed row per sent row to
+   the rank that sent it, in the order it was sent.
 
 The exchanges are asynchronous (:class:`PendingExchange`) so that :mod:`ep_moe.pipeline`
 can overlap one chunk's all-to-all with another chunk's expert GEMMs. With a group of one
@@ -55,49 +49,23 @@ class SplitSizes:
         return sum(self.recv)
 
 
-def exchange_counts(counts: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
-    """All-to-all of per-expert counts ``[..., E]`` (one row per chunk, or a single [E]):
-    returns ``recv_counts`` of the same shape, rank-major per row, where
-    ``recv_counts[..., p*e + j]`` is how many rows rank p sends for local expert j. One
-    collective for every chunk."""
-    ep_size = group_size(group)
-    if ep_size == 1:
-        return counts
-    send_PCe = counts.reshape(-1, ep_size, counts.shape[-1] // ep_size).transpose(0, 1).contiguous()
-    recv_PCe = torch.empty_like(send_PCe)
-    dist.all_to_all_single(recv_PCe, send_PCe, group=group)
-    return recv_PCe.transpose(0, 1).reshape(counts.shape)
+def exchange_counts(counts_CPX: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    """All-to-all of per-destination counts: ``counts_CPX[c, p]`` holds X numbers this rank
+    has for rank p in chunk c; returns ``recv_CPX`` where ``recv_CPX[c, p]`` holds what
+    rank p has for this rank. One collective for every chunk."""
+    if group_size(group) == 1:
+        return counts_CPX
+    send_PCX = counts_CPX.transpose(0, 1).contiguous()
+    recv_PCX = torch.empty_like(send_PCX)
+    dist.all_to_all_single(recv_PCX, send_PCX, group=group)
+    return recv_PCX.transpose(0, 1)
 
 
-def split_sizes(counts_CE: torch.Tensor, recv_counts_CE: torch.Tensor, ep_size: int) -> list[SplitSizes]:
-    """Split sizes of each chunk (row of ``[C, E]`` counts), summed per rank and brought to
-    the host in one transfer: the layer's single host sync."""
-    num_chunks = counts_CE.shape[0]
-    per_rank = torch.stack([counts_CE.view(num_chunks, ep_size, -1).sum(2),
-                            recv_counts_CE.view(num_chunks, ep_size, -1).sum(2)], dim=1)
-    sizes = per_rank.tolist()  # host sync: all_to_all_single needs split sizes as ints
-    return [SplitSizes(send=send, recv=recv) for send, recv in sizes]
-
-
-def expert_major_order(recv_counts: torch.Tensor, ep_size: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-major arrival order -> expert-major order, without a host sync.
-
-    Args:
-        recv_counts: [P*e] rows from source rank p for local expert j at ``p*e + j``.
-        ep_size: P.
-        num_rows: S, the number of arrived rows (``sum(recv_counts)``, known on the host).
-
-    Returns:
-        ``gather_index_S`` (int64): arrival row of the i-th row in expert-major order
-        (stable: within an expert, source rank order, then the sender's order); and
-        ``m_sizes_e``: rows per local expert.
-    """
-    recv_counts_Pe = recv_counts.view(ep_size, -1)
-    num_local = recv_counts_Pe.shape[1]
-    local_expert_Pe = torch.arange(num_local, device=recv_counts.device).repeat(ep_size)
-    expert_of_row_S = torch.repeat_interleave(local_expert_Pe, recv_counts_Pe.flatten(), output_size=num_rows)
-    gather_index_S = torch.argsort(expert_of_row_S, stable=True)
-    return gather_index_S, recv_counts_Pe.sum(dim=0)
+def counts_to_host(send_CPX: torch.Tensor, recv_CPX: torch.Tensor) -> tuple[list, list]:
+    """Both count tensors as nested lists, in one transfer: the layer's single host sync
+    (``all_to_all_single`` needs its split sizes as ints)."""
+    both = torch.stack([send_CPX, recv_CPX.to(send_CPX.dtype)]).tolist()
+    return both[0], both[1]
 
 
 class PendingExchange:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.dispatch import exchange_counts, expert_major_order, group_size, split_sizes
+from ep_moe.dispatch import SplitSizes, counts_to_host, exchange_counts, group_size, start_dispatch
 from ep_moe.kernels.activation import swiglu
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm
@@ -45,10 +45,12 @@ from ep_moe.routing import (
     DropPolicy,
     RouterOutput,
     ScoreFunc,
+    build_rank_routing,
     build_routing_metadata,
     capacity_keep_mask,
     combine_slots,
     expert_capacity,
+    rank_counts,
     route,
 )
 
@@ -454,14 +456,14 @@ class MoELayer(nn.Module):
         2. Routing metadata on the device: per-expert counts, stable sort of the (token,
            slot) pairs by expert, gather (token) and scatter (slot) indices; capacity
            drops when configured.
-        3. EP>1: exchange per-rank counts, one host sync for the split sizes,
-           ``all_to_all_single`` of the rows (uneven splits); rows arrive grouped by
-           source rank and the grouped GEMM reads them in expert order via an index.
-        4. Experts: GEMM1 (gate_up) with gather on load; activation; GEMM2 (down) with
-           scatter on store and the top-k weights multiplied in (fp32).
-        5. EP>1: reverse all-to-all (the top-k weights travelled with the rows and were
-           applied in GEMM2), then each token's K rows summed in one pass (no slot-order
-           buffer), plus the shared experts.
+        3. EP>1: exchange per-rank counts, one host sync for the split sizes; each token
+           goes once to every rank that holds one of its experts (``all_to_all_single``,
+           uneven splits), with its local expert ids and top-k weights there.
+        4. Experts (on the arrived rows at EP>1): GEMM1 (gate_up) with gather on load;
+           activation; GEMM2 (down) with the top-k weights multiplied in (fp32), scattered
+           to slot order at EP=1; each row's slots summed.
+        5. EP>1: reverse all-to-all of one row per row received, summed per token; plus
+           the shared experts.
         """
         self._check_input(x)
         cfg = self.config
@@ -503,36 +505,48 @@ class MoELayer(nn.Module):
 
     def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> torch.Tensor:
-        """EP>1: the tokens in ``overlap_chunks`` chunks; per chunk, rows and their top-k
-        weights dispatched, the local experts in expert-major order (weights multiplied in
-        GEMM2's epilogue), rows combined and summed per token; chunks pipelined
+        """EP>1: the tokens in ``overlap_chunks`` chunks; per chunk, each token sent once to
+        every rank that holds one of its experts, with its local expert ids and top-k
+        weights there (:class:`ep_moe.routing.RankRouting`); each rank runs its experts on
+        the rows it got as an EP=1 layer would (gather into GEMM1, weights in GEMM2's
+        epilogue, the row's slots summed) and sends one row back per row received; the
+        rows that come back are summed per token. Chunks are pipelined
         (:mod:`ep_moe.pipeline`). One exchange of counts and one host sync for all chunks."""
-        cfg, group = self.config, self.ep_group
+        cfg, group, ep_size, num_local = self.config, self.ep_group, self.ep_size, self.num_local_experts
         bounds = _chunk_bounds(x_TH.shape[0], cfg.overlap_chunks)
-        metas = [build_routing_metadata(router.topk_ids_TK[a:b], cfg.num_experts,
-                                        None if keep_TK is None else keep_TK[a:b]) for a, b in bounds]
-        counts_CE = torch.stack([m.counts_E for m in metas])
-        recv_counts_CE = exchange_counts(counts_CE, group)
-        splits = split_sizes(counts_CE, recv_counts_CE, self.ep_size)
-        plans = [ChunkPlan(s, *expert_major_order(recv, self.ep_size, s.num_recv))
-                 for s, recv in zip(splits, recv_counts_CE)]
-        send_rows = [permute_tokens(x_TH[a:b], m, backend) for (a, b), m in zip(bounds, metas)]
-        send_weights = [router.topk_weights_TK[a:b].flatten().index_select(0, m.slot_index_R)
-                        for (a, b), m in zip(bounds, metas)]
-        configs = {}  # per distinct chunk row count
+        ids = [router.topk_ids_TK[a:b] for a, b in bounds]
+        keeps = [None if keep_TK is None else keep_TK[a:b] for a, b in bounds]
+        sends, counts = zip(*(rank_counts(i, k, num_local, ep_size) for i, k in zip(ids, keeps)))
+        counts_CPX = torch.stack(counts)
+        send_counts, recv_counts = counts_to_host(counts_CPX, exchange_counts(counts_CPX, group))
+        plans, routings, send_rows, send_weights = [], [], [], []
+        for c, (a, b) in enumerate(bounds):
+            splits = SplitSizes(send=[n for n, _ in send_counts[c]], recv=[n for n, _ in recv_counts[c]])
+            routing = build_rank_routing(ids[c], keeps[c], sends[c], num_local, sum(splits.send))
+            recv_ids_SK = start_dispatch(routing.local_ids_UK, splits, group).wait()
+            local = build_routing_metadata(recv_ids_SK.clamp(min=0), num_local, recv_ids_SK >= 0,
+                                           num_kept=sum(slots for _, slots in recv_counts[c]))
+            plans.append(ChunkPlan(splits, local))
+            routings.append(routing)
+            send_rows.append(permute_tokens(x_TH[a:b], routing.pairs, backend))
+            send_weights.append(router.topk_weights_TK[a:b].index_select(0, routing.pairs.token_index_R)
+                                * routing.to_rank_UK)
+        configs = {}  # per distinct routed-row count
 
-        def run_experts(rows_SH, row_weights_S, plan: ChunkPlan, gate_up, down):
-            rows = rows_SH.shape[0]
+        def run_experts(rows_SH, weights_SK, plan: ChunkPlan, gate_up, down):
+            local = plan.local
+            rows = local.slot_index_R.shape[0]
             if rows not in configs:
                 configs[rows] = self._configs(backend, rows, x_TH.device)
-            return expert_mlp(rows_SH, gate_up, down, plan.m_sizes_e, activation=cfg.activation,
-                              gather_index=plan.order_S, scatter_index=plan.order_S, row_weights=row_weights_S,
-                              unique_gather=True, backend=backend, configs=configs[rows])
+            y_RH = expert_mlp(rows_SH, gate_up, down, local.counts_E, activation=cfg.activation,
+                              gather_index=local.token_index_R, backend=backend, configs=configs[rows],
+                              row_weights=weights_SK.flatten().index_select(0, local.slot_index_R))
+            return sum_slot_rows(y_RH, local, backend)
 
         comm_sms = cfg.overlap_comm_sms if cfg.overlap_chunks > 1 else 0
         back_rows = expert_pipeline(run_experts, plans, group, self.experts.gate_up, self.experts.down,
                                     send_rows, send_weights, comm_sms)
-        y_chunks = [sum_slot_rows(rows, m, backend) for rows, m in zip(back_rows, metas)]
+        y_chunks = [sum_slot_rows(rows, r.pairs, backend) for rows, r in zip(back_rows, routings)]
         return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
 
     @torch.no_grad()

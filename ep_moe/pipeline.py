@@ -32,23 +32,23 @@ from torch.distributed import ProcessGroup
 
 from ep_moe.dispatch import SplitSizes, start_combine, start_dispatch
 from ep_moe.kernels.grouped_gemm import reserve_sms
+from ep_moe.routing import RoutingMetadata
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """Where one chunk's rows go and how the local experts read them."""
+    """Where one chunk's rows go and how the local experts take them."""
 
     splits: SplitSizes
     """Rows sent to / received from each rank."""
-    order_S: torch.Tensor
-    """Expert-major gather index into the arrival order (``dispatch.expert_major_order``)."""
-    m_sizes_e: torch.Tensor
-    """Arrived rows per local expert."""
+    local: RoutingMetadata
+    """Routing of the arrived rows to this rank's experts (rows as tokens)."""
 
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, ChunkPlan, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``expert_fn(rows_SH, row_weights_S, plan, gate_up, down) -> out_SH``: the local experts
-on one chunk's arrived rows (arrival order in and out), differentiable."""
+"""``expert_fn(rows_SH, weights_S, plan, gate_up, down) -> out_SH``: the local experts on
+one chunk's arrived rows and their top-k weights (``[S]`` or ``[S, K]``), one output row
+per arrived row, differentiable."""
 
 
 class _ExpertPipeline(torch.autograd.Function):
@@ -107,14 +107,15 @@ def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], group: Optional
         plans: one :class:`ChunkPlan` per chunk.
         group: the EP group (None: no collective).
         gate_up, down: the local expert weights, passed on to ``expert_fn``.
-        send_rows: per chunk, [R_c, H] rows grouped by destination rank.
-        send_weights: per chunk, [R_c] top-k weight of each row (applied by ``expert_fn``).
+        send_rows: per chunk, [U_c, H] rows grouped by destination rank.
+        send_weights: per chunk, the top-k weights of each row ([U_c] or [U_c, K]; applied
+            by ``expert_fn``).
         comm_sms: SMs the persistent GEMM kernels leave free for the all-to-all while
             chunks overlap (:func:`ep_moe.kernels.grouped_gemm.reserve_sms`); use 0 for a
             single chunk.
 
     Returns:
-        Per chunk, [R_c, H] expert outputs in the chunk's send order.
+        Per chunk, [U_c, H] expert outputs in the chunk's send order.
     """
     record = torch.is_grad_enabled() and any(
         t.requires_grad for t in (gate_up, down, *send_rows, *send_weights))

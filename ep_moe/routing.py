@@ -190,12 +190,13 @@ def build_routing_metadata(
     topk_ids_TK: torch.Tensor,
     num_experts: int,
     keep_TK: Optional[torch.Tensor] = None,
+    num_kept: Optional[int] = None,
 ) -> RoutingMetadata:
     """Sort the (token, slot) pairs by expert: counts, slot and token index of each row.
 
     Dropped slots (``keep_TK`` False) get the sentinel expert ``E``, sort last, and are
-    cut off; finding how many rows remain is a host sync, so it happens only when a
-    capacity is set.
+    cut off; how many rows remain is ``num_kept`` when the caller knows it, else read
+    back from the device (a host sync, so only when slots are dropped).
     """
     num_tokens, top_k = topk_ids_TK.shape
     ids_N = topk_ids_TK.flatten()
@@ -205,9 +206,9 @@ def build_routing_metadata(
     counts_E = count_ids(ids_N, num_experts + 1)[:num_experts]
     slot_index_R = slot_index_N
     if keep_TK is not None:
-        num_rows = int(counts_E.sum())  # host sync: kept-row count (capacity mode only)
+        num_rows = int(counts_E.sum()) if num_kept is None else num_kept  # host sync unless given
         slot_index_R = slot_index_N[:num_rows]
-    row_of_slot_N = torch.full_like(ids_N, -1).scatter_(
+    row_of_slot_N = torch.full(ids_N.shape, -1, dtype=torch.int64, device=ids_N.device).scatter_(
         0, slot_index_R, torch.arange(slot_index_R.shape[0], device=ids_N.device))
     return RoutingMetadata(
         counts_E=counts_E,
@@ -217,6 +218,59 @@ def build_routing_metadata(
         num_tokens=num_tokens,
         top_k=top_k,
     )
+
+
+@dataclass(frozen=True)
+class RankRouting:
+    """Where one rank's tokens go at EP>1, each token sent once per destination rank.
+
+    A token whose K experts live on several ranks is sent to each of those ranks once
+    (not once per expert), with the K local expert ids it has there (-1 for slots that
+    go elsewhere or were dropped); the receiving rank expands the row to its experts and
+    sums their outputs before sending one row back. Rows sent: U = sum over tokens of
+    their distinct destination ranks, at most N.
+    """
+
+    pairs: RoutingMetadata
+    """The (token, rank) pairs as routing metadata with "experts" = ranks and top_k = P:
+    ``token_index_R`` is the token of each sent row (rows grouped by destination rank,
+    tokens in order), ``row_of_slot_N`` the sent row of pair ``t*P + p`` (-1: none), so
+    :func:`ep_moe.kernels.permute.permute_tokens` builds the send buffer and
+    :func:`~ep_moe.kernels.permute.sum_slot_rows` sums the rows that come back."""
+    local_ids_UK: torch.Tensor
+    """int32 [U, K]: for each sent row, the destination's local expert id of each slot
+    that goes there (-1 otherwise)."""
+    to_rank_UK: torch.Tensor
+    """bool [U, K]: ``local_ids_UK >= 0`` (multiplies the top-k weights sent along)."""
+
+
+def rank_counts(topk_ids_TK: torch.Tensor, keep_TK: Optional[torch.Tensor], experts_per_rank: int,
+                ep_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per destination rank, on the device: ``sends_TP`` (bool [T, P], token t has a kept
+    slot on rank p) and ``counts_P2`` (int64 [P, 2]: rows sent, kept slots sent)."""
+    num_tokens = topk_ids_TK.shape[0]
+    rank_TK = torch.div(topk_ids_TK, experts_per_rank, rounding_mode="floor")
+    kept_TK = torch.ones_like(topk_ids_TK, dtype=torch.int64) if keep_TK is None else keep_TK.long()
+    slots_TP = torch.zeros(num_tokens, ep_size, dtype=torch.int64, device=topk_ids_TK.device)
+    slots_TP.scatter_add_(1, rank_TK, kept_TK)
+    sends_TP = slots_TP > 0
+    return sends_TP, torch.stack([sends_TP.sum(0), slots_TP.sum(0)], dim=1)
+
+
+def build_rank_routing(topk_ids_TK: torch.Tensor, keep_TK: Optional[torch.Tensor], sends_TP: torch.Tensor,
+                       experts_per_rank: int, num_rows: int) -> RankRouting:
+    """:class:`RankRouting` from :func:`rank_counts`'s ``sends_TP``; ``num_rows`` is U
+    (known on the host after the split sizes, so no sync here)."""
+    num_tokens, ep_size = sends_TP.shape
+    ranks_TP = torch.arange(ep_size, device=sends_TP.device).expand(num_tokens, ep_size)
+    pairs = build_routing_metadata(ranks_TP, ep_size, sends_TP, num_kept=num_rows)
+    rank_U = pairs.slot_index_R % ep_size
+    ids_UK = topk_ids_TK.index_select(0, pairs.token_index_R)
+    to_rank_UK = torch.div(ids_UK, experts_per_rank, rounding_mode="floor") == rank_U[:, None]
+    if keep_TK is not None:
+        to_rank_UK &= keep_TK.index_select(0, pairs.token_index_R)
+    local_ids_UK = torch.where(to_rank_UK, ids_UK - rank_U[:, None] * experts_per_rank, -1)
+    return RankRouting(pairs=pairs, local_ids_UK=local_ids_UK.to(torch.int32), to_rank_UK=to_rank_UK)
 
 
 def combine_slots(y_NH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:

@@ -5,18 +5,23 @@ import torch
 
 from ep_moe.dispatch import SplitSizes
 from ep_moe.pipeline import ChunkPlan, expert_pipeline
+from ep_moe.routing import build_routing_metadata
+
+TOP_K = 2
 
 
-def _expert_fn(rows_SH, row_weights_S, plan, gate_up, down):
-    """A stand-in for the local experts: (rows @ gate_up^T).tanh() @ down^T, weighted,
-    with the plan's order applied on load and undone on store."""
-    h = (rows_SH[plan.order_S] @ gate_up.T).tanh() @ down.T * row_weights_S[plan.order_S, None]
-    return torch.empty_like(h).index_copy(0, plan.order_S, h)
+def _expert_fn(rows_SH, weights_SK, plan, gate_up, down):
+    """A stand-in for the local experts: each row's K slots through
+    (rows @ gate_up^T).tanh() @ down^T, weighted, summed per row."""
+    local = plan.local
+    h = (rows_SH[local.token_index_R] @ gate_up.T).tanh() @ down.T
+    h = h * weights_SK.flatten()[local.slot_index_R, None]
+    return torch.zeros(rows_SH.shape[0], h.shape[1]).index_add(0, local.token_index_R, h)
 
 
 def _plan(num_rows: int, seed: int) -> ChunkPlan:
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
-    return ChunkPlan(SplitSizes(send=[num_rows], recv=[num_rows]), order, torch.tensor([num_rows]))
+    ids = torch.randint(0, 3, (num_rows, TOP_K), generator=torch.Generator().manual_seed(seed))
+    return ChunkPlan(SplitSizes(send=[num_rows], recv=[num_rows]), build_routing_metadata(ids, 3))
 
 
 def test_chunks_match_direct_computation_and_gradients():
@@ -25,7 +30,7 @@ def test_chunks_match_direct_computation_and_gradients():
     down = torch.randn(4, 6, generator=gen, requires_grad=True)
     sizes = [5, 0, 3]  # an empty chunk in the middle
     rows = [torch.randn(n, 4, generator=gen, requires_grad=True) for n in sizes]
-    weights = [torch.rand(n, generator=gen, requires_grad=True) for n in sizes]
+    weights = [torch.rand(n, TOP_K, generator=gen, requires_grad=True) for n in sizes]
     plans = [_plan(n, seed) for seed, n in enumerate(sizes)]
     outs = expert_pipeline(_expert_fn, plans, None, gate_up, down, rows, weights)
     grads_out = [torch.randn_like(o) for o in outs]
@@ -44,5 +49,5 @@ def test_no_graph_under_no_grad():
     gate_up, down = torch.randn(6, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
     with torch.no_grad():
         (out,) = expert_pipeline(_expert_fn, [_plan(3, 0)], None, gate_up, down,
-                                 [torch.randn(3, 4)], [torch.rand(3)])
+                                 [torch.randn(3, 4)], [torch.rand(3, TOP_K)])
     assert out.grad_fn is None and not out.requires_grad

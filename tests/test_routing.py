@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from ep_moe.routing import (
+    build_rank_routing,
     build_routing_metadata,
     capacity_keep_mask,
     expert_capacity,
+    rank_counts,
     route,
 )
 
@@ -160,3 +162,33 @@ def test_row_of_slot_inverts_slot_index():
         assert torch.equal(meta.row_of_slot_N[meta.slot_index_R], rows)
         kept_N = torch.ones(T * 3, dtype=torch.bool) if keep is None else keep.flatten()
         assert torch.equal(meta.row_of_slot_N >= 0, kept_N)
+
+
+@pytest.mark.parametrize("ep_size,dropped", [(2, False), (4, False), (4, True)])
+def test_rank_routing_sends_each_token_once_per_rank(ep_size, dropped):
+    gen = torch.Generator().manual_seed(ep_size)
+    per_rank, top_k = E // ep_size, 3
+    ids_TK = torch.rand(T, E, generator=gen).topk(top_k, dim=1).indices
+    keep_TK = (torch.rand(T, top_k, generator=gen) > 0.4) if dropped else None
+    kept = torch.ones(T, top_k, dtype=torch.bool) if keep_TK is None else keep_TK
+    sends_TP, counts_P2 = rank_counts(ids_TK, keep_TK, per_rank, ep_size)
+    rows = sends_TP.sum().item()
+    r = build_rank_routing(ids_TK, keep_TK, sends_TP, per_rank, rows)
+    # Loop: for each destination rank, its tokens in order, with their local ids there.
+    want_tokens, want_ids = [], []
+    for p in range(ep_size):
+        for t in range(T):
+            here = [(int(e) - p * per_rank if int(e) // per_rank == p and kept[t, k] else -1)
+                    for k, e in enumerate(ids_TK[t])]
+            if any(i >= 0 for i in here):
+                want_tokens.append(t)
+                want_ids.append(here)
+    assert r.pairs.token_index_R.tolist() == want_tokens
+    assert r.local_ids_UK.tolist() == want_ids and r.local_ids_UK.dtype == torch.int32
+    assert torch.equal(r.to_rank_UK, r.local_ids_UK >= 0)
+    rank_of_row = [p for p in range(ep_size) for t in range(T) if sends_TP[t, p]]
+    assert counts_P2[:, 0].tolist() == [rank_of_row.count(p) for p in range(ep_size)]
+    assert counts_P2[:, 1].tolist() == [int(((ids_TK // per_rank == p) & kept).sum()) for p in range(ep_size)]
+    for u, (t, p) in enumerate(zip(want_tokens, rank_of_row)):  # the slot sum finds each row
+        assert r.pairs.row_of_slot_N[t * ep_size + p] == u
+    assert (r.pairs.row_of_slot_N >= 0).sum() == rows
