@@ -68,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per layer")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per layer first")
     parser.add_argument("--impls", default="ep_moe,plain,deepspeed", help="which layers to time")
-    parser.add_argument("--overlap", default="1,2:0,2:16",
+    parser.add_argument("--overlap", default="1",
                         help="ep_moe variants at EP>1, comma-separated CHUNKS[:COMM_SMS] (MoEConfig "
                              "overlap_chunks and overlap_comm_sms); EP=1 runs 1 only")
     parser.add_argument("--autotune", action="store_true",

@@ -22,6 +22,7 @@ it sent. The only module of :mod:`ep_moe.autotune` that imports ``torch.distribu
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -317,11 +318,12 @@ def _warmup_group(buckets, group, timeout, force, tuner, device, split):
     is_root = dist.get_rank() == ranks[0]
     key = _exchange_key(ranks)
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store of init_process_group
+    tuned_by_shares: set[int] = set()
     if split:
-        _tune_node_share(buckets, key, store, ranks[0], is_root, force, tuner, device, timeout)
+        tuned_by_shares = _tune_node_share(buckets, key, store, ranks[0], is_root, force, tuner, device, timeout)
         force = False  # the shares were (re)tuned just now; rank 0 reads them from the cache
     if is_root:
-        payload = _root_payload(buckets, device, force, tuner, timeout)
+        payload = _root_payload(buckets, device, force, tuner, timeout, tuned_by_shares)
         store.set(key, json.dumps(payload))
     else:
         _wait_for_root(store, [key], ranks[0], timeout)
@@ -343,36 +345,45 @@ def _warmup_group(buckets, group, timeout, force, tuner, device, split):
     return resolved
 
 
-def _tune_node_share(buckets, key, store, root, is_root, force, tuner, device, timeout) -> None:
+def _tune_node_share(buckets, key, store, root, is_root, force, tuner, device, timeout) -> set[int]:
     """Split tuning: each rank on rank 0's node tunes ``problems[LOCAL_RANK::LOCAL_WORLD_SIZE]``
-    into the node cache and reports done; rank 0 waits for the shares (at most ``timeout``;
-    it tunes anything missing itself afterwards). Ranks on other nodes only pass through."""
+    into the node cache and reports which of them it tuned; rank 0 waits for the shares (at
+    most ``timeout``; it tunes anything missing itself afterwards) and returns the indices
+    of the problems tuned (empty elsewhere). Ranks on other nodes only pass through."""
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if is_root:
         store.set(f"{key}/host", socket.gethostname())
     else:
         _wait_for_root(store, [f"{key}/host"], root, timeout)
         if store.get(f"{key}/host").decode() != socket.gethostname():
-            return
-    for problem in list(buckets)[local_rank::local_world]:
-        _resolve_or_fallback(problem, device, buckets[problem], force, tuner, timeout)
-    store.set(f"{key}/share/{local_rank}", "done")
-    if is_root:
-        shares = [f"{key}/share/{i}" for i in range(local_world)]
-        try:
-            store.wait(shares, datetime.timedelta(seconds=timeout))
-        except RuntimeError:
-            logger.warning("ep_moe autotune: not every local rank finished its tuning share within "
-                           "timeout=%ss; rank 0 tunes what is missing", timeout)
+            return set()
+    problems = list(buckets)
+    tuned = [i for i in range(local_rank, len(problems), local_world)
+             if _resolve_or_fallback(problems[i], device, buckets[problems[i]], force, tuner,
+                                     timeout).source == "tuned"]
+    store.set(f"{key}/share/{local_rank}", json.dumps(tuned))
+    if not is_root:
+        return set()
+    shares = [f"{key}/share/{i}" for i in range(local_world)]
+    try:
+        store.wait(shares, datetime.timedelta(seconds=timeout))
+    except RuntimeError:
+        logger.warning("ep_moe autotune: not every local rank finished its tuning share within "
+                       "timeout=%ss; rank 0 tunes what is missing", timeout)
+    return {i for share in shares if store.check([share]) for i in json.loads(store.get(share))}
 
 
-def _root_payload(buckets, device, force, tuner, timeout) -> dict[str, Any]:
-    """What rank 0 publishes: plain JSON-able data, never our objects."""
+def _root_payload(buckets, device, force, tuner, timeout, tuned_by_shares: set[int]) -> dict[str, Any]:
+    """What rank 0 publishes: plain JSON-able data, never our objects. Problems a split
+    tuning share tuned in this warmup are reported as ``tuned`` (rank 0 reads them back
+    from the cache)."""
     try:
         dev = _limits(_device_key(device))
         items = []
-        for p, b in buckets.items():
+        for i, (p, b) in enumerate(buckets.items()):
             r = _resolve_or_fallback(p, device, b, force, tuner, timeout)
+            if i in tuned_by_shares and r.source in ("cache", "memory"):
+                r = dataclasses.replace(r, source="tuned")
             items.append({"problem": asdict(p), "key": make_key(p, dev).to_dict(), "resolved": r.to_dict()})
         return {"ok": True, "host": socket.gethostname(), "problems": items}
     except Exception as e:  # noqa: BLE001 - reported to every rank, which then falls back

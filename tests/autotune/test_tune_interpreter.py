@@ -87,7 +87,7 @@ def _times(*values):
     return lambda fn: Timing(next(it), 0.0, 0.0)
 
 
-@pytest.mark.parametrize("other_ms, chosen", [(0.995, "default"), (0.9, "other")])
+@pytest.mark.parametrize("other_ms, chosen", [(0.98, "default"), (0.9, "other")])
 def test_default_kept_unless_clearly_beaten(isolated, other_ms, chosen):
     other = SMALL
     tuner = Tuner(timer=_times(1.0, other_ms), refine_top=0, progress=False,

@@ -108,3 +108,4 @@ def test_split_tuning_spreads_problems_over_local_ranks(runs):
     assert by_rank == ["0", "0", "1", "2", "3"], "each problem tuned once, by LOCAL_RANK::4"
     for r in results:
         assert r["split"]["tables"] == results[0]["split"]["tables"]
+        assert [t["source"] for t in r["split"]["tables"]] == ["tuned"] * len(r["split"]["tables"])
