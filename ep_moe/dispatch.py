@@ -95,11 +95,11 @@ def start_exchange(x: torch.Tensor, output_splits: list[int], input_splits: list
 
 def start_dispatch(send_RH: torch.Tensor, splits: SplitSizes, group: Optional[ProcessGroup]) -> PendingExchange:
     """Rows grouped by destination rank go to the owners of their experts; they arrive
-    ([S, ...]) grouped by source rank, then local expert."""
+    ([S, ...]) grouped by source rank, each source's rows in its send order."""
     return start_exchange(send_RH, splits.recv, splits.send, group)
 
 
 def start_combine(out_SH: torch.Tensor, splits: SplitSizes, group: Optional[ProcessGroup]) -> PendingExchange:
     """The reverse of :func:`start_dispatch`: rows in arrival order go back to the ranks
-    that sent them and arrive ([R, ...]) in that rank's send order."""
+    that sent them and arrive ([U, ...]) in that rank's send order."""
     return start_exchange(out_SH, splits.send, splits.recv, group)

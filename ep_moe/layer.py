@@ -95,7 +95,7 @@ class MoEConfig:
     capacity_factor: Optional[float] = None
     """None: dropless. Otherwise each expert keeps at most ``ceil(c * T * K / E)`` slots of
     this rank's T tokens; dropped slots contribute 0 to the output (the token keeps its
-    other slots, whose weights are not renormalised). Costs one extra host sync."""
+    other slots, whose weights are not renormalised). At EP=1 it costs one extra host sync."""
     drop_policy: DropPolicy = "probs"
     """Which slots an expert over capacity keeps: ``"probs"`` highest router score first,
     ``"position"`` earliest tokens first."""
@@ -207,10 +207,10 @@ def _resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
-def _chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:
-    """``num_chunks`` contiguous token ranges as equal as possible (some may be empty)."""
+def _chunk_sizes(num_tokens: int, num_chunks: int) -> list[int]:
+    """Sizes of ``num_chunks`` contiguous token ranges, as equal as possible (some may be 0)."""
     edges = [num_tokens * c // num_chunks for c in range(num_chunks + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    return [b - a for a, b in zip(edges[:-1], edges[1:])]
 
 
 @torch.compiler.disable  # a cache lookup (maybe file reads): run eagerly, the configs enter as constants
@@ -270,31 +270,28 @@ class GroupedExperts(nn.Module):
         gather_index: Optional[torch.Tensor] = None,
         scatter_index: Optional[torch.Tensor] = None,
         row_weights: Optional[torch.Tensor] = None,
-        unique_gather: bool = False,
         backend: str = "torch",
         configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None),
     ) -> torch.Tensor:
         """GEMM1 (gather on load), activation, GEMM2 (scatter and row weights on store).
 
         Rows are in expert order (``m_sizes_e`` rows per local expert); row r reads
-        ``x[gather_index[r]]`` and its output lands at ``scatter_index[r]``;
-        ``unique_gather`` says each row of x is read once (rows that arrived by all-to-all),
-        so GEMM1's backward writes dx through the index with no reduction.
+        ``x[gather_index[r]]`` and its output lands at ``scatter_index[r]``.
         """
         return expert_mlp(x, self.gate_up, self.down, m_sizes_e, activation=self.activation,
                           gather_index=gather_index, scatter_index=scatter_index, row_weights=row_weights,
-                          unique_gather=unique_gather, backend=backend, configs=configs)
+                          backend=backend, configs=configs)
 
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, m_sizes_e: torch.Tensor, *,
                activation: Activation, gather_index: Optional[torch.Tensor] = None,
                scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
-               unique_gather: bool = False, backend: str = "torch",
+               backend: str = "torch",
                configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None)) -> torch.Tensor:
     """The math of :meth:`GroupedExperts.forward` with the weights passed in."""
     # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
     h_RF = grouped_gemm(x, gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
-                        unique_gather=unique_gather, configs=configs[0], backend=backend)
+                        configs=configs[0], backend=backend)
     a_RI = _activate(h_RF, activation, backend)
     return grouped_gemm(a_RI, down.to(x.dtype), m_sizes_e, scatter_index=scatter_index,
                         row_weights=row_weights, configs=configs[1], backend=backend)
@@ -513,14 +510,17 @@ class MoELayer(nn.Module):
         rows that come back are summed per token. Chunks are pipelined
         (:mod:`ep_moe.pipeline`). One exchange of counts and one host sync for all chunks."""
         cfg, group, ep_size, num_local = self.config, self.ep_group, self.ep_size, self.num_local_experts
-        bounds = _chunk_bounds(x_TH.shape[0], cfg.overlap_chunks)
-        ids = [router.topk_ids_TK[a:b] for a, b in bounds]
-        keeps = [None if keep_TK is None else keep_TK[a:b] for a, b in bounds]
+        sizes = _chunk_sizes(x_TH.shape[0], cfg.overlap_chunks)
+        # split, not slices: one concatenation in the backward instead of a zero-filled
+        # full-size gradient per chunk
+        x_chunks, weight_chunks = x_TH.split(sizes), router.topk_weights_TK.split(sizes)
+        ids = router.topk_ids_TK.split(sizes)
+        keeps = [None] * len(sizes) if keep_TK is None else keep_TK.split(sizes)
         sends, counts = zip(*(rank_counts(i, k, num_local, ep_size) for i, k in zip(ids, keeps)))
         counts_CPX = torch.stack(counts)
         send_counts, recv_counts = counts_to_host(counts_CPX, exchange_counts(counts_CPX, group))
         plans, routings, send_rows, send_weights = [], [], [], []
-        for c, (a, b) in enumerate(bounds):
+        for c in range(len(sizes)):
             splits = SplitSizes(send=[n for n, _ in send_counts[c]], recv=[n for n, _ in recv_counts[c]])
             routing = build_rank_routing(ids[c], keeps[c], sends[c], num_local, sum(splits.send))
             recv_ids_SK = start_dispatch(routing.local_ids_UK, splits, group).wait()
@@ -528,9 +528,9 @@ class MoELayer(nn.Module):
                                            num_kept=sum(slots for _, slots in recv_counts[c]))
             plans.append(ChunkPlan(splits, local))
             routings.append(routing)
-            send_rows.append(permute_tokens(x_TH[a:b], routing.pairs, backend))
-            send_weights.append(router.topk_weights_TK[a:b].index_select(0, routing.pairs.token_index_R)
-                                * routing.to_rank_UK)
+            send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend))
+            # all K weights of the row travel; the receiver reads those of its own slots
+            send_weights.append(permute_tokens(weight_chunks[c], routing.pairs, backend))
         configs = {}  # per distinct routed-row count
 
         def run_experts(rows_SH, weights_SK, plan: ChunkPlan, gate_up, down):

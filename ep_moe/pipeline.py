@@ -76,7 +76,15 @@ class _ExpertPipeline(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads_back):
+        if ctx.graphs is None:
+            raise RuntimeError("ep_moe's expert pipeline frees its graphs in the backward; a second "
+                               "backward through the same MoE forward (retain_graph=True) is not supported")
         plans, group, weights = ctx.plans, ctx.group, ctx.weights
+        num_chunks = len(plans)
+        # Which sent tensors need a gradient: the same on every rank (parameters, and the
+        # activations of the same model), so every rank skips the same exchanges.
+        need_rows = ctx.needs_input_grad[_SEND_ARG: _SEND_ARG + num_chunks]
+        need_weights = ctx.needs_input_grad[_SEND_ARG + num_chunks:]
         grads_in = [start_dispatch(g.contiguous(), plan.splits, group) for g, plan in zip(grads_back, plans)]
         rows_back, weights_back = [], []
         for c, (out_SH, rows_SH, row_weights_S) in enumerate(ctx.graphs):
@@ -84,11 +92,21 @@ class _ExpertPipeline(torch.autograd.Function):
             if inputs:
                 with reserve_sms(ctx.comm_sms):
                     torch.autograd.backward(out_SH, grads_in[c].wait(), inputs=inputs)
-            rows_back.append(start_combine(_grad_or_zeros(rows_SH), plans[c].splits, group))
-            weights_back.append(start_combine(_grad_or_zeros(row_weights_S), plans[c].splits, group))
-        ctx.graphs = None  # free the chunks' graphs
-        grad_send = [p.wait() for p in rows_back] + [p.wait() for p in weights_back]
-        return (None, None, None, None, None, *(w.grad for w in weights), *grad_send)
+            rows_back.append(start_combine(_grad_or_zeros(rows_SH), plans[c].splits, group)
+                             if need_rows[c] else None)
+            weights_back.append(start_combine(_grad_or_zeros(row_weights_S), plans[c].splits, group)
+                                if need_weights[c] else None)
+        weight_grads = []
+        for w in weights:  # hand the grads over, so autograd can keep them instead of copying
+            weight_grads.append(w.grad)
+            w.grad = None
+        ctx.graphs = ctx.weights = None  # free the chunks' graphs
+        grad_send = [None if p is None else p.wait() for p in rows_back + weights_back]
+        return (None, None, None, None, None, *weight_grads, *grad_send)
+
+
+_SEND_ARG = 7
+"""Position of the first sent tensor among ``_ExpertPipeline.forward``'s arguments."""
 
 
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,8 @@ Legend of the shape suffixes used here and in ``dispatch.py`` / ``layer.py``::
     T tokens on this rank, H hidden, I expert intermediate, F gate_up outputs (2I for
     SwiGLU, else I), E experts (global), e = E / ep_size local experts, K top-k,
     N = T*K routed slots (slot n = t*K + k), R rows routed by this rank (N, or fewer
-    when a capacity drops slots), P ranks of the EP group, S rows this rank received
-    for its local experts
+    when a capacity drops slots), P ranks of the EP group, U rows this rank sends at
+    EP>1 (one per token and destination rank), S rows this rank received from all ranks
 
 The router (:func:`route`) turns tokens into top-k expert ids and weights plus the two
 auxiliary losses. :func:`build_routing_metadata` turns the ids into what the grouped
@@ -240,8 +240,6 @@ class RankRouting:
     local_ids_UK: torch.Tensor
     """int32 [U, K]: for each sent row, the destination's local expert id of each slot
     that goes there (-1 otherwise)."""
-    to_rank_UK: torch.Tensor
-    """bool [U, K]: ``local_ids_UK >= 0`` (multiplies the top-k weights sent along)."""
 
 
 def rank_counts(topk_ids_TK: torch.Tensor, keep_TK: Optional[torch.Tensor], experts_per_rank: int,
@@ -270,7 +268,7 @@ def build_rank_routing(topk_ids_TK: torch.Tensor, keep_TK: Optional[torch.Tensor
     if keep_TK is not None:
         to_rank_UK &= keep_TK.index_select(0, pairs.token_index_R)
     local_ids_UK = torch.where(to_rank_UK, ids_UK - rank_U[:, None] * experts_per_rank, -1)
-    return RankRouting(pairs=pairs, local_ids_UK=local_ids_UK.to(torch.int32), to_rank_UK=to_rank_UK)
+    return RankRouting(pairs=pairs, local_ids_UK=local_ids_UK.to(torch.int32))
 
 
 def combine_slots(y_NH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:

@@ -320,6 +320,8 @@ SCENARIOS = {
     "overlap3_capacity": dict(top_k=3, capacity_factor=0.75, overlap_chunks=3),
     "overlap2_triton": dict(top_k=2, backend="triton", overlap_chunks=2),
     "empty_rank_overlap2": dict(top_k=2, overlap_chunks=2),
+    # Zero router: every token picks expert 0, which keeps one: the second chunk sends nothing.
+    "capacity_empty_chunk": dict(top_k=1, capacity_factor=0.5, drop_policy="position", overlap_chunks=2),
 }
 
 
@@ -334,6 +336,8 @@ def _scenario(name, world_size):
     inputs = [torch.randn(3, 4, H) for _ in range(world_size)]
     if name.startswith("empty_rank"):
         inputs[1] = torch.randn(0, 4, H)
+    if name == "capacity_empty_chunk":
+        state["router.weight"] = torch.zeros_like(state["router.weight"])
     if name == "skewed":  # every token picks rank 0's experts
         owned = E // world_size
         inputs = [x.abs() + 0.1 for x in inputs]

@@ -1,6 +1,7 @@
 """The chunked expert pipeline on one process (no group): values and every gradient equal
 the unchunked computation, graphs are freed, and no graph is kept under no_grad."""
 
+import pytest
 import torch
 
 from ep_moe.dispatch import SplitSizes
@@ -51,3 +52,18 @@ def test_no_graph_under_no_grad():
         (out,) = expert_pipeline(_expert_fn, [_plan(3, 0)], None, gate_up, down,
                                  [torch.randn(3, 4)], [torch.rand(3, TOP_K)])
     assert out.grad_fn is None and not out.requires_grad
+
+
+def test_frozen_inputs_get_no_gradient_and_a_second_backward_is_refused():
+    gen = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(6, 4, generator=gen, requires_grad=True)
+    down = torch.randn(4, 6, generator=gen)  # frozen
+    rows = [torch.randn(5, 4, generator=gen, requires_grad=True)]
+    weights = [torch.rand(5, TOP_K, generator=gen)]  # e.g. a frozen router
+    (out,) = expert_pipeline(_expert_fn, [_plan(5, 0)], None, gate_up, down, rows, weights)
+    out.sum().backward(retain_graph=True)
+    assert gate_up.grad is not None and rows[0].grad is not None and down.grad is None
+    want = torch.autograd.grad(_expert_fn(rows[0], weights[0], _plan(5, 0), gate_up, down).sum(), gate_up)[0]
+    torch.testing.assert_close(gate_up.grad, want)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.sum().backward()

@@ -170,7 +170,7 @@ def resolve(problem: GemmProblem, device: torch.device | None = None, *, tune: b
     dev = _limits(dev_key)
     key = make_key(problem, dev)
     disabled = _env_flag(ENV_DISABLE)
-    force = (force or _env_flag(ENV_FORCE)) and tune and not disabled
+    force = force and tune and not disabled
     cached = None if disabled or force else default_cache().load(key)
     if cached and (not tune or set(buckets) <= cached.keys()):
         return ResolvedConfigs("cache", cached)
@@ -270,6 +270,7 @@ def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout
     """
     problems = collect_problems(model_or_shapes)
     buckets = {p: target_buckets(p, num_tokens) for p in problems}  # bad input fails on every rank
+    force = force or _env_flag(ENV_FORCE)  # read once: split tuning turns force off after the shares
     device = device or default_device()
     dev_key = _device_key(device)
     distributed = dist.is_available() and dist.is_initialized()
@@ -382,7 +383,7 @@ def _root_payload(buckets, device, force, tuner, timeout, tuned_by_shares: set[i
         items = []
         for i, (p, b) in enumerate(buckets.items()):
             r = _resolve_or_fallback(p, device, b, force, tuner, timeout)
-            if i in tuned_by_shares and r.source in ("cache", "memory"):
+            if i in tuned_by_shares and r.source == "cache":
                 r = dataclasses.replace(r, source="tuned")
             items.append({"problem": asdict(p), "key": make_key(p, dev).to_dict(), "resolved": r.to_dict()})
         return {"ok": True, "host": socket.gethostname(), "problems": items}

@@ -279,7 +279,7 @@ def grouped_gemm(
         deterministic: sum the gradient of gathered rows in a fixed order (default) instead
             of with float atomics.
         unique_gather: promise that ``gather_index`` reads each row of x at most once (a
-            permutation, as for rows that arrived by all-to-all): the backward then
+            permutation, e.g. rows already laid out for this GEMM): the backward then
             writes dx straight through the index, with no sort and no extra buffer.
             Checked in debug mode.
         backend: ``"triton"``, ``"torch"`` (reference), or ``"auto"``: Triton on CUDA and in

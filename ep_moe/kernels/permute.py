@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 if TYPE_CHECKING:
     from ep_moe.routing import RoutingMetadata
@@ -111,8 +112,11 @@ def _gather(src: torch.Tensor, idx: torch.Tensor, use_triton: bool) -> torch.Ten
 def _sum_slots(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int, use_triton: bool) -> torch.Tensor:
     if use_triton:
         return launch_sum_slot_rows(src.contiguous(), row_of_slot, top_k)
+    if src.shape[0] == 0:  # every slot dropped (or no tokens): nothing to gather
+        return src.new_zeros((row_of_slot.shape[0] // top_k, src.shape[1]))
     picked = src.index_select(0, row_of_slot.clamp_min(0)).masked_fill((row_of_slot < 0)[:, None], 0)
-    return picked.view(-1, top_k, src.shape[1]).sum(dim=1, dtype=torch.float32).to(src.dtype)
+    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    return picked.view(-1, top_k, src.shape[1]).sum(dim=1, dtype=acc_dtype).to(src.dtype)
 
 
 class _PermuteTokens(torch.autograd.Function):
@@ -122,6 +126,7 @@ class _PermuteTokens(torch.autograd.Function):
         return _gather(x_TH, meta.token_index_R, use_triton)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_RH):
         return _sum_slots(grad_RH, ctx.meta.row_of_slot_N, ctx.meta.top_k, ctx.use_triton), None, None
 
@@ -133,6 +138,7 @@ class _SumSlotRows(torch.autograd.Function):
         return _sum_slots(rows_RH, meta.row_of_slot_N, meta.top_k, use_triton)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_TH):
         return _gather(grad_TH, ctx.meta.token_index_R, ctx.use_triton), None, None
 

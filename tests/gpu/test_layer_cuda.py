@@ -1,9 +1,9 @@
 """MoELayer on one GPU in bfloat16: under torch.compile, and through its EP>1 code path.
 
 ``torch.compile`` must trace the layer (grouped GEMM custom ops, fused SwiGLU, tuned-config
-lookup kept out of the graph) and match eager. The EP>1 path (token permute, arrival-order
-gather index with ``unique_gather``, weights applied in GEMM2, slot-sum combine) runs here
-with no group, so no collective: it must match the EP=1 path on the same tokens.
+lookup kept out of the graph) and match eager. The EP>1 path (per-rank routing, token permute,
+the receiver's routing and slot sum, the per-token sum of returned rows, the pipeline) runs
+here with no group, so no collective: it must match the EP=1 path on the same tokens.
 """
 
 from __future__ import annotations

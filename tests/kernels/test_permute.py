@@ -25,6 +25,7 @@ CASES = {
     "random": (37, 3, 300, "random"),
     "one_expert": (21, 2, 40, "one"),
     "drops": (29, 4, 72, "drops"),
+    "all_dropped": (9, 2, 20, "all_dropped"),
     "one_token": (1, 2, 17, "random"),
     "no_tokens": (0, 2, 16, "random"),
 }
@@ -40,6 +41,8 @@ def make_meta(num_tokens: int, top_k: int, routing: str, gen: torch.Generator):
     if routing == "drops":
         keep_TK = torch.rand(num_tokens, top_k, generator=gen) > 0.4
         keep_TK[0] = False  # a token with every slot dropped
+    if routing == "all_dropped":
+        keep_TK = torch.zeros(num_tokens, top_k, dtype=torch.bool)
     return build_routing_metadata(ids_TK.to(DEVICE), E, None if keep_TK is None else keep_TK.to(DEVICE))
 
 
