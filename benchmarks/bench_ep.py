@@ -8,9 +8,10 @@ E/P experts per rank) and ``--tokens`` tokens per rank, one forward+backward of 
 layer (router to combine, dX and every weight gradient) of:
 
 - ``ep_moe``: :class:`ep_moe.MoELayer` (Triton grouped GEMM on CUDA, reference on CPU);
-  at EP>1 also ``ep_moe_c<C>s<S>`` for each ``--overlap`` variant C:S with C > 1 (the
-  same layer with its tokens in C pipelined chunks, all-to-all overlapped with the GEMMs,
-  which leave S SMs to it);
+  at EP>1 one layer per ``--variants`` entry TRANSPORT:C[:S] (``MoEConfig.transport``
+  ``nccl`` or ``ce``, the copy engines; tokens in C pipelined chunks, all-to-all
+  overlapped with the GEMMs; with NCCL the GEMMs leave S SMs to it), named ``ep_moe``
+  for ``nccl:1`` and ``ep_moe_<transport>_c<C>[s<S>]`` otherwise;
 - ``plain``: the torchtitan-style layer of ``baselines.py`` (argsort permute, uneven
   ``all_to_all_single``, ``torch._grouped_mm`` SwiGLU experts);
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` (dropless, SwiGLU experts) when deepspeed
@@ -50,7 +51,7 @@ from baselines import PlainEPMoE, deepspeed_moe_like  # noqa: E402
 from common import REPO, SHAPES, MoEShape, environment, save_results  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
-from ep_moe.dispatch import SplitSizes, counts_to_host, exchange_counts, start_combine, start_dispatch  # noqa: E402
+from ep_moe.dispatch import chunk_splits, gather_counts, start_combine, start_dispatch  # noqa: E402
 from ep_moe.routing import rank_counts, route  # noqa: E402
 
 # A shape small enough for the CPU smoke test (dims keep torch._grouped_mm's 16-byte strides).
@@ -68,9 +69,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per layer")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per layer first")
     parser.add_argument("--impls", default="ep_moe,plain,deepspeed", help="which layers to time")
-    parser.add_argument("--overlap", default="1",
-                        help="ep_moe variants at EP>1, comma-separated CHUNKS[:COMM_SMS] (MoEConfig "
-                             "overlap_chunks and overlap_comm_sms); EP=1 runs 1 only")
+    parser.add_argument("--variants", default="nccl:1",
+                        help="ep_moe variants at EP>1, comma-separated TRANSPORT:CHUNKS[:COMM_SMS] "
+                             "(MoEConfig transport 'nccl' or 'ce', overlap_chunks, overlap_comm_sms); "
+                             "EP=1 runs nccl:1 only")
     parser.add_argument("--autotune", action="store_true",
                         help="run ep_moe.autotune.warmup for each shape first (may tune on rank 0)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
@@ -191,8 +193,7 @@ def time_all_to_all(layer: MoELayer, x: torch.Tensor, per_slot: bool, args, devi
         router = route(x, layer.router.weight, top_k=cfg.top_k)
         _, counts_P2 = rank_counts(router.topk_ids_TK, None, layer.num_local_experts, layer.ep_size)
         counts_CPX = counts_P2[None, :, 1 if per_slot else 0, None]
-        send, recv = counts_to_host(counts_CPX, exchange_counts(counts_CPX, group))
-        splits = SplitSizes(send=[n for (n,) in send[0]], recv=[n for (n,) in recv[0]])
+        splits = chunk_splits(gather_counts(counts_CPX, group), layer.ep_rank, 0)
         send_UH = torch.empty(sum(splits.send), cfg.hidden_size, device=device, dtype=x.dtype)
 
         def run():
@@ -202,18 +203,44 @@ def time_all_to_all(layer: MoELayer, x: torch.Tensor, per_slot: bool, args, devi
         return median_ms(run, lambda: None, args.iters, args.warmup, device)
 
 
-def sharing_modules(layer: MoELayer, overlap_chunks: int, comm_sms: int) -> MoELayer:
-    """A layer with other overlap settings that shares ``layer``'s modules (same parameters)."""
-    config = dataclasses.replace(layer.config, overlap_chunks=overlap_chunks, overlap_comm_sms=comm_sms)
+Variant = tuple[str, int, int]
+"""(transport, chunks, comm SMs) of an ep_moe layer."""
+TRANSPORTS = {"nccl": "nccl", "ce": "copy_engine"}
+
+
+def parse_variants(spec: str) -> list[Variant]:
+    """``--variants`` as (transport, chunks, comm SMs) tuples."""
+    variants = []
+    for item in spec.split(","):
+        transport, chunks, sms = (item.split(":") + ["0"])[:3]
+        if transport not in TRANSPORTS:
+            raise SystemExit(f"--variants {item!r}: transport must be one of {list(TRANSPORTS)}")
+        variants.append((transport, int(chunks), int(sms)))
+    return variants
+
+
+def variant_name(variant: Variant) -> str:
+    transport, chunks, sms = variant
+    if variant == ("nccl", 1, 0):
+        return "ep_moe"
+    return f"ep_moe_{transport}_c{chunks}" + (f"s{sms}" if sms else "")
+
+
+def sharing_modules(layer: MoELayer, variant: Variant) -> MoELayer:
+    """A layer with other transport and overlap settings that shares ``layer``'s modules
+    (same parameters)."""
+    transport, chunks, sms = variant
+    config = dataclasses.replace(layer.config, transport=TRANSPORTS[transport], overlap_chunks=chunks,
+                                 overlap_comm_sms=sms)
     variant = MoELayer(config, layer.ep_group, device="meta")
     variant.router, variant.experts, variant.shared_experts = layer.router, layer.experts, layer.shared_experts
     return variant
 
 
 def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtype, impls: list[str],
-                 variants: list[tuple[int, int]], deepspeed) -> tuple[MoELayer, dict]:
+                 variants: list[Variant], deepspeed) -> tuple[MoELayer, dict]:
     """ep_moe's layer, and {name: (forward, params)} of the plain layer and of the other
-    layers in ``impls`` (ep_moe once per (chunks, comm SMs) variant), all with ep_moe's weights."""
+    layers in ``impls`` (ep_moe once per variant), all with ep_moe's weights."""
     torch.manual_seed(0)  # same router on every rank; expert weights depend on global ids only
     config = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                        num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0,
@@ -221,9 +248,9 @@ def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtyp
     ours = MoELayer(config, group, device=device, dtype=dtype)
     layers = {"plain": PlainEPMoE.like(ours)}
     if "ep_moe" in impls:
-        for chunks, sms in variants:
-            name = "ep_moe" if chunks == 1 else f"ep_moe_c{chunks}s{sms}"
-            layers[name] = ours if chunks == 1 else sharing_modules(ours, chunks, sms)
+        for variant in variants:
+            name = variant_name(variant)
+            layers[name] = ours if name == "ep_moe" else sharing_modules(ours, variant)
     if "deepspeed" in impls and deepspeed is not None:
         layers["deepspeed"] = deepspeed_moe_like(ours)
     forwards = {name: (lambda x, m=m: m(x)[0]) if name == "deepspeed" else m for name, m in layers.items()}
@@ -234,8 +261,7 @@ def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch
     """Validate and time every layer on one shape; one result row per timed layer."""
     ep_size = dist.get_world_size()
     impls = args.impls.split(",")
-    variants = [(int(c), int(s or 0)) for c, _, s in (v.partition(":") for v in args.overlap.split(","))]
-    variants = variants if ep_size > 1 else [(1, 0)]
+    variants = parse_variants(args.variants) if ep_size > 1 else [("nccl", 1, 0)]
     ours, layers = build_layers(shape, group, device, dtype, impls, variants, deepspeed)
     if args.autotune:
         from ep_moe.autotune import warmup

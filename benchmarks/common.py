@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,24 @@ def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def fixed_median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median CUDA-event time of ``fn`` in ms over exactly ``iters`` calls after ``warmup``:
+    the same number of calls on every rank, so ``fn`` may run collectives (``bench_ms``
+    picks its count from the rank's own timings)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def environment() -> dict:

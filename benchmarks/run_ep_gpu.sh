@@ -3,17 +3,21 @@
 #   1. installs the wheels in .whl/ (deepspeed and the dependencies the image lacks) into /tmp/site;
 #   2. runs the GPU tests (tests/gpu, tests/kernels; -x; over 8 workers when pytest-xdist is there);
 #   3. runs benchmarks/bench_ep.py at EP = 1, 2, 4 (as many as there are GPUs) on all four shapes,
-#      with the overlap variants in $OVERLAP at EP>1, kernel configs from $EP_MOE_CACHE_DIR (a
+#      with the ep_moe variants in $VARIANTS at EP>1, kernel configs from $EP_MOE_CACHE_DIR (a
 #      cache benchmarks/run_autotune_gpu.sh filled, when run first on this machine) or shipped;
 #   4. copies the results JSON and the logs into $OUT (if set) and prints a summary table.
 # Every step has its own timeout, cut to what is left of a 530 s budget. Run from anywhere:
-#   bash benchmarks/run_ep_gpu.sh          # ITERS=10 WARMUP=3 TOKENS=8192 OVERLAP=1,2:0,2:16 by default
+#   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 TOKENS=8192 VARIANTS=nccl:1,ce:1,ce:2
+#                                   # IMPLS=ep_moe,plain,deepspeed EP_SIZES="1 2 4" TESTS="tests/gpu tests/kernels"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ITERS=${ITERS:-10}
 WARMUP=${WARMUP:-3}
 TOKENS=${TOKENS:-8192}
-OVERLAP=${OVERLAP:-1,2:0,2:16}
+VARIANTS=${VARIANTS:-nccl:1,ce:1,ce:2}
+IMPLS=${IMPLS:-ep_moe,plain,deepspeed}
+EP_SIZES=${EP_SIZES:-1 2 4}
+TESTS=${TESTS:-tests/gpu tests/kernels}
 export EP_MOE_CACHE_DIR=${EP_MOE_CACHE_DIR:-/tmp/ep_moe_cache}
 BUDGET_END=$((SECONDS + ${BUDGET_S:-530}))
 LOGS=${OUT:-/tmp/ep_gpu}/logs
@@ -40,15 +44,15 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 nvidia-smi -L
 
 XDIST=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
-timeout "$(left 240)" python3 -m pytest -x -q -p no:cacheprovider $XDIST tests/gpu tests/kernels 2>&1 \
+timeout "$(left 240)" python3 -m pytest -x -q -p no:cacheprovider $XDIST $TESTS 2>&1 \
   | grep -v DEBUG | tee "$LOGS/tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
 BENCH_RC=()
-for P in 1 2 4; do
+for P in $EP_SIZES; do
   [ "$P" -le "$NGPU" ] || continue
   timeout "$(left 150)" python3 -m torch.distributed.run --nproc-per-node "$P" benchmarks/bench_ep.py --tokens "$TOKENS" \
-    --iters "$ITERS" --warmup "$WARMUP" --overlap "$OVERLAP" 2>&1 | tee "$LOGS/bench_ep$P.log"
+    --iters "$ITERS" --warmup "$WARMUP" --variants "$VARIANTS" --impls "$IMPLS" 2>&1 | tee "$LOGS/bench_ep$P.log"
   BENCH_RC+=("EP=$P:${PIPESTATUS[0]}")
 done
 find benchmarks/results -name 'ep_*_ep*.json' -newer "$STARTED" -exec cp {} "$RESULTS/" \;
@@ -56,7 +60,7 @@ find benchmarks/results -name 'ep_*_ep*.json' -newer "$STARTED" -exec cp {} "$RE
 python3 - "$RESULTS" <<'EOF'
 """Summary: slowest-rank fwd+bwd ms per shape and layer at each EP size, the forward
 all-to-all at the largest EP, the plain layer's time over this one's there, and this
-one's per-GPU time there over EP=1's (ep_moe's EP=1 for its overlap variants)."""
+one's per-GPU time there over EP=1's (ep_moe's EP=1 for its variants)."""
 import json, sys
 from pathlib import Path
 

@@ -34,7 +34,17 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.dispatch import SplitSizes, counts_to_host, exchange_counts, group_size, start_dispatch
+from ep_moe.copy_engine import CopyEngineExchange, SymmetricWorkspace, copy_engine_supported
+from ep_moe.dispatch import (
+    NcclExchange,
+    SplitSizes,
+    arrived,
+    chunk_splits,
+    dispatch_packed,
+    gather_counts,
+    group_size,
+    row_matrices,
+)
 from ep_moe.kernels.activation import swiglu
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm
@@ -119,8 +129,15 @@ class MoEConfig:
     all-to-all with another's expert GEMMs (:mod:`ep_moe.pipeline`); 1 runs dispatch,
     experts and combine in sequence. Every rank of the EP group must use the same value."""
     overlap_comm_sms: int = 16
-    """With ``overlap_chunks > 1``: SMs the persistent grouped GEMMs leave free for the
-    all-to-all's kernels while they overlap (0: the GEMMs take every SM)."""
+    """With ``overlap_chunks > 1`` and NCCL transfers: SMs the persistent grouped GEMMs
+    leave free for NCCL's kernels while they overlap (0: the GEMMs take every SM)."""
+    transport: Literal["nccl", "copy_engine"] = "nccl"
+    """EP>1: how the rows travel. ``"nccl"``: ``all_to_all_single`` (any backend, any
+    topology). ``"copy_engine"``: the GPUs' copy engines through a symmetric-memory
+    workspace (:mod:`ep_moe.copy_engine`; every EP rank on one node, NCCL group, CUDA),
+    which needs no SM, so its transfers can run under the GPU-filling GEMMs when
+    ``overlap_chunks > 1``. Measured on 4x H200 it is still slower than NCCL in the layer
+    (README, "Expert parallelism"): opt in to experiment."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -145,6 +162,8 @@ class MoEConfig:
         if not isinstance(self.overlap_chunks, int) or self.overlap_chunks < 1:
             raise ValueError(f"MoEConfig.overlap_chunks={self.overlap_chunks!r}: must be an int >= 1 "
                              "(1: no overlap)")
+        if self.transport not in ("nccl", "copy_engine"):
+            raise ValueError(f"MoEConfig.transport={self.transport!r}: use 'nccl' or 'copy_engine'")
         if not isinstance(self.overlap_comm_sms, int) or self.overlap_comm_sms < 0:
             raise ValueError(f"MoEConfig.overlap_comm_sms={self.overlap_comm_sms!r}: must be an int >= 0")
         if not self.init_std > 0:
@@ -517,20 +536,24 @@ class MoELayer(nn.Module):
         ids = router.topk_ids_TK.split(sizes)
         keeps = [None] * len(sizes) if keep_TK is None else keep_TK.split(sizes)
         sends, counts = zip(*(rank_counts(i, k, num_local, ep_size) for i, k in zip(ids, keeps)))
-        counts_CPX = torch.stack(counts)
-        send_counts, recv_counts = counts_to_host(counts_CPX, exchange_counts(counts_CPX, group))
-        plans, routings, send_rows, send_weights = [], [], [], []
-        for c in range(len(sizes)):
-            splits = SplitSizes(send=[n for n, _ in send_counts[c]], recv=[n for n, _ in recv_counts[c]])
+        counts = gather_counts(torch.stack(counts), group)  # [source][chunk][destination][rows, slots]
+        all_splits = [chunk_splits(counts, self.ep_rank, c) for c in range(len(sizes))]
+        exchange = self._exchange(counts, all_splits, x_TH)
+        exchange.begin()  # before anything is staged in its buffers
+        plans, routings, send_rows, arrived_weights = [], [], [], []
+        for c, splits in enumerate(all_splits):
             routing = build_rank_routing(ids[c], keeps[c], sends[c], num_local, sum(splits.send))
-            recv_ids_SK = start_dispatch(routing.local_ids_UK, splits, group).wait()
+            # all K weights of the row travel with its local expert ids, in one message; the
+            # receiver reads the weights of its own slots
+            weights_UK = permute_tokens(weight_chunks[c], routing.pairs, backend)
+            recv_ids_SK, recv_weights_SK = dispatch_packed([routing.local_ids_UK, weights_UK.detach()], splits, group)
+            arrived_weights.append(arrived(weights_UK, recv_weights_SK, splits, group))
             local = build_routing_metadata(recv_ids_SK.clamp(min=0), num_local, recv_ids_SK >= 0,
-                                           num_kept=sum(slots for _, slots in recv_counts[c]))
+                                           num_kept=sum(source[c][self.ep_rank][1] for source in counts))
             plans.append(ChunkPlan(splits, local))
             routings.append(routing)
-            send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend))
-            # all K weights of the row travel; the receiver reads those of its own slots
-            send_weights.append(permute_tokens(weight_chunks[c], routing.pairs, backend))
+            staging = exchange.staging(c, "rows", sum(splits.send), x_TH.shape[1:], x_TH.dtype)
+            send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend, out=staging))
         configs = {}  # per distinct routed-row count
 
         def run_experts(rows_SH, weights_SK, plan: ChunkPlan, gate_up, down):
@@ -543,11 +566,23 @@ class MoELayer(nn.Module):
                               row_weights=weights_SK.flatten().index_select(0, local.slot_index_R))
             return sum_slot_rows(y_RH, local, backend)
 
-        comm_sms = cfg.overlap_comm_sms if cfg.overlap_chunks > 1 else 0
-        back_rows = expert_pipeline(run_experts, plans, group, self.experts.gate_up, self.experts.down,
-                                    send_rows, send_weights, comm_sms)
+        comm_sms = cfg.overlap_comm_sms if cfg.overlap_chunks > 1 and isinstance(exchange, NcclExchange) else 0
+        back_rows = expert_pipeline(run_experts, plans, exchange, self.experts.gate_up, self.experts.down,
+                                    send_rows, arrived_weights, comm_sms)
         y_chunks = [sum_slot_rows(rows, r.pairs, backend) for rows, r in zip(back_rows, routings)]
         return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
+
+    def _exchange(self, counts: list, splits: list[SplitSizes], x_TH: torch.Tensor):
+        """The all-to-alls of this call, on the transport ``MoEConfig.transport`` picks."""
+        group = self.ep_group
+        if self.config.transport == "nccl":
+            return NcclExchange(group, splits)
+        supported, reason = copy_engine_supported(group)  # collective on first use
+        if not supported:
+            raise RuntimeError(f"MoEConfig.transport='copy_engine' cannot run here: {reason}; "
+                               "use transport='nccl'")
+        workspace = SymmetricWorkspace.for_group(group, x_TH.device)
+        return CopyEngineExchange(workspace, row_matrices(counts), {"rows": x_TH.shape[1] * x_TH.element_size()})
 
     @torch.no_grad()
     def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor]) -> None:

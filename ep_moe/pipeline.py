@@ -3,15 +3,17 @@ overlapped with the expert GEMMs of another, in the forward and in the backward.
 
 The rank's tokens are split into C chunks (``MoEConfig.overlap_chunks``); each chunk is
 dispatched, run through the local experts and combined on its own. All exchanges are
-started asynchronously on the process group's communication stream, and the compute
-stream waits for an exchange only right before it uses its rows::
+started asynchronously on a communication stream (NCCL's, or the copy engines' of
+:mod:`ep_moe.copy_engine`), and the compute stream waits for an exchange only right
+before it uses its rows::
 
     comm:     dispatch 0 | dispatch 1 |            | combine 0 |            | combine 1
     compute:             | experts 0  | (waits d1) | experts 1 |
 
-so with C chunks all but about 1/C of the communication hides behind GEMMs. A persistent
-GEMM occupies every SM until it ends, which would hold the communication kernels back;
-while chunks overlap the GEMMs leave ``comm_sms`` SMs to them. The backward
+so with C chunks all but about 1/C of the communication can hide behind GEMMs. It does
+on the copy engines; NCCL's kernels need SMs, and a persistent GEMM occupies every SM
+until it ends, so with NCCL the GEMMs leave ``comm_sms`` SMs to them while chunks
+overlap (measured: that costs more than it hides). The backward
 runs the same schedule in reverse (gradients of the combined rows go back, the experts'
 backward of chunk c runs while chunk c+1's gradients travel, the row gradients return).
 
@@ -25,12 +27,11 @@ C = 1 is the plain sequence dispatch, experts, combine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
-from torch.distributed import ProcessGroup
 
-from ep_moe.dispatch import SplitSizes, start_combine, start_dispatch
+from ep_moe.dispatch import PendingExchange, SplitSizes
 from ep_moe.kernels.grouped_gemm import reserve_sms
 from ep_moe.routing import RoutingMetadata
 
@@ -45,6 +46,17 @@ class ChunkPlan:
     """Routing of the arrived rows to this rank's experts (rows as tokens)."""
 
 
+class Exchange(Protocol):
+    """The all-to-alls of one layer call: :class:`ep_moe.dispatch.NcclExchange` or
+    :class:`ep_moe.copy_engine.CopyEngineExchange`."""
+
+    def begin(self) -> None: ...
+    def staging(self, chunk: int, kind: str, rows: int, row_shape: tuple,
+                dtype: torch.dtype) -> Optional[torch.Tensor]: ...
+    def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange: ...
+    def combine(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange: ...
+
+
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, ChunkPlan, torch.Tensor, torch.Tensor], torch.Tensor]
 """``expert_fn(rows_SH, weights_S, plan, gate_up, down) -> out_SH``: the local experts on
 one chunk's arrived rows and their top-k weights (``[S]`` or ``[S, K]``), one output row
@@ -53,11 +65,11 @@ per arrived row, differentiable."""
 
 class _ExpertPipeline(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, expert_fn: ExpertFn, plans: list[ChunkPlan], group: Optional[ProcessGroup],
-                comm_sms: int, record: bool, gate_up: torch.Tensor, down: torch.Tensor, *send):
+    def forward(ctx, expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Exchange,
+                comm_sms: int, record: bool, gate_up: torch.Tensor, down: torch.Tensor, *rows_and_weights):
         num_chunks = len(plans)
-        rows_in = [start_dispatch(send[c], plans[c].splits, group) for c in range(num_chunks)]
-        weights_in = [start_dispatch(send[num_chunks + c], plans[c].splits, group) for c in range(num_chunks)]
+        send, arrived_weights = rows_and_weights[:num_chunks], rows_and_weights[num_chunks:]
+        rows_in = [exchange.dispatch(send[c], c, "rows") for c in range(num_chunks)]
         # Detached stand-ins: each chunk's graph ends at these leaves, whose grads the
         # backward collects and returns.
         weights = [w.detach().requires_grad_(record and w.requires_grad) for w in (gate_up, down)]
@@ -65,13 +77,12 @@ class _ExpertPipeline(torch.autograd.Function):
         for c, plan in enumerate(plans):
             # detach: without a group the "received" rows are the sent tensors themselves
             rows_SH = rows_in[c].wait().detach().requires_grad_(record and send[c].requires_grad)
-            row_weights_S = weights_in[c].wait().detach().requires_grad_(
-                record and send[num_chunks + c].requires_grad)
+            row_weights_S = arrived_weights[c].detach().requires_grad_(record and arrived_weights[c].requires_grad)
             with torch.set_grad_enabled(record), reserve_sms(comm_sms):
                 out_SH = expert_fn(rows_SH, row_weights_S, plan, *weights)
             graphs.append((out_SH, rows_SH, row_weights_S))
-            rows_out.append(start_combine(out_SH.detach(), plan.splits, group))
-        ctx.plans, ctx.group, ctx.comm_sms, ctx.weights, ctx.graphs = plans, group, comm_sms, weights, graphs
+            rows_out.append(exchange.combine(out_SH.detach(), c, "rows"))
+        ctx.plans, ctx.exchange, ctx.comm_sms, ctx.weights, ctx.graphs = plans, exchange, comm_sms, weights, graphs
         return tuple(pending.wait() for pending in rows_out)
 
     @staticmethod
@@ -79,55 +90,56 @@ class _ExpertPipeline(torch.autograd.Function):
         if ctx.graphs is None:
             raise RuntimeError("ep_moe's expert pipeline frees its graphs in the backward; a second "
                                "backward through the same MoE forward (retain_graph=True) is not supported")
-        plans, group, weights = ctx.plans, ctx.group, ctx.weights
+        plans, exchange, weights = ctx.plans, ctx.exchange, ctx.weights
         num_chunks = len(plans)
-        # Which sent tensors need a gradient: the same on every rank (parameters, and the
-        # activations of the same model), so every rank skips the same exchanges.
+        # Which sent rows need a gradient: the same on every rank (the activations of the
+        # same model), so every rank skips the same exchanges.
         need_rows = ctx.needs_input_grad[_SEND_ARG: _SEND_ARG + num_chunks]
         need_weights = ctx.needs_input_grad[_SEND_ARG + num_chunks:]
-        grads_in = [start_dispatch(g.contiguous(), plan.splits, group) for g, plan in zip(grads_back, plans)]
-        rows_back, weights_back = [], []
+        exchange.begin()
+        grads_in = [exchange.dispatch(g.contiguous(), c, "rows") for c, g in enumerate(grads_back)]
+        rows_back, weights_grads = [], []
         for c, (out_SH, rows_SH, row_weights_S) in enumerate(ctx.graphs):
             inputs = [t for t in (rows_SH, row_weights_S, *weights) if t.requires_grad]
             if inputs:
                 with reserve_sms(ctx.comm_sms):
                     torch.autograd.backward(out_SH, grads_in[c].wait(), inputs=inputs)
-            rows_back.append(start_combine(_grad_or_zeros(rows_SH), plans[c].splits, group)
-                             if need_rows[c] else None)
-            weights_back.append(start_combine(_grad_or_zeros(row_weights_S), plans[c].splits, group)
-                                if need_weights[c] else None)
+            rows_back.append(exchange.combine(_grad_or_zeros(rows_SH), c, "rows") if need_rows[c] else None)
+            weights_grads.append(_grad_or_zeros(row_weights_S) if need_weights[c] else None)
         weight_grads = []
         for w in weights:  # hand the grads over, so autograd can keep them instead of copying
             weight_grads.append(w.grad)
             w.grad = None
-        ctx.graphs = ctx.weights = None  # free the chunks' graphs
-        grad_send = [None if p is None else p.wait() for p in rows_back + weights_back]
-        return (None, None, None, None, None, *weight_grads, *grad_send)
+        ctx.graphs = ctx.weights = ctx.exchange = None  # free the chunks' graphs
+        grad_send = [None if p is None else p.wait() for p in rows_back]
+        return (None, None, None, None, None, *weight_grads, *grad_send, *weights_grads)
 
 
 _SEND_ARG = 7
-"""Position of the first sent tensor among ``_ExpertPipeline.forward``'s arguments."""
+"""Position of the first sent rows among ``_ExpertPipeline.forward``'s arguments."""
 
 
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], group: Optional[ProcessGroup],
+def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Exchange,
                     gate_up: torch.Tensor, down: torch.Tensor, send_rows: list[torch.Tensor],
-                    send_weights: list[torch.Tensor], comm_sms: int = 0) -> list[torch.Tensor]:
+                    arrived_weights: list[torch.Tensor], comm_sms: int = 0) -> list[torch.Tensor]:
     """Dispatch, local experts and combine of every chunk, communication overlapped with
     compute (see the module docstring). Differentiable in ``gate_up``, ``down``, the sent
-    rows and their weights.
+    rows and the arrived weights.
 
     Args:
         expert_fn: the local experts on one chunk (:data:`ExpertFn`).
         plans: one :class:`ChunkPlan` per chunk.
-        group: the EP group (None: no collective).
+        exchange: the all-to-alls (:class:`Exchange`); the caller has begun the forward's
+            session (``exchange.begin()``) before staging anything; the backward begins its own.
         gate_up, down: the local expert weights, passed on to ``expert_fn``.
         send_rows: per chunk, [U_c, H] rows grouped by destination rank.
-        send_weights: per chunk, the top-k weights of each row ([U_c] or [U_c, K]; applied
-            by ``expert_fn``).
+        arrived_weights: per chunk, the top-k weights of each row this rank receives
+            ([S_c] or [S_c, K], already here: they travel with the expert ids, see
+            :func:`ep_moe.dispatch.arrived`; applied by ``expert_fn``).
         comm_sms: SMs the persistent GEMM kernels leave free for the all-to-all while
             chunks overlap (:func:`ep_moe.kernels.grouped_gemm.reserve_sms`); use 0 for a
             single chunk.
@@ -136,6 +148,6 @@ def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], group: Optional
         Per chunk, [U_c, H] expert outputs in the chunk's send order.
     """
     record = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (gate_up, down, *send_rows, *send_weights))
-    return list(_ExpertPipeline.apply(expert_fn, plans, group, comm_sms, record, gate_up, down,
-                                      *send_rows, *send_weights))
+        t.requires_grad for t in (gate_up, down, *send_rows, *arrived_weights))
+    return list(_ExpertPipeline.apply(expert_fn, plans, exchange, comm_sms, record, gate_up, down,
+                                      *send_rows, *arrived_weights))

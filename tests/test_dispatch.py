@@ -5,11 +5,16 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
+from ep_moe import dispatch
 from ep_moe.dispatch import (
+    NcclExchange,
     SplitSizes,
-    counts_to_host,
-    exchange_counts,
+    arrived,
+    chunk_splits,
+    dispatch_packed,
+    gather_counts,
     group_size,
+    row_matrices,
     start_combine,
     start_dispatch,
 )
@@ -17,10 +22,13 @@ from ep_moe.dispatch import (
 NUM_LOCAL = 2  # local experts per rank in the distributed tests
 
 
-def test_counts_to_host_in_one_transfer():
-    send = torch.tensor([[[3, 4], [0, 0]], [[1, 2], [5, 5]]])
-    recv = torch.tensor([[[2, 2], [1, 3]], [[0, 0], [4, 8]]])
-    assert counts_to_host(send, recv) == (send.tolist(), recv.tolist())
+def test_count_lists_give_splits_and_matrices():
+    # counts[q][c][p] = [rows, slots] rank q sends rank p in chunk c: 2 ranks, 2 chunks
+    counts = [[[[3, 4], [0, 0]], [[1, 2], [5, 5]]],
+              [[[2, 2], [1, 3]], [[0, 0], [4, 8]]]]
+    assert chunk_splits(counts, 0, 0) == SplitSizes(send=[3, 0], recv=[3, 2])
+    assert chunk_splits(counts, 1, 1) == SplitSizes(send=[0, 4], recv=[5, 4])
+    assert row_matrices(counts) == [[[3, 0], [2, 1]], [[1, 5], [0, 4]]]
 
 
 def test_no_collective_without_group(monkeypatch):
@@ -28,10 +36,13 @@ def test_no_collective_without_group(monkeypatch):
         raise AssertionError("a collective ran at EP=1")
 
     monkeypatch.setattr(dist, "all_to_all_single", fail)
+    monkeypatch.setattr(dispatch, "_all_gather_single", fail)
     counts = torch.tensor([[[3, 5]]])
-    assert exchange_counts(counts, None) is counts and group_size(None) == 1
+    assert gather_counts(counts, None) == [counts.tolist()] and group_size(None) == 1
     rows, splits = torch.randn(3, 4), SplitSizes(send=[3], recv=[3])
     assert start_combine(start_dispatch(rows, splits, None).wait(), splits, None).wait() is rows
+    exchange = NcclExchange(None, [splits])
+    assert exchange.combine(exchange.dispatch(rows, 0, "rows").wait(), 0, "rows").wait() is rows
 
 
 def _all_counts(world_size, chunk):
@@ -48,18 +59,25 @@ def _row_ids(counts_P, src):
 
 
 def _dispatch_worker(rank, world_size):
-    """Two chunks: (rows, rows + 1) counts of both exchanged in one collective, rows
+    """Two chunks: (rows, rows + 1) counts of both gathered in one collective, rows
     dispatched (both in flight at once) and combined back."""
     rows_CP = torch.stack([_all_counts(world_size, c)[rank] for c in range(2)])
     counts_CPX = torch.stack([rows_CP, rows_CP + 1], dim=2)
     group = dist.group.WORLD
-    send, recv = counts_to_host(counts_CPX, exchange_counts(counts_CPX, group))
-    splits = [SplitSizes(send=[n for n, _ in send[c]], recv=[n for n, _ in recv[c]]) for c in range(2)]
+    counts = gather_counts(counts_CPX, group)
+    splits = [chunk_splits(counts, rank, c) for c in range(2)]
+    exchange = NcclExchange(group, splits)
     sends = [_row_ids(rows_CP[c], rank)[:, None].repeat(1, 3) for c in range(2)]
-    pending = [start_dispatch(sends[c], splits[c], group) for c in range(2)]
+    pending = [exchange.dispatch(sends[c], c, "rows") for c in range(2)]
     recvs = [p.wait() for p in pending]
-    backs = [start_combine(r + 0.5, s, group).wait() for r, s in zip(recvs, splits)]
-    return dict(recv_counts=recv, splits=splits, recv=recvs, back=backs, send=sends)
+    backs = [exchange.combine(r + 0.5, c, "rows").wait() for c, r in enumerate(recvs)]
+    # two messages of other dtypes in one exchange; the weights differentiable
+    ids = sends[0][:, :2].to(torch.int32) + 1
+    weights = sends[0][:, :3].double().requires_grad_()
+    got_ids, got_weights = dispatch_packed([ids, weights.detach()], splits[0], group)
+    (arrived(weights, got_weights, splits[0], group) * torch.arange(3.0)).sum().backward()
+    return dict(counts=counts, splits=splits, recv=recvs, back=backs, send=sends,
+                packed=(got_ids, got_weights), weights_grad=weights.grad)
 
 
 @pytest.mark.distributed
@@ -69,11 +87,18 @@ def test_dispatch_and_combine_on_gloo(world_size):
     for chunk in range(2):
         counts = _all_counts(world_size, chunk)
         for q, res in enumerate(results):
-            assert res["recv_counts"][chunk] == [[int(counts[p, q]), int(counts[p, q]) + 1]
-                                                 for p in range(world_size)]
+            assert res["counts"][q][chunk] == [[int(counts[q, p]), int(counts[q, p]) + 1]
+                                               for p in range(world_size)]
+            assert res["counts"] == results[0]["counts"]
             splits = res["splits"][chunk]
             assert splits.send == counts[q].tolist() and splits.recv == counts[:, q].tolist()
             arrival = [1000.0 * p + 10 * q + i for p in range(world_size) for i in range(int(counts[p, q]))]
             assert res["recv"][chunk][:, 0].tolist() == arrival
             torch.testing.assert_close(res["back"][chunk], res["send"][chunk] + 0.5)
+            if chunk == 0:
+                got_ids, got_weights = res["packed"]
+                assert got_ids.dtype == torch.int32 and got_ids[:, 1].tolist() == [v + 1 for v in arrival]
+                assert got_weights.dtype == torch.float64 and got_weights[:, 2].tolist() == arrival
+                torch.testing.assert_close(res["weights_grad"], torch.arange(3.0, dtype=torch.float64)
+                                           .expand_as(res["weights_grad"]))
     assert results[1]["send"][0].shape[0] == 0

@@ -277,6 +277,7 @@ def test_ep_layout_expert_then_data():
     (dict(top_k=2, router_dtype=torch.int32), r"router_dtype=torch.int32: use a float dtype"),
     (dict(top_k=2, aux_loss_coef=-1.0), r"aux_loss_coef=-1.0: must be >= 0"),
     (dict(top_k=2, overlap_chunks=0), r"overlap_chunks=0: must be an int >= 1"),
+    (dict(top_k=2, transport="nvshmem"), r"transport='nvshmem': use 'nccl' or 'copy_engine'"),
 ])
 def test_config_errors(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -426,6 +427,14 @@ def _extras_world4(rank):
         except ValueError as err:
             errors.append(str(err))
     out["errors"] = errors
+
+    # The copy engines need CUDA and NCCL: asked for on gloo, a clear error on every rank
+    # (none hangs), and the group still works afterwards.
+    try:
+        MoELayer(_config(top_k=2, transport="copy_engine"), dist.group.WORLD)(inputs[rank])
+    except RuntimeError as err:
+        out["transport_error"] = str(err)
+    dist.barrier()
     return out
 
 
@@ -585,6 +594,13 @@ def test_group_errors(ep4_results):
     assert re.search(r"num_experts=6 is not divisible by the ep_group size 4; use an EP size that divides",
                      errors[0])
     assert re.search(r"ep_group has 4 ranks but MoEConfig.ep_size=2; pass a group of 2 ranks", errors[1])
+
+
+@pytest.mark.distributed
+def test_copy_engine_transport_on_gloo(ep4_results):
+    for res in ep4_results:
+        assert re.search(r"transport='copy_engine' cannot run here: CUDA is not available; "
+                         r"use transport='nccl'", res["transport_error"])
 
 
 @pytest.mark.parametrize("kwargs", [dict(top_k=2), dict(top_k=3, capacity_factor=0.75, overlap_chunks=3),

@@ -4,7 +4,7 @@ the unchunked computation, graphs are freed, and no graph is kept under no_grad.
 import pytest
 import torch
 
-from ep_moe.dispatch import SplitSizes
+from ep_moe.dispatch import NcclExchange, SplitSizes
 from ep_moe.pipeline import ChunkPlan, expert_pipeline
 from ep_moe.routing import build_routing_metadata
 
@@ -25,6 +25,11 @@ def _plan(num_rows: int, seed: int) -> ChunkPlan:
     return ChunkPlan(SplitSizes(send=[num_rows], recv=[num_rows]), build_routing_metadata(ids, 3))
 
 
+def _local(plans):
+    """Exchanges without a group: the rows stay where they are."""
+    return NcclExchange(None, [plan.splits for plan in plans])
+
+
 def test_chunks_match_direct_computation_and_gradients():
     gen = torch.Generator().manual_seed(0)
     gate_up = torch.randn(6, 4, generator=gen, requires_grad=True)
@@ -33,7 +38,7 @@ def test_chunks_match_direct_computation_and_gradients():
     rows = [torch.randn(n, 4, generator=gen, requires_grad=True) for n in sizes]
     weights = [torch.rand(n, TOP_K, generator=gen, requires_grad=True) for n in sizes]
     plans = [_plan(n, seed) for seed, n in enumerate(sizes)]
-    outs = expert_pipeline(_expert_fn, plans, None, gate_up, down, rows, weights)
+    outs = expert_pipeline(_expert_fn, plans, _local(plans), gate_up, down, rows, weights)
     grads_out = [torch.randn_like(o) for o in outs]
     leaves = [gate_up, down, *rows, *weights]
     got = torch.autograd.grad(outs, leaves, grads_out)
@@ -49,7 +54,7 @@ def test_chunks_match_direct_computation_and_gradients():
 def test_no_graph_under_no_grad():
     gate_up, down = torch.randn(6, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
     with torch.no_grad():
-        (out,) = expert_pipeline(_expert_fn, [_plan(3, 0)], None, gate_up, down,
+        (out,) = expert_pipeline(_expert_fn, [_plan(3, 0)], _local([_plan(3, 0)]), gate_up, down,
                                  [torch.randn(3, 4)], [torch.rand(3, TOP_K)])
     assert out.grad_fn is None and not out.requires_grad
 
@@ -60,7 +65,7 @@ def test_frozen_inputs_get_no_gradient_and_a_second_backward_is_refused():
     down = torch.randn(4, 6, generator=gen)  # frozen
     rows = [torch.randn(5, 4, generator=gen, requires_grad=True)]
     weights = [torch.rand(5, TOP_K, generator=gen)]  # e.g. a frozen router
-    (out,) = expert_pipeline(_expert_fn, [_plan(5, 0)], None, gate_up, down, rows, weights)
+    (out,) = expert_pipeline(_expert_fn, [_plan(5, 0)], _local([_plan(5, 0)]), gate_up, down, rows, weights)
     out.sum().backward(retain_graph=True)
     assert gate_up.grad is not None and rows[0].grad is not None and down.grad is None
     want = torch.autograd.grad(_expert_fn(rows[0], weights[0], _plan(5, 0), gate_up, down).sum(), gate_up)[0]

@@ -1,11 +1,14 @@
 """The public grouped GEMM op: validation, autograd, and the registered custom ops.
 
-``grouped_gemm`` checks its arguments, then runs either the Triton kernels (through two
-``torch.library`` custom ops, ``ep_moe::grouped_gemm_fwd`` and ``ep_moe::grouped_gemm_bwd``,
-wired together with ``register_autograd``) or the plain-PyTorch reference. The custom ops
-have fake implementations, so ``torch.compile`` traces models that use them; the kernels
-stay opaque to Inductor, which keeps the persistent launch and TMA descriptors out of its
-tracing and behaves the same in the Triton interpreter.
+``grouped_gemm`` checks its arguments, then runs either the Triton kernels or the
+plain-PyTorch reference. Under ``torch.compile`` the kernels run through two
+``torch.library`` custom ops, ``ep_moe::grouped_gemm_fwd`` and ``ep_moe::grouped_gemm_bwd``
+(wired together with ``register_autograd``, with fake implementations), so Dynamo traces
+models that use them while the kernels stay opaque to Inductor, which keeps the persistent
+launch and TMA descriptors out of its tracing. In eager mode the same implementations run
+through a plain ``autograd.Function``: the custom-op dispatch costs about 80 us of host
+time per call, which an EP layer, whose host sync leaves the GPU waiting for the host,
+pays in full.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 from typing import Literal, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ep_moe.kernels.config import PASSES, GemmConfigs, KernelConfig
 from ep_moe.kernels.grouped_gemm import (
@@ -56,8 +60,7 @@ def _as_int32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
-@torch.library.custom_op("ep_moe::grouped_gemm_fwd", mutates_args=())
-def _grouped_gemm_fwd(
+def _fwd_impl(
     x: torch.Tensor,
     w: torch.Tensor,
     m_sizes: torch.Tensor,
@@ -75,13 +78,15 @@ def _grouped_gemm_fwd(
     return out
 
 
+_grouped_gemm_fwd = torch.library.custom_op("ep_moe::grouped_gemm_fwd", mutates_args=())(_fwd_impl)
+
+
 @_grouped_gemm_fwd.register_fake
 def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode):
     return x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
 
 
-@torch.library.custom_op("ep_moe::grouped_gemm_bwd", mutates_args=())
-def _grouped_gemm_bwd(
+def _bwd_impl(
     dy: torch.Tensor,
     x: torch.Tensor,
     w: torch.Tensor,
@@ -110,6 +115,9 @@ def _grouped_gemm_bwd(
         x_rows = launch_gather_rows(x, gather_index) if gather_index is not None else x
         launch_dw(dy_rows, x_rows, dw, m_sizes, configs.dw)
     return dx, dw, drw
+
+
+_grouped_gemm_bwd = torch.library.custom_op("ep_moe::grouped_gemm_bwd", mutates_args=())(_bwd_impl)
 
 
 @_grouped_gemm_bwd.register_fake
@@ -165,11 +173,11 @@ def _setup_context(ctx, inputs, output):
     ctx.dx_mode = dx_mode
 
 
-def _backward(ctx, dy):
+def _backward_with(bwd, ctx, dy):
     x, w, m_sizes, gather_index, scatter_index, row_weights = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_drw = row_weights is not None and ctx.needs_input_grad[5]
-    dx, dw, drw = torch.ops.ep_moe.grouped_gemm_bwd(
+    dx, dw, drw = bwd(
         dy.contiguous(), x, w, m_sizes, gather_index, scatter_index, row_weights,
         ctx.config, ctx.dx_mode, need_dx, need_dw, need_drw,
     )
@@ -177,7 +185,26 @@ def _backward(ctx, dy):
             drw if need_drw else None, None, None)
 
 
+def _backward(ctx, dy):
+    return _backward_with(torch.ops.ep_moe.grouped_gemm_bwd, ctx, dy)
+
+
 _grouped_gemm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerGroupedGemm(torch.autograd.Function):
+    """The custom ops' forward and backward without the custom-op dispatch (eager mode)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        return _backward_with(_bwd_impl, ctx, dy)
 
 
 def _debug_enabled(debug: Optional[bool]) -> bool:
@@ -304,7 +331,8 @@ def grouped_gemm(
     if not use_triton:
         return grouped_gemm_reference(x, w, m_sizes, gather_index=gather_index,
                                       scatter_index=scatter_index, row_weights=row_weights)
-    return torch.ops.ep_moe.grouped_gemm_fwd(
+    op = torch.ops.ep_moe.grouped_gemm_fwd if torch.compiler.is_compiling() else _EagerGroupedGemm.apply
+    return op(
         x, w, _as_int32(m_sizes), _as_int32(gather_index), _as_int32(scatter_index), row_weights,
         _configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
         "unique" if unique_gather else ("sort" if deterministic else "atomic"),

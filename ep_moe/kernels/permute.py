@@ -70,14 +70,14 @@ def _column_block(cols: int) -> int:
 
 
 def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
-                       scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``src[idx] * scale[idx][:, None]`` as a new contiguous tensor of src's dtype (idx
-    None: the identity). One pass; the scale multiply is in fp32. ``src`` must have a
-    contiguous last dim."""
+                       scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``src[idx] * scale[idx][:, None]`` as a contiguous tensor of src's dtype (idx None:
+    the identity), written into ``out`` when given (else a new tensor). One pass; the
+    scale multiply is in fp32. ``src`` must have a contiguous last dim."""
     if idx is None:
         idx = torch.arange(src.shape[0], device=src.device, dtype=torch.int32)
     num_rows, cols = idx.shape[0], src.shape[1]
-    out = src.new_empty((num_rows, cols))
+    out = src.new_empty((num_rows, cols)) if out is None else out
     if num_rows == 0 or cols == 0:
         return out
     block_c, block_r = _column_block(cols), 16
@@ -103,10 +103,11 @@ def launch_sum_slot_rows(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: in
     return out
 
 
-def _gather(src: torch.Tensor, idx: torch.Tensor, use_triton: bool) -> torch.Tensor:
+def _gather(src: torch.Tensor, idx: torch.Tensor, use_triton: bool,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
     if use_triton:
-        return launch_gather_rows(src.contiguous(), idx)
-    return src.index_select(0, idx)
+        return launch_gather_rows(src.contiguous(), idx, out=out)
+    return src.index_select(0, idx) if out is None else torch.index_select(src, 0, idx, out=out)
 
 
 def _sum_slots(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int, use_triton: bool) -> torch.Tensor:
@@ -121,14 +122,14 @@ def _sum_slots(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int, use_tri
 
 class _PermuteTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, meta, use_triton):
+    def forward(ctx, x_TH, meta, use_triton, out):
         ctx.meta, ctx.use_triton = meta, use_triton
-        return _gather(x_TH, meta.token_index_R, use_triton)
+        return _gather(x_TH, meta.token_index_R, use_triton, out)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_RH):
-        return _sum_slots(grad_RH, ctx.meta.row_of_slot_N, ctx.meta.top_k, ctx.use_triton), None, None
+        return _sum_slots(grad_RH, ctx.meta.row_of_slot_N, ctx.meta.top_k, ctx.use_triton), None, None, None
 
 
 class _SumSlotRows(torch.autograd.Function):
@@ -143,13 +144,15 @@ class _SumSlotRows(torch.autograd.Function):
         return _gather(grad_TH, ctx.meta.token_index_R, ctx.use_triton), None, None
 
 
-def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "torch") -> torch.Tensor:
-    """Tokens in routed (expert-sorted) order: ``x_TH[meta.token_index_R]``, [R, H].
+def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "torch",
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Tokens in routed (expert-sorted) order: ``x_TH[meta.token_index_R]``, [R, H],
+    written into ``out`` when given (contiguous, [R, H], x's dtype; e.g. a send buffer).
 
     Differentiable; the backward sums each token's K row gradients in slot order (no
     atomics). ``backend``: ``"triton"`` (the kernels above) or ``"torch"``.
     """
-    return _PermuteTokens.apply(x_TH, meta, backend == "triton")
+    return _PermuteTokens.apply(x_TH, meta, backend == "triton", out)
 
 
 def sum_slot_rows(rows_RH: torch.Tensor, meta: "RoutingMetadata", backend: str = "torch") -> torch.Tensor:

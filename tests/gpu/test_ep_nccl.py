@@ -38,7 +38,10 @@ SCENARIOS = {
     "top4_gelu": dict(top_k=4, activation="gelu"),
     "skewed": dict(top_k=2),
     "empty_rank": dict(top_k=2),
+    "chunks3": dict(top_k=2, overlap_chunks=3),
+    "capacity_chunks2": dict(top_k=3, capacity_factor=0.75, overlap_chunks=2),
 }
+TRANSPORTS = ("nccl", "copy_engine")
 
 
 def _config(**overrides) -> MoEConfig:
@@ -110,8 +113,12 @@ def _ep_worker(rank: int, world_size: int) -> dict:
         group, ep_groups = _nccl_groups(world_size, ep_size)
         for name in SCENARIOS:
             kwargs, state, inputs, grads = _scenario(name, world_size)
-            layer = _layer(kwargs, state, group)
-            results[(ep_size, name)] = dict(run=_run(layer, inputs[rank], grads[rank]), grads=_param_grads(layer))
+            for transport in TRANSPORTS:
+                layer = _layer({**kwargs, "transport": transport}, state, group)
+                for _ in range(2):  # twice: the second reuses the copy engines' workspace
+                    layer.zero_grad(set_to_none=True)
+                    run = _run(layer, inputs[rank], grads[rank])
+                results[(ep_size, name, transport)] = dict(run=run, grads=_param_grads(layer))
             if rank == 0:
                 results[(ep_size, name, "ref")] = [_ep1_reference(kwargs, state, inputs, grads, ranks)
                                                    for ranks in ep_groups]
@@ -145,9 +152,10 @@ def ep_results():
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("ep_size", [2, 4])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_ep_matches_ep1_bf16(ep_results, ep_size, name):
+def test_ep_matches_ep1_bf16(ep_results, ep_size, name, transport):
     if ep_size > WORLD:
         pytest.skip(f"EP={ep_size} needs {ep_size} GPUs, found {NUM_GPUS}")
     refs = ep_results[0][(ep_size, name, "ref")]
@@ -155,7 +163,7 @@ def test_ep_matches_ep1_bf16(ep_results, ep_size, name):
     for ranks, ref in zip(ep_groups, refs):
         summed = {}
         for rank in ranks:
-            res = ep_results[rank][(ep_size, name)]
+            res = ep_results[rank][(ep_size, name, transport)]
             expected = ref["runs"][rank]
             assert torch.equal(res["run"]["counts"], expected["counts"]), f"rank {rank}: routing differs"
             for key in ("y", "dx"):
@@ -169,9 +177,9 @@ def test_ep_matches_ep1_bf16(ep_results, ep_size, name):
 
 @pytest.mark.distributed
 def test_scenarios_are_what_they_claim(ep_results):
-    counts = ep_results[0][(WORLD, "skewed")]["run"]["counts"]
+    counts = ep_results[0][(WORLD, "skewed", "nccl")]["run"]["counts"]
     assert counts[E // 4:].sum() == 0 and counts.sum() > 0
-    assert ep_results[1][(WORLD, "empty_rank")]["run"]["y"].numel() == 0
+    assert ep_results[1][(WORLD, "empty_rank", "nccl")]["run"]["y"].numel() == 0
 
 
 # top_k=1 without renormalising: renormalised, its combine weight is p/p = 1 and the router

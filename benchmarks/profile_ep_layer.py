@@ -1,0 +1,156 @@
+"""Where the EP>1 layer's time goes on each rank: compute, exposed communication, idle.
+
+    torchrun --nproc-per-node 4 benchmarks/profile_ep_layer.py [--shapes qwen3-30b-a3b,mixtral-8x7b]
+
+For each shape (the layer of ``bench_ep.py``: same config, seed and tokens), on every
+rank: forward+backward time of the EP=P layer and of an EP=1 layer on the same GPU and
+tokens (CUDA-event medians), the slots this rank's experts serve (load imbalance), then
+one profiled step of the EP=P layer split, from the CUDA kernel timeline, into compute
+kernels (union), communication kernels not overlapped by compute, and idle GPU time
+(host syncs and launch gaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SHAPES, fixed_median_ms  # noqa: E402
+
+from ep_moe import MoEConfig, MoELayer  # noqa: E402
+
+
+def union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total / 1e3
+
+
+def kernel_breakdown(step, top: int = 0) -> dict:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.load(open(path))["traceEvents"]
+    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+               if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if top:
+        totals: dict[str, list] = {}
+        for s, e, n in kernels:
+            entry = totals.setdefault(n[:90], [0.0, 0])
+            entry[0] += (e - s) / 1e3
+            entry[1] += 1
+        for name, (ms, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"    {ms:8.3f} ms {calls:4d}x  {name}", flush=True)
+    comm = [(s, e) for s, e, n in kernels if "nccl" in n.lower()]
+    compute = [(s, e) for s, e, n in kernels if "nccl" not in n.lower()]
+    gemm = [(s, e) for s, e, n in kernels if "grouped" in n]
+    span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1e3
+    busy = union_ms(comm + compute)
+    return dict(span_ms=span, compute_ms=union_ms(compute), gemm_ms=union_ms(gemm),
+                comm_ms=union_ms(comm), comm_exposed_ms=busy - union_ms(compute), idle_ms=span - busy)
+
+
+def host_profile(step, top: int, steps: int = 10) -> None:
+    """cProfile of ``steps`` steps (every rank runs them; rank 0 with ``top`` > 0 prints)."""
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    if top:
+        for key in ("tottime", "cumulative"):
+            print(f"    --- host time of {steps} steps by {key}", flush=True)
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats(key).print_stats(top)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--transport", default="nccl")
+    parser.add_argument("--top", type=int, default=0, help="rank 0 lists this many GPU ops by time")
+    parser.add_argument("--cprofile", type=int, default=0,
+                        help="rank 0 lists this many Python functions by own and by cumulative host time "
+                             "(cProfile over 10 steps)")
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        config = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                           num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0,
+                           backend="triton", overlap_chunks=args.chunks, transport=args.transport)
+        torch.manual_seed(0)
+        ep_layer = MoELayer(config, dist.group.WORLD, device="cuda", dtype=torch.bfloat16)
+        torch.manual_seed(0)
+        one_layer = MoELayer(config, None, device="cuda", dtype=torch.bfloat16)
+        gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+        x = torch.randn(args.tokens, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x.requires_grad_()
+        dy = torch.randn_like(x)
+        row = {"rank": rank}
+        for label, layer in (("ep1", one_layer), (f"ep{world}", ep_layer)):
+            def step(layer=layer):
+                x.grad = None
+                layer(x).backward(dy)
+            dist.barrier()
+            row[f"{label}_ms"] = fixed_median_ms(step)
+        counts = ep_layer.last_stats.tokens_per_expert.clone()
+        dist.all_reduce(counts)
+        local = counts.view(world, -1).sum(1)
+        row["slots_served"] = int(local[rank])
+        row["imbalance"] = float(local.max() / local.float().mean())
+
+        def ep_step():
+            x.grad = None
+            ep_layer(x).backward(dy)
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y = ep_layer(x)
+        row["host_fwd_ms"] = (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        y.backward(dy)
+        row["host_bwd_ms"] = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            print(f"--- {name} rank 0 GPU ops, one step (transport {args.transport}, chunks {args.chunks})")
+        row.update(kernel_breakdown(ep_step, args.top if rank == 0 else 0))
+        if args.cprofile:
+            host_profile(ep_step, args.cprofile if rank == 0 else 0)
+        rows = [None] * world
+        dist.all_gather_object(rows, row)
+        if rank == 0:
+            print(f"--- {name} (EP={world}, chunks={args.chunks}, transport {args.transport})", flush=True)
+            for r in rows:
+                print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                       for k, v in r.items()), flush=True)
+        del ep_layer, one_layer
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""All-to-all between the GPUs of one node on the copy engines, through symmetric memory.
+
+Why: NCCL's all-to-all runs as kernels, which need SMs. While a persistent grouped GEMM
+holds every SM those kernels cannot progress, so NCCL transfers do not overlap the
+experts (``benchmarks/bench_a2a_overlap.py`` on 4x H200: 0-3% of a qwen3-sized dispatch
+hidden behind the experts' forward). A ``cudaMemcpy`` between GPU memories over NVLink
+runs on the copy engines instead, with no SM, at about NCCL's bandwidth (304 against
+281 GB/s in the same run).
+
+How: every rank of the EP group holds one :class:`SymmetricWorkspace`, a buffer in
+symmetric memory that every peer can address, and a stream for its copies. An exchange
+is pulled:
+
+1. the sender stages the rows it sends in its own workspace, in its region for the
+   (direction, message, chunk) of the exchange, and raises its *ready* flag in every
+   peer's workspace;
+2. each receiver waits for a source's ready flag, copies its segment out of that
+   source's workspace into a fresh tensor (``copy_`` over NVLink: the copy engines), and
+   when it has pulled from everyone raises its *done* flag in every peer's workspace.
+
+The flags are 32-bit words written and awaited with CUDA stream memory operations
+(``cuStreamWriteValue32`` / ``cuStreamWaitValue32``), which the GPU's front end runs: no
+SM is needed anywhere, so nothing waits for a GEMM to give one back. (A barrier kernel,
+symmetric memory's own, needs an SM; with the GEMMs holding them all, one per exchange
+made the layer 1.5-5x slower in the first measurement.) Flag values are the exchange's
+sequence number, the same on every rank, so a flag only ever grows.
+
+Every rank holds the row counts of every rank (:class:`CopyEngineExchange`'s matrices),
+so it knows where in a peer's workspace its rows lie, and all ranks size the workspace
+alike. A session (one forward or one backward of a layer's pipeline) stages each region
+at most once and starts by waiting for every peer's done flag of the previous session:
+no rank restages a region before every peer has pulled from it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import math
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ep_moe.dispatch import PendingExchange
+
+DISPATCH, COMBINE = "dispatch", "combine"
+"""Directions: rows to the experts' ranks (``matrix[q][p]`` rows from q to p), and back
+(the transpose)."""
+_ALIGN = 256  # bytes between regions: every dtype's element size divides it
+_FLAGS = 4096  # bytes at the start of a workspace for the flags: ready[P], then done[P]
+_MAX_RANKS = _FLAGS // 8
+_GROWTH = 1.25  # a workspace that must grow takes this much headroom
+_SUPPORTED: dict[str, tuple[bool, str]] = {}  # group name -> copy_engine_supported(group)
+_WORKSPACES: dict[tuple[str, int], "SymmetricWorkspace"] = {}
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+class _StreamMemOps:
+    """``cuStreamWriteValue32`` and ``cuStreamWaitValue32`` (wait until >=) of the CUDA
+    driver, through ctypes: PyTorch does not expose the wait."""
+
+    _WAIT_GEQ = 0x0
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._write = self._function(lib, "cuStreamWriteValue32")
+        self._wait = self._function(lib, "cuStreamWaitValue32")
+
+    @staticmethod
+    def _function(lib, name: str):
+        fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+
+    @staticmethod
+    def _check(name: str, result: int) -> None:
+        if result != 0:
+            raise RuntimeError(f"{name} failed with CUresult {result}")
+
+    def write(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        """After the stream's earlier work (and a memory barrier): ``*address = value``."""
+        self._check("cuStreamWriteValue32", self._write(stream.cuda_stream, address, value, 0))
+
+    def wait(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        """The stream's later work waits until ``*address >= value``."""
+        self._check("cuStreamWaitValue32", self._wait(stream.cuda_stream, address, value, self._WAIT_GEQ))
+
+
+def _local_reason(group: ProcessGroup) -> Optional[str]:
+    """Why this rank cannot take part in a copy-engine exchange (None: it can)."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if dist.get_backend(group) != "nccl":
+        return f"the EP group's backend is {dist.get_backend(group)!r}, not 'nccl'"
+    if dist.get_world_size(group) > _MAX_RANKS:
+        return f"the EP group has more than {_MAX_RANKS} ranks"
+    try:
+        importlib.import_module("torch.distributed._symmetric_memory")
+    except ImportError:
+        return "this PyTorch has no torch.distributed._symmetric_memory"
+    try:
+        _StreamMemOps()
+    except (OSError, AttributeError) as err:
+        return f"the CUDA driver's stream memory operations are not available ({err})"
+    return None
+
+
+def copy_engine_supported(group: ProcessGroup) -> tuple[bool, str]:
+    """Whether every rank of ``group`` can exchange rows on the copy engines: CUDA, an
+    NCCL group, symmetric memory in this PyTorch, the driver's stream memory operations,
+    every rank on this host. Collective the first time (every rank of the group must
+    call it) and the same answer on every rank; cached per group. Returns (supported,
+    why not)."""
+    key = group.group_name
+    if key not in _SUPPORTED:
+        hosts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, (socket.gethostname(), _local_reason(group)), group=group)
+        reasons = sorted({r for _, r in hosts if r is not None})
+        if len({h for h, _ in hosts}) > 1:
+            reasons.append("the EP group spans several hosts (copy engines reach only this node's GPUs)")
+        _SUPPORTED[key] = (not reasons, "; ".join(reasons))
+    return _SUPPORTED[key]
+
+
+class SymmetricWorkspace:
+    """One rank's symmetric-memory buffer for an EP group (flags, then data), the stream
+    its copies run on, and the exchange sequence number. It grows on demand; growing is
+    collective and every rank asks for the same size."""
+
+    def __init__(self, group: ProcessGroup, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.stream = torch.cuda.Stream(device)
+        self.capacity = 0
+        self.epoch = 0
+        """Sequence number of the last exchange (flags hold such numbers)."""
+        self._memops = _StreamMemOps()
+        self._buffers: list[torch.Tensor] = []  # every rank's buffer, flat uint8, mapped here
+        self._allocation = None
+
+    @classmethod
+    def for_group(cls, group: ProcessGroup, device: torch.device) -> "SymmetricWorkspace":
+        """The workspace of ``group`` on ``device``, shared by every layer using it."""
+        key = (group.group_name, device.index)
+        if key not in _WORKSPACES:
+            _WORKSPACES[key] = cls(group, device)
+        return _WORKSPACES[key]
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` of data (collective when it grows: same ``nbytes``
+        everywhere). Growing waits for every rank's device, then starts the flags over."""
+        if nbytes <= self.capacity:
+            return
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if self._buffers:  # peers may still be pulling from the old buffers
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)
+            self._buffers, self._allocation = [], None
+        capacity = _round_up(int(nbytes * _GROWTH), 1 << 21)
+        buffer = symm_mem.empty(_FLAGS + capacity, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(buffer, self.group)
+        # the peers' views do not own their memory: keep the allocation and its handle alive
+        self._allocation = (buffer, handle)
+        self._buffers = [handle.get_buffer(q, (_FLAGS + capacity,), torch.uint8) for q in range(self.size)]
+        buffer[:_FLAGS].zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # every rank's flags are zero before anyone raises one
+        self.capacity, self.epoch = capacity, 0
+
+    def view(self, rank: int, byte_offset: int, rows: int, row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, *row_shape] of ``dtype`` at ``byte_offset`` of ``rank``'s data."""
+        start = _FLAGS + byte_offset
+        nbytes = rows * math.prod(row_shape) * dtype.itemsize
+        return self._buffers[rank][start: start + nbytes].view(dtype).view(rows, *row_shape)
+
+    def _flag(self, rank: int, kind: int, slot: int) -> int:
+        """Address of flag ``slot`` (a rank) of ``kind`` (0 ready, 1 done) in ``rank``'s buffer."""
+        return self._buffers[rank].data_ptr() + 4 * (kind * _MAX_RANKS + slot)
+
+    def follow_compute(self) -> None:
+        """The workspace's stream waits for the work queued so far on the current stream."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def copying(self):
+        """Context in which ``copy_`` runs on the workspace's stream."""
+        return torch.cuda.stream(self.stream)
+
+    def signal_ready(self, epoch: int) -> None:
+        """On the workspace's stream: tell every peer this rank staged exchange ``epoch``."""
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._memops.write(self.stream, self._flag(peer, 0, self.rank), epoch)
+
+    def wait_ready(self, source: int, epoch: int) -> None:
+        """On the workspace's stream: wait until ``source`` staged exchange ``epoch``."""
+        self._memops.wait(self.stream, self._flag(self.rank, 0, source), epoch)
+
+    def signal_done(self, epoch: int) -> None:
+        """On the workspace's stream: tell every peer this rank pulled exchange ``epoch``."""
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._memops.write(self.stream, self._flag(peer, 1, self.rank), epoch)
+
+    def wait_done(self, epoch: int) -> None:
+        """On the current stream: wait until every peer pulled exchange ``epoch``."""
+        compute = torch.cuda.current_stream(self.device)
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._memops.wait(compute, self._flag(self.rank, 1, peer), epoch)
+
+    def finish(self, out: torch.Tensor) -> PendingExchange:
+        """``out``, filled on the workspace's stream, as an exchange the current stream can wait for."""
+        out.record_stream(self.stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return PendingExchange(out, event=done)
+
+
+def segment_layout(matrix: list[list[int]], me: int) -> list[tuple[int, int, int]]:
+    """Where rank ``me``'s rows of one exchange come from: ``(source rank, first row in the
+    source's staged rows, count)`` per source with rows, in the order they land in the
+    output (grouped by source rank). ``matrix[q][p]``: rows q sends p; a sender stages
+    its rows grouped by destination rank."""
+    return [(q, sum(matrix[q][:me]), matrix[q][me]) for q in range(len(matrix)) if matrix[q][me]]
+
+
+class CopyEngineExchange:
+    """The all-to-alls of one layer call's pipeline on the copy engines.
+
+    ``matrices[c][q][p]``: rows rank q sends rank p in chunk c's dispatch (every rank
+    holds all of them, from one all-gather of counts); ``row_bytes``: bytes per row of
+    each message kind (e.g. ``{"rows": H * 2, "weights": K * 4}``). Every rank's
+    workspace holds one region per (direction, kind, chunk), sized for what that rank
+    stages there; the workspace is sized for the largest rank. Every rank must make the
+    same sequence of :meth:`begin`, :meth:`dispatch` and :meth:`combine` calls."""
+
+    def __init__(self, workspace: SymmetricWorkspace, matrices: list[list[list[int]]],
+                 row_bytes: dict[str, int]) -> None:
+        self.workspace, self.row_bytes = workspace, row_bytes
+        self.rank = workspace.rank
+        ranks = range(len(matrices[0]))
+        self.matrices = {DISPATCH: matrices, COMBINE: [[list(col) for col in zip(*m)] for m in matrices]}
+        self.offsets: dict[tuple[str, str, int], list[int]] = {}
+        ends = [0 for _ in ranks]
+        for direction, per_chunk in self.matrices.items():
+            for kind, width in row_bytes.items():
+                for c, matrix in enumerate(per_chunk):
+                    self.offsets[(direction, kind, c)] = list(ends)
+                    ends = [_round_up(ends[q] + sum(matrix[q]) * width, _ALIGN) for q in ranks]
+        workspace.reserve(max(ends))
+
+    def begin(self) -> None:
+        """Start a session (a forward or a backward): the current stream waits until every
+        peer has pulled everything this rank staged before, so it may stage again."""
+        self.workspace.wait_done(self.workspace.epoch)
+
+    def staging(self, chunk: int, kind: str, rows: int, row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Where :meth:`dispatch` stages chunk ``chunk``'s rows of ``kind``: a tensor
+        written there (after :meth:`begin`) is sent without a copy."""
+        return self.workspace.view(self.rank, self.offsets[(DISPATCH, kind, chunk)][self.rank], rows,
+                                   row_shape, dtype)
+
+    def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
+        """Send chunk ``chunk``'s rows of message ``kind`` (grouped by destination rank)
+        to the experts' ranks; they arrive grouped by source rank."""
+        return self._exchange(x, DISPATCH, kind, chunk)
+
+    def combine(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
+        """The reverse of :meth:`dispatch`: rows in arrival order go back to their senders
+        and arrive in each sender's send order."""
+        return self._exchange(x, COMBINE, kind, chunk)
+
+    def _exchange(self, x: torch.Tensor, direction: str, kind: str, chunk: int) -> PendingExchange:
+        ws, me = self.workspace, self.rank
+        matrix, offsets = self.matrices[direction][chunk], self.offsets[(direction, kind, chunk)]
+        row_shape, width = tuple(x.shape[1:]), self.row_bytes[kind]
+        if x.shape[0] != sum(matrix[me]) or math.prod(row_shape) * x.element_size() != width:
+            raise ValueError(f"{direction} of {kind!r}, chunk {chunk}: got {tuple(x.shape)} {x.dtype}, "
+                             f"expected {sum(matrix[me])} rows of {width} bytes")
+        staged = ws.view(me, offsets[me], x.shape[0], row_shape, x.dtype)
+        if x.shape[0] and staged.data_ptr() != x.data_ptr():
+            staged.copy_(x)
+        out = x.new_empty((sum(row[me] for row in matrix), *row_shape))
+        ws.epoch += 1
+        ws.follow_compute()  # staged, and `out` allocated
+        ws.signal_ready(ws.epoch)
+        with ws.copying():
+            landed = 0
+            for source, first, count in segment_layout(matrix, me):
+                if source != me:
+                    ws.wait_ready(source, ws.epoch)
+                src = ws.view(source, offsets[source] + first * width, count, row_shape, x.dtype)
+                out[landed: landed + count].copy_(src)
+                landed += count
+        ws.signal_done(ws.epoch)
+        return ws.finish(out)

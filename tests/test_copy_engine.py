@@ -1,0 +1,236 @@
+"""The copy-engine exchange's layout and protocol, on the CPU: P ranks as threads over
+plain buffers (a workspace double whose barrier is a thread barrier), so where each rank
+stages and where it pulls from is checked without GPUs; the chunked pipeline runs on top
+of it and must match the computation without any exchange. The real symmetric-memory
+path runs in tests/gpu/test_ep_nccl.py."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import pytest
+import torch
+
+from ep_moe.copy_engine import CopyEngineExchange, segment_layout
+from ep_moe.dispatch import PendingExchange, SplitSizes
+from ep_moe.pipeline import ChunkPlan, expert_pipeline
+from ep_moe.routing import build_routing_metadata
+
+
+class _World:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.buffers = [torch.zeros(0, dtype=torch.uint8) for _ in range(size)]
+        self.flags = {}  # (owner rank, kind, slot rank) -> value
+        self.changed = threading.Condition()
+        self.barrier = threading.Barrier(size, timeout=30)  # a failing rank breaks it: no hang
+
+    def raise_flag(self, owner, kind, slot, value):
+        with self.changed:
+            self.flags[(owner, kind, slot)] = value
+            self.changed.notify_all()
+
+    def await_flag(self, owner, kind, slot, value):
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.flags.get((owner, kind, slot), 0) >= value, timeout=30):
+                raise TimeoutError(f"rank {owner} waited for {kind} flag of rank {slot} >= {value}")
+
+
+class _ThreadWorkspace:
+    """SymmetricWorkspace's interface over ``_World``'s buffers and flags; copies are
+    synchronous, and a wait blocks the thread until the flag is up."""
+
+    def __init__(self, world: _World, rank: int) -> None:
+        self.world, self.rank, self.size, self.capacity, self.epoch = world, rank, world.size, 0, 0
+
+    def reserve(self, nbytes: int) -> None:
+        if nbytes > self.capacity:
+            self.world.buffers[self.rank] = torch.full((nbytes,), 255, dtype=torch.uint8)  # garbage
+            self.capacity = nbytes
+        self.world.barrier.wait()  # collective: every buffer exists before anyone uses it
+
+    def view(self, rank, byte_offset, rows, row_shape, dtype):
+        nbytes = rows * math.prod(row_shape) * dtype.itemsize
+        assert byte_offset % dtype.itemsize == 0 and byte_offset + nbytes <= self.world.buffers[rank].numel()
+        return self.world.buffers[rank][byte_offset: byte_offset + nbytes].view(dtype).view(rows, *row_shape)
+
+    def follow_compute(self) -> None:
+        pass
+
+    def copying(self):
+        return contextlib.nullcontext()
+
+    def signal_ready(self, epoch):
+        for peer in range(self.size):
+            if peer != self.rank:
+                self.world.raise_flag(peer, "ready", self.rank, epoch)
+
+    def wait_ready(self, source, epoch):
+        self.world.await_flag(self.rank, "ready", source, epoch)
+
+    def signal_done(self, epoch):
+        for peer in range(self.size):
+            if peer != self.rank:
+                self.world.raise_flag(peer, "done", self.rank, epoch)
+
+    def wait_done(self, epoch):
+        for peer in range(self.size):
+            if peer != self.rank:
+                self.world.await_flag(self.rank, "done", peer, epoch)
+
+    def finish(self, out):
+        return PendingExchange(out)
+
+
+def _run_ranks(size: int, fn) -> list:
+    """``fn(rank, workspace)`` on ``size`` threads; results in rank order, errors re-raised."""
+    world = _World(size)
+    results, errors = [None] * size, []
+
+    def target(rank):
+        try:
+            results[rank] = fn(rank, _ThreadWorkspace(world, rank))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _matrices(size: int, chunks: int) -> list[list[list[int]]]:
+    """matrices[c][q][p]: rows q sends p; rank 1 sends nothing in chunk 0."""
+    gen = torch.Generator().manual_seed(size)
+    mats = torch.randint(0, 5, (chunks, size, size), generator=gen)
+    mats[0, 1] = 0
+    return mats.tolist()
+
+
+def _rows(matrix, rank, width, dtype):
+    """Rank ``rank``'s send rows grouped by destination; value = 1000*src + 10*dest + i."""
+    vals = [1000.0 * rank + 10 * p + i for p in range(len(matrix)) for i in range(matrix[rank][p])]
+    return torch.tensor(vals, dtype=dtype)[:, None].repeat(1, width)
+
+
+def test_segment_layout():
+    matrix = [[1, 2, 0], [0, 0, 4], [3, 1, 2]]
+    assert segment_layout(matrix, 1) == [(0, 1, 2), (2, 3, 1)]
+    assert segment_layout(matrix, 2) == [(1, 0, 4), (2, 4, 2)]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_dispatch_and_combine_land_like_all_to_all(size):
+    matrices = _matrices(size, 2)
+
+    def rank_fn(rank, workspace):
+        exchange = CopyEngineExchange(workspace, matrices, {"rows": 3 * 4, "weights": 2 * 8})
+        exchange.begin()
+        sent = [(_rows(m, rank, 3, torch.float32), _rows(m, rank, 2, torch.float64)) for m in matrices]
+        staged = exchange.staging(0, "rows", sent[0][0].shape[0], (3,), torch.float32)
+        staged.copy_(sent[0][0])  # written in place: sent without a copy
+        sent[0] = (staged, sent[0][1])
+        pending = [(exchange.dispatch(r, c, "rows"), exchange.dispatch(w, c, "weights"))
+                   for c, (r, w) in enumerate(sent)]  # every dispatch in flight, then combines
+        arrived = [(r.wait(), w.wait()) for r, w in pending]
+        back = [exchange.combine(r + 0.5, c, "rows").wait() for c, (r, _) in enumerate(arrived)]
+        sent = [(r.clone(), w) for r, w in sent]  # the staged rows get overwritten below
+        exchange.begin()  # a second session reuses the regions once every peer is done
+        again = exchange.dispatch(-sent[1][0], 1, "rows").wait()
+        return sent, arrived, back, again
+
+    results = _run_ranks(size, rank_fn)
+    for c, matrix in enumerate(matrices):
+        for me, (sent, arrived, back, again) in enumerate(results):
+            order = [1000.0 * q + 10 * me + i for q in range(size) for i in range(matrix[q][me])]
+            assert arrived[c][0][:, 0].tolist() == order and arrived[c][0].shape[1] == 3
+            assert arrived[c][1][:, 1].tolist() == order and arrived[c][1].dtype == torch.float64
+            torch.testing.assert_close(back[c], sent[c][0] + 0.5)
+            if c == 1:
+                assert again[:, 0].tolist() == [-v for v in order]
+
+
+def test_wrong_row_size_is_refused():
+    def rank_fn(rank, workspace):
+        exchange = CopyEngineExchange(workspace, [[[1, 1], [1, 1]]], {"rows": 3 * 4})
+        exchange.begin()
+        with pytest.raises(ValueError, match="expected 2 rows of 12 bytes"):
+            exchange.dispatch(torch.zeros(2, 4), 0, "rows")
+
+    _run_ranks(2, rank_fn)
+
+
+TOP_K, EXPERTS = 2, 3
+
+
+def _expert_fn(rows_SH, weights_SK, plan, gate_up, down):
+    local = plan.local
+    h = (rows_SH[local.token_index_R] @ gate_up.T).tanh() @ down.T
+    h = h * weights_SK.flatten()[local.slot_index_R, None]
+    return torch.zeros(rows_SH.shape[0], h.shape[1], dtype=h.dtype).index_add(0, local.token_index_R, h)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_pipeline_over_copy_engine_matches_local_computation(size):
+    """Each rank sends random rows to every rank (2 chunks); a rank's experts see the rows
+    of every source. Outputs and every gradient must equal the direct computation on the
+    arrived rows, which the test rebuilds from every rank's inputs."""
+    matrices = _matrices(size, 2)
+    gen = torch.Generator().manual_seed(7)
+    weights = [(torch.randn(6, 4, generator=gen, dtype=torch.float64),
+                torch.randn(4, 6, generator=gen, dtype=torch.float64)) for _ in range(size)]
+    inputs = [[torch.randn(sum(m[q]), 4, generator=gen, dtype=torch.float64) for m in matrices]
+              for q in range(size)]
+    # the top-k weights of the rows a rank receives arrive before the pipeline
+    arrived = [[torch.rand(sum(m[q][p] for q in range(size)), TOP_K, generator=gen, dtype=torch.float64)
+                for m in matrices] for p in range(size)]
+    ids = [[torch.randint(0, EXPERTS, (sum(m[q][p] for q in range(size)), TOP_K), generator=gen)
+            for m in matrices] for p in range(size)]
+    grads = [[torch.randn(sum(m[q]), 4, generator=gen, dtype=torch.float64) for m in matrices]
+             for q in range(size)]
+
+    def plans_of(rank):
+        return [ChunkPlan(SplitSizes(send=m[rank], recv=[m[q][rank] for q in range(size)]),
+                          build_routing_metadata(ids[rank][c], EXPERTS)) for c, m in enumerate(matrices)]
+
+    def rank_fn(rank, workspace):
+        gate_up, down = (w.clone().requires_grad_() for w in weights[rank])
+        rows = [r.clone().requires_grad_() for r in inputs[rank]]
+        wts = [w.clone().requires_grad_() for w in arrived[rank]]
+        exchange = CopyEngineExchange(workspace, matrices, {"rows": 4 * 8})
+        exchange.begin()
+        outs = expert_pipeline(_expert_fn, plans_of(rank), exchange, gate_up, down, rows, wts)
+        torch.autograd.backward(outs, grads[rank])
+        return [o.detach() for o in outs], [t.grad for t in (gate_up, down, *rows, *wts)]
+
+    results = _run_ranks(size, rank_fn)
+    # Direct computation: rank p's experts on the rows of every source, then back.
+    leaves = [[t.clone().requires_grad_() for t in pair] for pair in weights]
+    sent = [[r.clone().requires_grad_() for r in per] for per in inputs]
+    arrived_leaves = [[w.clone().requires_grad_() for w in per] for per in arrived]
+    outs = [[None] * 2 for _ in range(size)]
+    for c, m in enumerate(matrices):
+        for p in range(size):
+            segs = [(q, sum(m[q][:p]), m[q][p]) for q in range(size)]
+            rows_p = torch.cat([sent[q][c][s: s + n] for q, s, n in segs])
+            out_p = _expert_fn(rows_p, arrived_leaves[p][c], plans_of(p)[c], *leaves[p])
+            pieces = out_p.split([n for _, _, n in segs])
+            for (q, s, n), piece in zip(segs, pieces):
+                outs[q][c] = (outs[q][c] or {}) | {p: piece}
+    want_outs = [[torch.cat([outs[q][c][p] for p in range(size)]) for c in range(2)] for q in range(size)]
+    flat_outs = [o for per in want_outs for o in per]
+    flat_grads = [g for per in grads for g in per]
+    torch.autograd.backward(flat_outs, flat_grads)
+    for q, (got_outs, got_grads) in enumerate(results):
+        for c in range(2):
+            torch.testing.assert_close(got_outs[c], want_outs[q][c])
+        want_grads = [*(t.grad for t in leaves[q]), *(r.grad for r in sent[q]), *(w.grad for w in arrived_leaves[q])]
+        for got, want in zip(got_grads, want_grads):
+            torch.testing.assert_close(got, want)
