@@ -31,6 +31,14 @@ so it knows where in a peer's workspace its rows lie, and all ranks size the wor
 alike. A session (one forward or one backward of a layer's pipeline) stages each region
 at most once and starts by waiting for every peer's done flag of the previous session:
 no rank restages a region before every peer has pulled from it.
+
+Limits: NCCL still carries the layer's counts and the small message of expert ids and
+top-k weights (and their gradients). The GPUs must reach each other's memory (NVLink or
+PCIe peer access); symmetric memory's rendezvous fails otherwise. The workspace grows,
+collectively and with a device sync, whenever a layer call needs more than it holds.
+A flag wait has no timeout: if a rank dies between two exchanges, its peers' streams
+wait for it (NCCL's watchdog does not see these waits), so the job must be torn down
+from outside, as after a failed rank in any collective.
 """
 
 from __future__ import annotations
@@ -94,12 +102,24 @@ class _StreamMemOps:
         self._check("cuStreamWaitValue32", self._wait(stream.cuda_stream, address, value, self._WAIT_GEQ))
 
 
+def _uses_nccl(group: ProcessGroup) -> bool:
+    """Whether ``group`` runs CUDA collectives on NCCL ("nccl", "cpu:gloo,cuda:nccl", or
+    a group made without naming a backend, as ``init_device_mesh`` does)."""
+    name = dist.get_backend(group)
+    if name == "nccl" or "cuda:nccl" in name:
+        return True
+    try:
+        return type(group._get_backend(torch.device("cuda"))).__name__ == "ProcessGroupNCCL"
+    except (AttributeError, RuntimeError, ValueError):
+        return False
+
+
 def _local_reason(group: ProcessGroup) -> Optional[str]:
     """Why this rank cannot take part in a copy-engine exchange (None: it can)."""
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    if dist.get_backend(group) != "nccl":
-        return f"the EP group's backend is {dist.get_backend(group)!r}, not 'nccl'"
+    if not _uses_nccl(group):
+        return f"the EP group's CUDA backend is not NCCL (backend {dist.get_backend(group)!r})"
     if dist.get_world_size(group) > _MAX_RANKS:
         return f"the EP group has more than {_MAX_RANKS} ranks"
     try:
@@ -157,7 +177,7 @@ class SymmetricWorkspace:
     def reserve(self, nbytes: int) -> None:
         """Make room for ``nbytes`` of data (collective when it grows: same ``nbytes``
         everywhere). Growing waits for every rank's device, then starts the flags over."""
-        if nbytes <= self.capacity:
+        if self._buffers and nbytes <= self.capacity:  # the flags exist even for 0 bytes of data
             return
         import torch.distributed._symmetric_memory as symm_mem
 

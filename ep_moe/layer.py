@@ -539,8 +539,7 @@ class MoELayer(nn.Module):
         counts = gather_counts(torch.stack(counts), group)  # [source][chunk][destination][rows, slots]
         all_splits = [chunk_splits(counts, self.ep_rank, c) for c in range(len(sizes))]
         exchange = self._exchange(counts, all_splits, x_TH)
-        exchange.begin()  # before anything is staged in its buffers
-        plans, routings, send_rows, arrived_weights = [], [], [], []
+        plans, routings, arrived_weights = [], [], []
         for c, splits in enumerate(all_splits):
             routing = build_rank_routing(ids[c], keeps[c], sends[c], num_local, sum(splits.send))
             # all K weights of the row travel with its local expert ids, in one message; the
@@ -552,6 +551,9 @@ class MoELayer(nn.Module):
                                            num_kept=sum(source[c][self.ep_rank][1] for source in counts))
             plans.append(ChunkPlan(splits, local))
             routings.append(routing)
+        exchange.begin()  # before anything is staged in its buffers (waits for the peers' last pulls)
+        send_rows = []
+        for c, (splits, routing) in enumerate(zip(all_splits, routings)):
             staging = exchange.staging(c, "rows", sum(splits.send), x_TH.shape[1:], x_TH.dtype)
             send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend, out=staging))
         configs = {}  # per distinct routed-row count

@@ -177,60 +177,68 @@ def _expert_fn(rows_SH, weights_SK, plan, gate_up, down):
     return torch.zeros(rows_SH.shape[0], h.shape[1], dtype=h.dtype).index_add(0, local.token_index_R, h)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_pipeline_over_copy_engine_matches_local_computation(size):
+@pytest.mark.parametrize("size,layers", [(2, 1), (4, 1), (4, 2)])
+def test_pipeline_over_copy_engine_matches_local_computation(size, layers):
     """Each rank sends random rows to every rank (2 chunks); a rank's experts see the rows
-    of every source. Outputs and every gradient must equal the direct computation on the
-    arrived rows, which the test rebuilds from every rank's inputs."""
+    of every source. With two layers, the second sends what the first returned, so the
+    workspace serves forward 1, forward 2, backward 2, backward 1 in turn. Outputs and
+    every gradient must equal the direct computation, which the test rebuilds from every
+    rank's inputs."""
     matrices = _matrices(size, 2)
     gen = torch.Generator().manual_seed(7)
-    weights = [(torch.randn(6, 4, generator=gen, dtype=torch.float64),
-                torch.randn(4, 6, generator=gen, dtype=torch.float64)) for _ in range(size)]
-    inputs = [[torch.randn(sum(m[q]), 4, generator=gen, dtype=torch.float64) for m in matrices]
-              for q in range(size)]
-    # the top-k weights of the rows a rank receives arrive before the pipeline
-    arrived = [[torch.rand(sum(m[q][p] for q in range(size)), TOP_K, generator=gen, dtype=torch.float64)
-                for m in matrices] for p in range(size)]
-    ids = [[torch.randint(0, EXPERTS, (sum(m[q][p] for q in range(size)), TOP_K), generator=gen)
-            for m in matrices] for p in range(size)]
-    grads = [[torch.randn(sum(m[q]), 4, generator=gen, dtype=torch.float64) for m in matrices]
-             for q in range(size)]
 
-    def plans_of(rank):
+    def per_rank_chunk(rows_of, cols, fn=torch.randn):
+        return [[fn(rows_of(m, p), cols, generator=gen, dtype=torch.float64) for m in matrices]
+                for p in range(size)]
+
+    sent_count, recv_count = (lambda m, q: sum(m[q])), (lambda m, p: sum(m[q][p] for q in range(size)))
+    weights = [[(torch.randn(6, 4, generator=gen, dtype=torch.float64),
+                 torch.randn(4, 6, generator=gen, dtype=torch.float64)) for _ in range(size)]
+               for _ in range(layers)]
+    inputs = per_rank_chunk(sent_count, 4)
+    # the top-k weights of the rows a rank receives arrive before the pipeline
+    arrived = [per_rank_chunk(recv_count, TOP_K, torch.rand) for _ in range(layers)]
+    ids = [[[torch.randint(0, EXPERTS, (recv_count(m, p), TOP_K), generator=gen) for m in matrices]
+            for p in range(size)] for _ in range(layers)]
+    grads = per_rank_chunk(sent_count, 4)
+
+    def plans_of(layer, rank):
         return [ChunkPlan(SplitSizes(send=m[rank], recv=[m[q][rank] for q in range(size)]),
-                          build_routing_metadata(ids[rank][c], EXPERTS)) for c, m in enumerate(matrices)]
+                          build_routing_metadata(ids[layer][rank][c], EXPERTS)) for c, m in enumerate(matrices)]
 
     def rank_fn(rank, workspace):
-        gate_up, down = (w.clone().requires_grad_() for w in weights[rank])
-        rows = [r.clone().requires_grad_() for r in inputs[rank]]
-        wts = [w.clone().requires_grad_() for w in arrived[rank]]
-        exchange = CopyEngineExchange(workspace, matrices, {"rows": 4 * 8})
-        exchange.begin()
-        outs = expert_pipeline(_expert_fn, plans_of(rank), exchange, gate_up, down, rows, wts)
-        torch.autograd.backward(outs, grads[rank])
-        return [o.detach() for o in outs], [t.grad for t in (gate_up, down, *rows, *wts)]
+        experts = [[w.clone().requires_grad_() for w in weights[layer][rank]] for layer in range(layers)]
+        wts = [[w.clone().requires_grad_() for w in arrived[layer][rank]] for layer in range(layers)]
+        rows = first = [r.clone().requires_grad_() for r in inputs[rank]]
+        for layer in range(layers):
+            exchange = CopyEngineExchange(workspace, matrices, {"rows": 4 * 8})
+            exchange.begin()
+            rows = expert_pipeline(_expert_fn, plans_of(layer, rank), exchange, *experts[layer], rows, wts[layer])
+        torch.autograd.backward(rows, grads[rank])
+        leaves = [t for layer in range(layers) for t in (*experts[layer], *wts[layer])] + first
+        return [o.detach() for o in rows], [t.grad for t in leaves]
 
     results = _run_ranks(size, rank_fn)
     # Direct computation: rank p's experts on the rows of every source, then back.
-    leaves = [[t.clone().requires_grad_() for t in pair] for pair in weights]
-    sent = [[r.clone().requires_grad_() for r in per] for per in inputs]
-    arrived_leaves = [[w.clone().requires_grad_() for w in per] for per in arrived]
-    outs = [[None] * 2 for _ in range(size)]
-    for c, m in enumerate(matrices):
-        for p in range(size):
-            segs = [(q, sum(m[q][:p]), m[q][p]) for q in range(size)]
-            rows_p = torch.cat([sent[q][c][s: s + n] for q, s, n in segs])
-            out_p = _expert_fn(rows_p, arrived_leaves[p][c], plans_of(p)[c], *leaves[p])
-            pieces = out_p.split([n for _, _, n in segs])
-            for (q, s, n), piece in zip(segs, pieces):
-                outs[q][c] = (outs[q][c] or {}) | {p: piece}
-    want_outs = [[torch.cat([outs[q][c][p] for p in range(size)]) for c in range(2)] for q in range(size)]
-    flat_outs = [o for per in want_outs for o in per]
-    flat_grads = [g for per in grads for g in per]
-    torch.autograd.backward(flat_outs, flat_grads)
+    experts = [[[t.clone().requires_grad_() for t in pair] for pair in per] for per in weights]
+    arrived_leaves = [[[w.clone().requires_grad_() for w in per] for per in layer] for layer in arrived]
+    sent = first = [[r.clone().requires_grad_() for r in per] for per in inputs]
+    for layer in range(layers):
+        outs = [[{} for _ in matrices] for _ in range(size)]
+        for c, m in enumerate(matrices):
+            for p in range(size):
+                segs = [(q, sum(m[q][:p]), m[q][p]) for q in range(size)]
+                rows_p = torch.cat([sent[q][c][s: s + n] for q, s, n in segs])
+                out_p = _expert_fn(rows_p, arrived_leaves[layer][p][c], plans_of(layer, p)[c], *experts[layer][p])
+                for (q, _, _), piece in zip(segs, out_p.split([n for _, _, n in segs])):
+                    outs[q][c][p] = piece
+        sent = [[torch.cat([outs[q][c][p] for p in range(size)]) for c in range(len(matrices))] for q in range(size)]
+    torch.autograd.backward([o for per in sent for o in per], [g for per in grads for g in per])
     for q, (got_outs, got_grads) in enumerate(results):
-        for c in range(2):
-            torch.testing.assert_close(got_outs[c], want_outs[q][c])
-        want_grads = [*(t.grad for t in leaves[q]), *(r.grad for r in sent[q]), *(w.grad for w in arrived_leaves[q])]
+        for c in range(len(matrices)):
+            torch.testing.assert_close(got_outs[c], sent[q][c])
+        want_grads = [t.grad for layer in range(layers) for t in (*experts[layer][q], *arrived_leaves[layer][q])]
+        want_grads += [r.grad for r in first[q]]
+        assert len(got_grads) == len(want_grads)
         for got, want in zip(got_grads, want_grads):
             torch.testing.assert_close(got, want)

@@ -152,6 +152,12 @@ def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "
     Differentiable; the backward sums each token's K row gradients in slot order (no
     atomics). ``backend``: ``"triton"`` (the kernels above) or ``"torch"``.
     """
+    if out is not None:
+        want = (meta.token_index_R.shape[0],) + tuple(x_TH.shape[1:])
+        if tuple(out.shape) != want or out.dtype != x_TH.dtype or (out.numel() and not out.is_contiguous()):
+            raise ValueError(f"permute_tokens: out is {tuple(out.shape)} {out.dtype}"
+                             f"{'' if out.is_contiguous() else ' (not contiguous)'}; pass a contiguous "
+                             f"{want} {x_TH.dtype} tensor or out=None")
     return _PermuteTokens.apply(x_TH, meta, backend == "triton", out)
 
 
