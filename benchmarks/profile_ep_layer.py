@@ -7,19 +7,26 @@ rank: forward+backward time of the EP=P layer and of an EP=1 layer on the same G
 tokens (CUDA-event medians), the slots this rank's experts serve (load imbalance), then
 one profiled step of the EP=P layer split, from the CUDA kernel timeline, into compute
 kernels (union), communication kernels not overlapped by compute, and idle GPU time
-(host syncs and launch gaps).
+(host syncs and launch gaps). Optional: ``--top N`` GPU ops by time, ``--cprofile N``
+Python functions by host time, ``--sync-check`` every host sync of one step with where it
+happens, ``--trace DIR`` each rank's host + GPU timeline (gzipped Chrome trace: which host
+op launched the kernel after each idle gap). Parameter gradients are cleared before each
+step, as ``bench_ep.py`` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import pstats
+import gzip
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -83,6 +90,43 @@ def host_profile(step, top: int, steps: int = 10) -> None:
             pstats.Stats(profiler, stream=sys.stdout).sort_stats(key).print_stats(top)
 
 
+def export_trace(step, path: str, steps: int = 2) -> None:
+    """Host ops and GPU kernels of ``steps`` steps as a gzipped Chrome trace at ``path``
+    (open in Perfetto: which host op launched the kernel after each GPU idle gap)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            dst.write(src.read())
+
+
+def report_host_syncs(step) -> None:
+    """Run one step with CUDA sync debugging on and print where each host sync happens."""
+    seen = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in traceback.extract_stack()[:-1]
+                  if "ep_moe" in f.filename or "benchmarks" in f.filename]
+        seen.append(f"{str(message).splitlines()[0][:60]} at {' < '.join(reversed(frames[-4:]))}")
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"    host syncs in one step: {len(seen)}", flush=True)
+    for s in seen:
+        print(f"      {s}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
@@ -93,6 +137,8 @@ def main() -> None:
     parser.add_argument("--cprofile", type=int, default=0,
                         help="rank 0 lists this many Python functions by own and by cumulative host time "
                              "(cProfile over 10 steps)")
+    parser.add_argument("--trace", default="", help="folder for each rank's gzipped Chrome trace (host and GPU)")
+    parser.add_argument("--sync-check", action="store_true", help="rank 0 lists the host syncs of one step")
     args = parser.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,7 +159,7 @@ def main() -> None:
         row = {"rank": rank}
         for label, layer in (("ep1", one_layer), (f"ep{world}", ep_layer)):
             def step(layer=layer):
-                x.grad = None
+                x.grad = layer.experts.gate_up.grad = layer.experts.down.grad = None  # as bench_ep
                 layer(x).backward(dy)
             dist.barrier()
             row[f"{label}_ms"] = fixed_median_ms(step)
@@ -124,7 +170,7 @@ def main() -> None:
         row["imbalance"] = float(local.max() / local.float().mean())
 
         def ep_step():
-            x.grad = None
+            x.grad = ep_layer.experts.gate_up.grad = ep_layer.experts.down.grad = None
             ep_layer(x).backward(dy)
         dist.barrier()
         torch.cuda.synchronize()
@@ -141,6 +187,13 @@ def main() -> None:
         row.update(kernel_breakdown(ep_step, args.top if rank == 0 else 0))
         if args.cprofile:
             host_profile(ep_step, args.cprofile if rank == 0 else 0)
+        if args.sync_check and rank == 0:
+            report_host_syncs(ep_step)
+        elif args.sync_check:
+            ep_step()
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            export_trace(ep_step, os.path.join(args.trace, f"trace_{name}_ep{world}_rank{rank}.json.gz"))
         rows = [None] * world
         dist.all_gather_object(rows, row)
         if rank == 0:

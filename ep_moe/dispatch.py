@@ -57,18 +57,63 @@ class SplitSizes:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def gather_counts(counts_CPX: torch.Tensor, group: Optional[ProcessGroup]) -> list:
-    """Every rank's per-destination counts, on the host: ``counts_CPX[c, p]`` holds X
-    numbers this rank has for rank p in chunk c; returns nested lists ``all[q][c][p]``,
-    rank q's ``counts_CPX[c, p]``. One all-gather for every chunk and the layer's single
-    host sync (``all_to_all_single`` needs its split sizes as ints; the copy-engine
-    exchange needs every rank's counts to find its rows in the peers' buffers)."""
-    if group_size(group) == 1:
-        return [counts_CPX.tolist()]
+class PendingCounts:
+    """:func:`start_gather_counts` in flight; :meth:`result` waits for the counts only.
+    ``keep``: tensors the all-gather reads or writes on NCCL's stream, held until the
+    host has seen it finish (the current stream does not wait for it, so freeing them
+    earlier would let the current stream reuse their memory while NCCL works on it)."""
+
+    def __init__(self, host: torch.Tensor, shape: tuple, event: Optional[torch.cuda.Event] = None,
+                 keep: tuple = ()) -> None:
+        self._host, self._shape, self._event, self._keep = host, shape, event, keep
+
+    def result(self) -> list:
+        """The nested lists ``all[q][c][p]`` (host ints; blocks until they are here)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._keep = ()
+        return self._host.view(self._shape).tolist()
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def start_gather_counts(counts_CPX: torch.Tensor, group: Optional[ProcessGroup]) -> PendingCounts:
+    """Start gathering every rank's per-destination counts: ``counts_CPX[c, p]`` holds X
+    numbers this rank has for rank p in chunk c; :meth:`PendingCounts.result` returns
+    nested lists ``all[q][c][p]``, rank q's ``counts_CPX[c, p]``. One all-gather for every
+    chunk; reading the result is the layer's single host sync (``all_to_all_single``
+    needs its split sizes as ints; the copy-engine exchange needs every rank's counts to
+    find its rows in the peers' buffers).
+
+    On CUDA the counts come to pinned host memory on a side stream, so the host waits for
+    them alone: work queued on the current stream after this call keeps the GPU busy while
+    the host waits, and after."""
     size = group_size(group)
+    shape = (size,) + tuple(counts_CPX.shape)
+    if size == 1:
+        return PendingCounts(counts_CPX, shape)
+    counts_CPX = counts_CPX.contiguous()
     every = counts_CPX.new_empty((size * counts_CPX.shape[0],) + tuple(counts_CPX.shape[1:]))
-    _all_gather_single(every, counts_CPX.contiguous(), group=group)  # concatenated along dim 0
-    return every.view((size,) + tuple(counts_CPX.shape)).tolist()
+    if counts_CPX.device.type != "cuda":
+        _all_gather_single(every, counts_CPX, group=group)  # concatenated along dim 0
+        return PendingCounts(every, shape)
+    work = _all_gather_single(every, counts_CPX, group=group, async_op=True)
+    if counts_CPX.device not in _copy_streams:
+        _copy_streams[counts_CPX.device] = torch.cuda.Stream(counts_CPX.device)
+    stream = _copy_streams[counts_CPX.device]
+    host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        work.wait()  # this stream, not the current one, waits for the all-gather
+        host.copy_(every, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return PendingCounts(host, shape, event, keep=(work, counts_CPX, every))
+
+
+def gather_counts(counts_CPX: torch.Tensor, group: Optional[ProcessGroup]) -> list:
+    """:func:`start_gather_counts` and its result at once."""
+    return start_gather_counts(counts_CPX, group).result()
 
 
 def chunk_splits(counts: list, rank: int, chunk: int) -> SplitSizes:
@@ -143,25 +188,55 @@ def arrived(sent: torch.Tensor, arrived_rows: torch.Tensor, splits: SplitSizes,
     return _Arrived.apply(sent, arrived_rows, splits, group)
 
 
-def dispatch_packed(parts: list[torch.Tensor], splits: SplitSizes, group: Optional[ProcessGroup]) -> list[torch.Tensor]:
-    """Dispatch several [U, ...] tensors of any dtypes in one all-to-all (their bytes side
-    by side in each row); returns the arrived [S, ...] tensors (not differentiable)."""
+_PACK_ALIGN = 8
+"""Bytes each packed part's width is rounded up to, so every part unpacks as a view."""
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Several [rows, ...] tensors of any dtypes side by side, as the bytes of each row
+    (``data``, uint8 [rows, width]), to travel in one all-to-all (:func:`pack_rows`)."""
+
+    data: torch.Tensor
+    parts: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    """Dtype and trailing shape of each part, in order."""
+
+    def first_rows(self, num_rows: int) -> "PackedRows":
+        """The first ``num_rows`` rows (contiguous)."""
+        return PackedRows(self.data[:num_rows], self.parts)
+
+    def unpack(self) -> list[torch.Tensor]:
+        """The parts, as strided views of ``data`` (no copies)."""
+        result, start = [], 0
+        for dtype, tail in self.parts:
+            width = math.prod(tail) * dtype.itemsize
+            piece = self.data[:, start: start + width].view(dtype)
+            result.append(piece.view(piece.shape[0], *tail) if len(tail) == 1 else piece.unflatten(1, tail))
+            start += _round_up(width, _PACK_ALIGN)
+        return result
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pack_rows(parts: list[torch.Tensor]) -> PackedRows:
+    """:class:`PackedRows` of ``parts`` (same number of rows, not differentiable)."""
     widths = [math.prod(p.shape[1:]) * p.element_size() for p in parts]
-    packed = torch.empty((parts[0].shape[0], sum(widths)), dtype=torch.uint8, device=parts[0].device)
+    data = torch.empty((parts[0].shape[0], sum(_round_up(w, _PACK_ALIGN) for w in widths)), dtype=torch.uint8,
+                       device=parts[0].device)
     start = 0
     for part, width in zip(parts, widths):
         if part.numel():
-            packed[:, start: start + width] = part.contiguous().view(torch.uint8).view(part.shape[0], width)
-        start += width
-    out = start_dispatch(packed, splits, group).wait()
-    result, start = [], 0
-    for part, width in zip(parts, widths):
-        piece = torch.empty((out.shape[0], *part.shape[1:]), dtype=part.dtype, device=out.device)
-        if piece.numel():
-            piece.view(torch.uint8).view(out.shape[0], width).copy_(out[:, start: start + width])
-        result.append(piece)
-        start += width
-    return result
+            data[:, start: start + width] = part.detach().contiguous().view(torch.uint8).view(part.shape[0], width)
+        start += _round_up(width, _PACK_ALIGN)
+    return PackedRows(data, tuple((p.dtype, tuple(p.shape[1:])) for p in parts))
+
+
+def dispatch_packed(packed: PackedRows, splits: SplitSizes, group: Optional[ProcessGroup]) -> list[torch.Tensor]:
+    """Dispatch packed rows in one all-to-all; returns the arrived parts ([S, ...] each,
+    views of one buffer; not differentiable)."""
+    return PackedRows(start_dispatch(packed.data, splits, group).wait(), packed.parts).unpack()
 
 
 class NcclExchange:

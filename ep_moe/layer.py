@@ -41,14 +41,15 @@ from ep_moe.dispatch import (
     arrived,
     chunk_splits,
     dispatch_packed,
-    gather_counts,
     group_size,
+    pack_rows,
     row_matrices,
+    start_gather_counts,
 )
 from ep_moe.kernels.activation import swiglu
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm
-from ep_moe.kernels.permute import permute_tokens, sum_slot_rows
+from ep_moe.kernels.permute import gather_tokens, permute_tokens, sum_slot_rows
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
 from ep_moe.pipeline import ChunkPlan, expert_pipeline
 from ep_moe.routing import (
@@ -536,26 +537,35 @@ class MoELayer(nn.Module):
         ids = router.topk_ids_TK.split(sizes)
         keeps = [None] * len(sizes) if keep_TK is None else keep_TK.split(sizes)
         sends, counts = zip(*(rank_counts(i, k, num_local, ep_size) for i, k in zip(ids, keeps)))
-        counts = gather_counts(torch.stack(counts), group)  # [source][chunk][destination][rows, slots]
+        pending_counts = start_gather_counts(torch.stack(counts), group)
+        # Queue all that does not need the split sizes before the host waits for them, so
+        # the GPU has work while the host issues the rest: per chunk, the (token, rank)
+        # sort, padded to T*min(P, K) rows of which the first U are sent; the top-k weights and
+        # local expert ids of those rows, packed to travel in one message; on NCCL, the
+        # send rows themselves (the copy engines send from a buffer the exchange gives).
+        routings = [build_rank_routing(i, k, s, num_local) for i, k, s in zip(ids, keeps, sends)]
+        weights = [permute_tokens(w, r.pairs, backend) for w, r in zip(weight_chunks, routings)]
+        packed = [pack_rows([r.local_ids_UK, w]) for r, w in zip(routings, weights)]
+        early_rows = [None] * len(sizes) if cfg.transport == "copy_engine" else [
+            gather_tokens(x, r.pairs, r.num_sent, backend) for x, r in zip(x_chunks, routings)]
+        counts = pending_counts.result()  # [source][chunk][destination][rows, slots]: the host sync
         all_splits = [chunk_splits(counts, self.ep_rank, c) for c in range(len(sizes))]
         exchange = self._exchange(counts, all_splits, x_TH)
-        plans, routings, arrived_weights = [], [], []
+        plans, arrived_weights = [], []
         for c, splits in enumerate(all_splits):
-            routing = build_rank_routing(ids[c], keeps[c], sends[c], num_local, sum(splits.send))
-            # all K weights of the row travel with its local expert ids, in one message; the
-            # receiver reads the weights of its own slots
-            weights_UK = permute_tokens(weight_chunks[c], routing.pairs, backend)
-            recv_ids_SK, recv_weights_SK = dispatch_packed([routing.local_ids_UK, weights_UK.detach()], splits, group)
-            arrived_weights.append(arrived(weights_UK, recv_weights_SK, splits, group))
+            num_sent = sum(splits.send)
+            routings[c] = routings[c].first_rows(num_sent)
+            recv_ids_SK, recv_weights_SK = dispatch_packed(packed[c].first_rows(num_sent), splits, group)
+            arrived_weights.append(arrived(weights[c][:num_sent], recv_weights_SK, splits, group))
             local = build_routing_metadata(recv_ids_SK.clamp(min=0), num_local, recv_ids_SK >= 0,
                                            num_kept=sum(source[c][self.ep_rank][1] for source in counts))
             plans.append(ChunkPlan(splits, local))
-            routings.append(routing)
         exchange.begin()  # before anything is staged in its buffers (waits for the peers' last pulls)
         send_rows = []
         for c, (splits, routing) in enumerate(zip(all_splits, routings)):
             staging = exchange.staging(c, "rows", sum(splits.send), x_TH.shape[1:], x_TH.dtype)
-            send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend, out=staging))
+            early = None if early_rows[c] is None else early_rows[c][:sum(splits.send)]
+            send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend, out=staging, gathered=early))
         configs = {}  # per distinct routed-row count
 
         def run_experts(rows_SH, weights_SK, plan: ChunkPlan, gate_up, down):

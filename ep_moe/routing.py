@@ -17,6 +17,7 @@ the device; the only host sync is the kept-row count when a capacity drops slots
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -79,6 +80,11 @@ class RoutingMetadata:
     def dropless(self) -> bool:
         """True when every slot is routed (R == N); slot_index_R is then a permutation."""
         return self.slot_index_R.shape[0] == self.num_slots
+
+    def first_rows(self, num_rows: int) -> "RoutingMetadata":
+        """The first ``num_rows`` routed rows (the kept ones of :func:`sort_slots`)."""
+        return dataclasses.replace(self, slot_index_R=self.slot_index_R[:num_rows],
+                                   token_index_R=self.token_index_R[:num_rows])
 
 
 
@@ -198,22 +204,31 @@ def build_routing_metadata(
     cut off; how many rows remain is ``num_kept`` when the caller knows it, else read
     back from the device (a host sync, so only when slots are dropped).
     """
+    meta = sort_slots(topk_ids_TK, num_experts, keep_TK)
+    if keep_TK is None:
+        return meta
+    return meta.first_rows(int(meta.counts_E.sum()) if num_kept is None else num_kept)  # sync unless given
+
+
+def sort_slots(topk_ids_TK: torch.Tensor, num_experts: int, keep_TK: Optional[torch.Tensor] = None
+               ) -> RoutingMetadata:
+    """:func:`build_routing_metadata` before the cut, with no host sync: all N slots are
+    rows, the dropped ones last (their ``row_of_slot_N`` is already -1). Only the first
+    ``counts_E.sum()`` rows are routed: cut with :meth:`RoutingMetadata.first_rows` once
+    that count is on the host (until then, the metadata is only good for gathers)."""
     num_tokens, top_k = topk_ids_TK.shape
     ids_N = topk_ids_TK.flatten()
     if keep_TK is not None:
         ids_N = torch.where(keep_TK.flatten(), ids_N, num_experts)
     slot_index_N = torch.argsort(ids_N, stable=True)
-    counts_E = count_ids(ids_N, num_experts + 1)[:num_experts]
-    slot_index_R = slot_index_N
+    row_of_slot_N = torch.empty_like(slot_index_N).scatter_(
+        0, slot_index_N, torch.arange(slot_index_N.shape[0], device=ids_N.device))
     if keep_TK is not None:
-        num_rows = int(counts_E.sum()) if num_kept is None else num_kept  # host sync unless given
-        slot_index_R = slot_index_N[:num_rows]
-    row_of_slot_N = torch.full(ids_N.shape, -1, dtype=torch.int64, device=ids_N.device).scatter_(
-        0, slot_index_R, torch.arange(slot_index_R.shape[0], device=ids_N.device))
+        row_of_slot_N.masked_fill_(~keep_TK.flatten(), -1)
     return RoutingMetadata(
-        counts_E=counts_E,
-        slot_index_R=slot_index_R,
-        token_index_R=torch.div(slot_index_R, top_k, rounding_mode="floor"),
+        counts_E=count_ids(ids_N, num_experts + 1)[:num_experts],
+        slot_index_R=slot_index_N,
+        token_index_R=torch.div(slot_index_N, top_k, rounding_mode="floor"),
         row_of_slot_N=row_of_slot_N,
         num_tokens=num_tokens,
         top_k=top_k,
@@ -229,6 +244,10 @@ class RankRouting:
     go elsewhere or were dropped); the receiving rank expands the row to its experts and
     sums their outputs before sending one row back. Rows sent: U = sum over tokens of
     their distinct destination ranks, at most N.
+
+    :func:`build_rank_routing` makes it before U is on the host, with T*min(P, K) rows of
+    which the first U are sent (grouped by destination rank); :meth:`first_rows` cuts it
+    to U.
     """
 
     pairs: RoutingMetadata
@@ -240,6 +259,13 @@ class RankRouting:
     local_ids_UK: torch.Tensor
     """int32 [U, K]: for each sent row, the destination's local expert id of each slot
     that goes there (-1 otherwise)."""
+    num_sent: torch.Tensor
+    """U on the device (0-dim int64), for gathers issued before it is on the host."""
+
+    def first_rows(self, num_rows: int) -> "RankRouting":
+        """The routing of the first ``num_rows`` rows (U, from the exchanged counts)."""
+        return dataclasses.replace(self, pairs=self.pairs.first_rows(num_rows),
+                                   local_ids_UK=self.local_ids_UK[:num_rows])
 
 
 def rank_counts(topk_ids_TK: torch.Tensor, keep_TK: Optional[torch.Tensor], experts_per_rank: int,
@@ -256,19 +282,20 @@ def rank_counts(topk_ids_TK: torch.Tensor, keep_TK: Optional[torch.Tensor], expe
 
 
 def build_rank_routing(topk_ids_TK: torch.Tensor, keep_TK: Optional[torch.Tensor], sends_TP: torch.Tensor,
-                       experts_per_rank: int, num_rows: int) -> RankRouting:
-    """:class:`RankRouting` from :func:`rank_counts`'s ``sends_TP``; ``num_rows`` is U
-    (known on the host after the split sizes, so no sync here)."""
+                       experts_per_rank: int) -> RankRouting:
+    """:class:`RankRouting` from :func:`rank_counts`'s ``sends_TP``, with no host sync:
+    T*min(P, K) rows, of which the first U are sent (cut with :meth:`RankRouting.first_rows`)."""
     num_tokens, ep_size = sends_TP.shape
     ranks_TP = torch.arange(ep_size, device=sends_TP.device).expand(num_tokens, ep_size)
-    pairs = build_routing_metadata(ranks_TP, ep_size, sends_TP, num_kept=num_rows)
+    # a token goes to at most min(P, K) ranks: rows past T * min(P, K) are never sent
+    pairs = sort_slots(ranks_TP, ep_size, sends_TP).first_rows(num_tokens * min(ep_size, topk_ids_TK.shape[1]))
     rank_U = pairs.slot_index_R % ep_size
     ids_UK = topk_ids_TK.index_select(0, pairs.token_index_R)
     to_rank_UK = torch.div(ids_UK, experts_per_rank, rounding_mode="floor") == rank_U[:, None]
     if keep_TK is not None:
         to_rank_UK &= keep_TK.index_select(0, pairs.token_index_R)
     local_ids_UK = torch.where(to_rank_UK, ids_UK - rank_U[:, None] * experts_per_rank, -1)
-    return RankRouting(pairs=pairs, local_ids_UK=local_ids_UK.to(torch.int32))
+    return RankRouting(pairs=pairs, local_ids_UK=local_ids_UK.to(torch.int32), num_sent=pairs.counts_E.sum())
 
 
 def combine_slots(y_NH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:

@@ -12,6 +12,7 @@ from ep_moe.dispatch import (
     arrived,
     chunk_splits,
     dispatch_packed,
+    pack_rows,
     gather_counts,
     group_size,
     row_matrices,
@@ -45,6 +46,22 @@ def test_no_collective_without_group(monkeypatch):
     assert exchange.combine(exchange.dispatch(rows, 0, "rows").wait(), 0, "rows").wait() is rows
 
 
+def test_packed_rows_unpack_as_views():
+    """Parts of odd byte widths (int16 x 3 = 6 bytes) are padded so each unpacks as a view."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(-5, 5, (7, 3), generator=gen, dtype=torch.int16)
+    weights = torch.randn(7, 2, 2, generator=gen, dtype=torch.float64)
+    flags = torch.rand(7, 1, generator=gen) > 0.5
+    packed = pack_rows([ids, weights, flags])
+    assert packed.data.dtype == torch.uint8 and packed.data.shape == (7, 8 + 32 + 8)
+    for cut in (packed, packed.first_rows(4), packed.first_rows(0)):
+        got = cut.unpack()
+        rows = cut.data.shape[0]
+        for part, want in zip(got, (ids, weights, flags)):
+            assert part.dtype == want.dtype and torch.equal(part, want[:rows])
+            assert part.untyped_storage().data_ptr() == cut.data.untyped_storage().data_ptr()
+
+
 def _all_counts(world_size, chunk):
     """counts[p][q]: rows rank p sends to rank q in ``chunk``; rank 1 sends nothing."""
     gen = torch.Generator().manual_seed(10 * world_size + chunk)
@@ -74,10 +91,10 @@ def _dispatch_worker(rank, world_size):
     # two messages of other dtypes in one exchange; the weights differentiable
     ids = sends[0][:, :2].to(torch.int32) + 1
     weights = sends[0][:, :3].double().requires_grad_()
-    got_ids, got_weights = dispatch_packed([ids, weights.detach()], splits[0], group)
+    got_ids, got_weights = dispatch_packed(pack_rows([ids, weights]), splits[0], group)
     (arrived(weights, got_weights, splits[0], group) * torch.arange(3.0)).sum().backward()
     return dict(counts=counts, splits=splits, recv=recvs, back=backs, send=sends,
-                packed=(got_ids, got_weights), weights_grad=weights.grad)
+                packed=(got_ids.clone(), got_weights.clone()), weights_grad=weights.grad)
 
 
 @pytest.mark.distributed

@@ -173,7 +173,9 @@ def test_rank_routing_sends_each_token_once_per_rank(ep_size, dropped):
     kept = torch.ones(T, top_k, dtype=torch.bool) if keep_TK is None else keep_TK
     sends_TP, counts_P2 = rank_counts(ids_TK, keep_TK, per_rank, ep_size)
     rows = sends_TP.sum().item()
-    r = build_rank_routing(ids_TK, keep_TK, sends_TP, per_rank, rows)
+    padded = build_rank_routing(ids_TK, keep_TK, sends_TP, per_rank)  # before U is on the host
+    assert padded.num_sent.item() == rows and padded.local_ids_UK.shape == (T * min(ep_size, top_k), top_k)
+    r = padded.first_rows(rows)
     # Loop: for each destination rank, its tokens in order, with their local ids there.
     want_tokens, want_ids = [], []
     for p in range(ep_size):

@@ -27,14 +27,17 @@ if TYPE_CHECKING:
     from ep_moe.routing import RoutingMetadata
 
 
-# out[r] = src[idx[r]] * scale[idx[r]] (scale in fp32, optional), in one pass.
+# out[r] = src[idx[r]] * scale[idx[r]] (scale in fp32, optional), in one pass; with LIMIT,
+# only rows r < *limit_ptr (a count still on the device; the grid covers num_rows >= it).
 # Tiling: one program per (BLOCK_R rows, BLOCK_C columns).
 @triton.jit
-def _gather_rows_kernel(src_ptr, idx_ptr, scale_ptr, out_ptr, num_rows, C, stride_sm, stride_om,
-                        SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _gather_rows_kernel(src_ptr, idx_ptr, scale_ptr, limit_ptr, out_ptr, num_rows, C, stride_sm, stride_om,
+                        SCALE: tl.constexpr, LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok = offs_r < num_rows
+    if LIMIT:
+        r_ok = r_ok & (offs_r < tl.load(limit_ptr))
     mask = r_ok[:, None] & (offs_c < C)[None, :]
     src_rows = tl.load(idx_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
     vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_c[None, :], mask=mask, other=0.0)
@@ -70,10 +73,12 @@ def _column_block(cols: int) -> int:
 
 
 def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
-                       scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                       limit: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``src[idx] * scale[idx][:, None]`` as a contiguous tensor of src's dtype (idx None:
     the identity), written into ``out`` when given (else a new tensor). One pass; the
-    scale multiply is in fp32. ``src`` must have a contiguous last dim."""
+    scale multiply is in fp32. ``src`` must have a contiguous last dim. ``limit``: a
+    0-dim integer tensor on the device; only the first ``limit`` rows are written."""
     if idx is None:
         idx = torch.arange(src.shape[0], device=src.device, dtype=torch.int32)
     num_rows, cols = idx.shape[0], src.shape[1]
@@ -82,8 +87,9 @@ def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
         return out
     block_c, block_r = _column_block(cols), 16
     _gather_rows_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c))](
-        src, idx, scale if scale is not None else idx, out, num_rows, cols, src.stride(0), out.stride(0),
-        SCALE=scale is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+        src, idx, scale if scale is not None else idx, limit if limit is not None else idx, out, num_rows, cols,
+        src.stride(0), out.stride(0), SCALE=scale is not None, LIMIT=limit is not None,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
     )
     return out
 
@@ -122,14 +128,14 @@ def _sum_slots(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int, use_tri
 
 class _PermuteTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, meta, use_triton, out):
+    def forward(ctx, x_TH, meta, use_triton, out, gathered):
         ctx.meta, ctx.use_triton = meta, use_triton
-        return _gather(x_TH, meta.token_index_R, use_triton, out)
+        return gathered if gathered is not None else _gather(x_TH, meta.token_index_R, use_triton, out)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_RH):
-        return _sum_slots(grad_RH, ctx.meta.row_of_slot_N, ctx.meta.top_k, ctx.use_triton), None, None, None
+        return _sum_slots(grad_RH, ctx.meta.row_of_slot_N, ctx.meta.top_k, ctx.use_triton), None, None, None, None
 
 
 class _SumSlotRows(torch.autograd.Function):
@@ -145,20 +151,36 @@ class _SumSlotRows(torch.autograd.Function):
 
 
 def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "torch",
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   out: Optional[torch.Tensor] = None, gathered: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Tokens in routed (expert-sorted) order: ``x_TH[meta.token_index_R]``, [R, H],
     written into ``out`` when given (contiguous, [R, H], x's dtype; e.g. a send buffer).
+    ``gathered``: those rows, already made by :func:`gather_tokens` (before R was known);
+    returned as they are, made differentiable.
 
     Differentiable; the backward sums each token's K row gradients in slot order (no
     atomics). ``backend``: ``"triton"`` (the kernels above) or ``"torch"``.
     """
-    if out is not None:
-        want = (meta.token_index_R.shape[0],) + tuple(x_TH.shape[1:])
-        if tuple(out.shape) != want or out.dtype != x_TH.dtype or (out.numel() and not out.is_contiguous()):
-            raise ValueError(f"permute_tokens: out is {tuple(out.shape)} {out.dtype}"
-                             f"{'' if out.is_contiguous() else ' (not contiguous)'}; pass a contiguous "
-                             f"{want} {x_TH.dtype} tensor or out=None")
-    return _PermuteTokens.apply(x_TH, meta, backend == "triton", out)
+    want = (meta.token_index_R.shape[0],) + tuple(x_TH.shape[1:])
+    for name, given in (("out", out), ("gathered", gathered)):
+        if given is not None and (tuple(given.shape) != want or given.dtype != x_TH.dtype
+                                  or (given.numel() and not given.is_contiguous())):
+            raise ValueError(f"permute_tokens: {name} is {tuple(given.shape)} {given.dtype}"
+                             f"{'' if given.is_contiguous() else ' (not contiguous)'}; pass a contiguous "
+                             f"{want} {x_TH.dtype} tensor or {name}=None")
+    return _PermuteTokens.apply(x_TH, meta, backend == "triton", out, gathered)
+
+
+@torch.no_grad()
+def gather_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", num_rows: torch.Tensor,
+                  backend: str = "torch") -> torch.Tensor:
+    """``x_TH[meta.token_index_R]`` before the routed row count is on the host: ``meta``
+    from :func:`ep_moe.routing.sort_slots` (all slots), ``num_rows`` the count on the
+    device (0-dim). Returns [N, H], of which only the first ``num_rows`` rows are written
+    on the Triton path (the torch path gathers all); not differentiable: cut it and pass
+    it to :func:`permute_tokens` as ``gathered`` once the count is known."""
+    if backend == "triton":
+        return launch_gather_rows(x_TH.contiguous(), meta.token_index_R, limit=num_rows)
+    return x_TH.index_select(0, meta.token_index_R)
 
 
 def sum_slot_rows(rows_RH: torch.Tensor, meta: "RoutingMetadata", backend: str = "torch") -> torch.Tensor:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_moe.kernels.permute import launch_sum_slot_rows, permute_tokens, sum_slot_rows
-from ep_moe.routing import build_routing_metadata
+from ep_moe.kernels.permute import gather_tokens, launch_sum_slot_rows, permute_tokens, sum_slot_rows
+from ep_moe.routing import build_routing_metadata, sort_slots
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -96,9 +96,9 @@ def test_sum_slot_rows_writes_every_token_in_slot_order():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_permute_into_given_buffer(backend):
-    meta = build_routing_metadata(torch.tensor([[1, 0], [1, 1], [0, 2]]), 3)
-    x = torch.randn(3, 8, requires_grad=True)
-    buffer = torch.full((7, 8), float("nan"))
+    meta = build_routing_metadata(torch.tensor([[1, 0], [1, 1], [0, 2]], device=DEVICE), 3)
+    x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
+    buffer = torch.full((7, 8), float("nan"), device=DEVICE)
     out = permute_tokens(x, meta, backend, out=buffer[1:7])  # rows 1..6 of a larger buffer
     assert out.data_ptr() == buffer[1].data_ptr() and torch.isnan(buffer[0]).all()
     torch.testing.assert_close(out, x.detach()[meta.token_index_R])
@@ -108,4 +108,34 @@ def test_permute_into_given_buffer(backend):
                                          r"\(6, 8\) torch.float32 tensor or out=None"):
         permute_tokens(x, meta, backend, out=buffer[:5])
     with pytest.raises(ValueError, match=r"out is \(6, 8\) torch.float64"):
-        permute_tokens(x, meta, backend, out=torch.empty(6, 8, dtype=torch.float64))
+        permute_tokens(x, meta, backend, out=torch.empty(6, 8, dtype=torch.float64, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tokens_gathered_before_the_row_count_is_known(backend):
+    """sort_slots keeps dropped slots as trailing rows; gather_tokens gathers with the kept
+    count still on the device, and permute_tokens(gathered=) then matches a permute of
+    the cut metadata, forward and backward."""
+    gen = torch.Generator().manual_seed(5)
+    num_tokens, top_k, hidden, experts = 13, 3, 40, 4
+    ids = torch.rand(num_tokens, experts, generator=gen).topk(top_k, dim=1).indices
+    keep = torch.rand(num_tokens, top_k, generator=gen) > 0.5
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE)
+    padded = sort_slots(ids.to(DEVICE), experts, keep.to(DEVICE))
+    kept = int(keep.sum())
+    early = gather_tokens(x, padded, padded.counts_E.sum(), backend)
+    assert early.shape == (num_tokens * top_k, hidden)
+    meta = padded.first_rows(kept)
+    want_meta = build_routing_metadata(ids.to(DEVICE), experts, keep.to(DEVICE))
+    assert torch.equal(meta.slot_index_R, want_meta.slot_index_R)
+    assert torch.equal(meta.row_of_slot_N, want_meta.row_of_slot_N)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = permute_tokens(x1, meta, backend, gathered=early[:kept])
+    want = permute_tokens(x2, want_meta, backend)
+    assert torch.equal(got, want)
+    dy = torch.randn(kept, hidden, generator=gen).to(DEVICE)
+    got.backward(dy)
+    want.backward(dy)
+    assert torch.equal(x1.grad, x2.grad)
+    with pytest.raises(ValueError, match=r"permute_tokens: gathered is \(\d+, 40\) torch.float32; pass a contiguous"):
+        permute_tokens(x1, meta, backend, gathered=early[:kept - 1])
