@@ -540,9 +540,10 @@ class MoELayer(nn.Module):
         pending_counts = start_gather_counts(torch.stack(counts), group)
         # Queue all that does not need the split sizes before the host waits for them, so
         # the GPU has work while the host issues the rest: per chunk, the (token, rank)
-        # sort, padded to T*min(P, K) rows of which the first U are sent; the top-k weights and
-        # local expert ids of those rows, packed to travel in one message; on NCCL, the
-        # send rows themselves (the copy engines send from a buffer the exchange gives).
+        # sort, padded to T*min(P, K) rows of which the first U are sent; the top-k
+        # weights and local expert ids of those rows, packed to travel in one message; on
+        # NCCL, the send rows themselves (the copy engines send from a buffer the
+        # exchange gives, after the sync).
         routings = [build_rank_routing(i, k, s, num_local) for i, k, s in zip(ids, keeps, sends)]
         weights = [permute_tokens(w, r.pairs, backend) for w, r in zip(weight_chunks, routings)]
         packed = [pack_rows([r.local_ids_UK, w]) for r, w in zip(routings, weights)]

@@ -87,7 +87,6 @@ class RoutingMetadata:
                                    token_index_R=self.token_index_R[:num_rows])
 
 
-
 def count_ids(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
     """How often each id in ``[0, num_bins)`` occurs (int64). Unlike ``torch.bincount``,
     which reads the largest id back to the host on CUDA, this never syncs."""

@@ -174,10 +174,10 @@ def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "
 def gather_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", num_rows: torch.Tensor,
                   backend: str = "torch") -> torch.Tensor:
     """``x_TH[meta.token_index_R]`` before the routed row count is on the host: ``meta``
-    from :func:`ep_moe.routing.sort_slots` (all slots), ``num_rows`` the count on the
-    device (0-dim). Returns [N, H], of which only the first ``num_rows`` rows are written
-    on the Triton path (the torch path gathers all); not differentiable: cut it and pass
-    it to :func:`permute_tokens` as ``gathered`` once the count is known."""
+    uncut (:func:`ep_moe.routing.sort_slots`), ``num_rows`` the count on the device
+    (0-dim). Returns [R, H] for meta's R rows, of which only the first ``num_rows`` are
+    written on the Triton path (the torch path gathers all); not differentiable: cut it
+    and pass it to :func:`permute_tokens` as ``gathered`` once the count is known."""
     if backend == "triton":
         return launch_gather_rows(x_TH.contiguous(), meta.token_index_R, limit=num_rows)
     return x_TH.index_select(0, meta.token_index_R)
