@@ -9,8 +9,8 @@ one profiled step of the EP=P layer split, from the CUDA kernel timeline, into c
 kernels (union), communication kernels not overlapped by compute, and idle GPU time
 (host syncs and launch gaps). Optional: ``--top N`` GPU ops by time, ``--cprofile N``
 Python functions by host time, ``--sync-check`` every host sync of one step with where it
-happens, ``--trace DIR`` each rank's host + GPU timeline (gzipped Chrome trace: which host
-op launched the kernel after each idle gap). Parameter gradients are cleared before each
+happens, ``--trace DIR`` each rank's host + GPU timeline (gzipped Chrome trace), with ``--gaps N``
+the largest GPU idle gaps and which host op launched the kernel after each. Parameter gradients are cleared before each
 step, as ``bench_ep.py`` does.
 """
 
@@ -90,9 +90,10 @@ def host_profile(step, top: int, steps: int = 10) -> None:
             pstats.Stats(profiler, stream=sys.stdout).sort_stats(key).print_stats(top)
 
 
-def export_trace(step, path: str, steps: int = 2) -> None:
+def export_trace(step, path: str, steps: int = 2, gaps: int = 0) -> None:
     """Host ops and GPU kernels of ``steps`` steps as a gzipped Chrome trace at ``path``
-    (open in Perfetto: which host op launched the kernel after each GPU idle gap)."""
+    (open in Perfetto); with ``gaps`` > 0, print the largest GPU idle gaps and the host op
+    that launched the kernel ending each (what the GPU waited for)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -102,6 +103,33 @@ def export_trace(step, path: str, steps: int = 2) -> None:
         prof.export_chrome_trace(raw)
         with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
             dst.write(src.read())
+        if gaps:
+            print_idle_gaps(json.load(open(raw))["traceEvents"], gaps)
+
+
+def print_idle_gaps(events: list[dict], count: int) -> None:
+    """The ``count`` largest GPU idle gaps of a trace, with the innermost host op around
+    the launch of the kernel that ended each (profiler overhead inflates them all)."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    gpu = sorted((e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in spans if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    host_ops = [e for e in spans if e.get("cat") in ("cpu_op", "python_function", "user_annotation")]
+    if not gpu:
+        return
+    found, busy_until = [], gpu[0]["ts"] + gpu[0]["dur"]
+    for e in gpu[1:]:
+        if e["ts"] > busy_until:
+            found.append((e["ts"] - busy_until, busy_until, e))
+        busy_until = max(busy_until, e["ts"] + e["dur"])
+    start = gpu[0]["ts"]
+    print(f"    GPU idle: {sum(g for g, _, _ in found) / 1e3:.3f} ms in {len(found)} gaps; largest:", flush=True)
+    for gap, at, kernel in sorted(found, key=lambda g: -g[0])[:count]:
+        launch = launches.get(kernel["args"].get("correlation"))
+        around = [o for o in host_ops if launch and o.get("tid") == launch.get("tid")
+                  and o["ts"] <= launch["ts"] and o["ts"] + o["dur"] >= launch["ts"] + launch["dur"]]
+        by = min(around, key=lambda o: o["dur"])["name"][:50] if around else "?"
+        print(f"      {gap / 1e3:6.3f} ms at {(at - start) / 1e3:7.3f} ms, before {kernel['name'][:45]!r} "
+              f"launched in {by!r}", flush=True)
 
 
 def report_host_syncs(step) -> None:
@@ -138,6 +166,8 @@ def main() -> None:
                         help="rank 0 lists this many Python functions by own and by cumulative host time "
                              "(cProfile over 10 steps)")
     parser.add_argument("--trace", default="", help="folder for each rank's gzipped Chrome trace (host and GPU)")
+    parser.add_argument("--gaps", type=int, default=0, help="with --trace: rank 0 lists this many largest GPU "
+                        "idle gaps and the host op before each")
     parser.add_argument("--sync-check", action="store_true", help="rank 0 lists the host syncs of one step")
     args = parser.parse_args()
     dist.init_process_group("nccl")
@@ -193,7 +223,8 @@ def main() -> None:
             ep_step()
         if args.trace:
             os.makedirs(args.trace, exist_ok=True)
-            export_trace(ep_step, os.path.join(args.trace, f"trace_{name}_ep{world}_rank{rank}.json.gz"))
+            export_trace(ep_step, os.path.join(args.trace, f"trace_{name}_ep{world}_rank{rank}.json.gz"),
+                         gaps=args.gaps if rank == 0 else 0)
         rows = [None] * world
         dist.all_gather_object(rows, row)
         if rank == 0:

@@ -208,7 +208,9 @@ def test_triton_matches_torch_backend_bf16(kwargs):
 def _back_to_back_worker(rank: int, world_size: int) -> dict:
     """Steps queued with no host sync of the caller between them (as a training loop
     does), large enough that the GPU lags the host: the layer's own sync must order every
-    buffer that other streams use, or freed memory is reused under them."""
+    buffer that other streams use, or freed memory is reused under them. (Seen to fail,
+    with an illegal memory access, when the counts' all-gather buffers were released at
+    the side stream's wait: 2x H200, 2026-11-26.)"""
     torch.cuda.set_device(rank)
     group = dist.new_group(list(range(world_size)), backend="nccl", timeout=datetime.timedelta(seconds=300))
     torch.manual_seed(0)
