@@ -69,10 +69,16 @@ class PendingCounts:
 
     def result(self) -> list:
         """The nested lists ``all[q][c][p]`` (host ints; blocks until they are here)."""
-        if self._event is not None:
+        self._release()
+        return self._host.view(self._shape).tolist()
+
+    def _release(self) -> None:
+        if self._keep:
             self._event.synchronize()
             self._keep = ()
-        return self._host.view(self._shape).tolist()
+
+    def __del__(self) -> None:  # dropped unread (an error in between): still release safely
+        self._release()
 
 
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
