@@ -12,16 +12,20 @@ go from every rank to every rank in two ways:
   ``copy_`` (cudaMemcpy over NVLink: the copy engines), stream-memory-operation flags
   instead of barriers, so no SM anywhere.
 
-Each is timed alone (ce with its staging copy), then started just before the local experts'
-forward (Triton grouped GEMMs on the rows received, SwiGLU) and timed together with it,
-with the GEMMs on every SM and with ``reserve_sms`` SMs left free. ``hidden`` is the
-share of the transfer that overlapped: (compute + a2a - together) / a2a.
+Each is timed alone (ce with its staging copy), then started just before some expert work
+and timed together with it. The work (``--compute``): ``fwd`` the local experts' forward
+(Triton grouped GEMMs on the rows received, SwiGLU), ``dw`` the two weight-gradient GEMMs
+of the backward (what runs after the row gradients are known). The GEMMs launch
+``persistent`` (one program per SM) or one program per ``tiles`` (``--grids``), and NCCL runs on groups with normal or high-priority streams and with
+NCCL's default or a capped number of CTAs (``--nccl``). ``hidden`` is the share of the
+transfer that overlapped: (compute + a2a - together) / a2a.
 CUDA-event medians over ``--iters``; the table shows the slowest rank's median.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -33,7 +37,8 @@ from common import SHAPES, fixed_median_ms, save_results  # noqa: E402
 
 from ep_moe.copy_engine import CopyEngineExchange, SymmetricWorkspace  # noqa: E402
 from ep_moe.dispatch import SplitSizes, start_dispatch  # noqa: E402
-from ep_moe.kernels.grouped_gemm import reserve_sms  # noqa: E402
+from ep_moe.kernels.config import GemmConfigs  # noqa: E402
+from ep_moe.kernels.grouped_gemm import launch_dw, one_program_per_tile, smem_limit_for  # noqa: E402
 from ep_moe.layer import expert_mlp  # noqa: E402
 from ep_moe.routing import rank_counts  # noqa: E402
 
@@ -49,8 +54,18 @@ def slowest(value: float) -> float:
     return t.item()
 
 
-def bench_shape(shape, args, group) -> dict:
+def nccl_group(world: int, high_priority: bool, max_ctas: int):
+    """A group over every rank whose NCCL streams have that priority and CTA cap (0: NCCL's)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = high_priority
+    if max_ctas:
+        options.config.max_ctas = max_ctas
+    return dist.new_group(list(range(world)), backend="nccl", pg_options=options)
+
+
+def bench_shape(shape, args, groups) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
     local_experts = shape.num_experts // world
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     scores = torch.rand(args.tokens, shape.num_experts, device="cuda", generator=gen)
@@ -77,46 +92,66 @@ def bench_shape(shape, args, group) -> dict:
     torch.cuda.synchronize()
     ce_ok = bool(torch.equal(got, expect))
 
-    # the local experts' forward on what arrived: uniform over local experts, mean slots per row
+    # the local experts on what arrived: uniform over local experts, mean slots per row
     slots = args.tokens * shape.top_k  # slots one rank serves on average
     m_sizes = torch.full((local_experts,), slots // local_experts, dtype=torch.int32, device="cuda")
-    gather = torch.randint(0, splits.num_recv, (int(m_sizes.sum()),), device="cuda", dtype=torch.int32)
+    num_slots = int(m_sizes.sum())
+    gather = torch.randint(0, splits.num_recv, (num_slots,), device="cuda", dtype=torch.int32)
     gate_up = torch.randn(local_experts, 2 * shape.intermediate, shape.hidden, device="cuda", dtype=dtype) * 0.02
     down = torch.randn(local_experts, shape.hidden, shape.intermediate, device="cuda", dtype=dtype) * 0.02
+    dw_config = GemmConfigs.defaults(2, smem_limit_for(recv_SH.device)).dw
+    x_MH = torch.randn(num_slots, shape.hidden, device="cuda", dtype=dtype)
+    a_MI = torch.randn(num_slots, shape.intermediate, device="cuda", dtype=dtype)
+    dh_MF = torch.randn(num_slots, 2 * shape.intermediate, device="cuda", dtype=dtype)
+    dy_MH = torch.randn(num_slots, shape.hidden, device="cuda", dtype=dtype)
+    dgate_up, ddown = torch.empty_like(gate_up), torch.empty_like(down)
 
-    def compute(reserve: int = 0):
-        with reserve_sms(reserve):
-            expert_mlp(recv_SH, gate_up, down, m_sizes, activation="swiglu", gather_index=gather,
-                       backend="triton")
+    def forward():
+        expert_mlp(recv_SH, gate_up, down, m_sizes, activation="swiglu", gather_index=gather, backend="triton")
 
-    def nccl_start():
-        work = dist.all_to_all_single(expect, send_UH, splits.recv, splits.send, group=group, async_op=True)
-        return work.wait
+    def weight_grads():
+        launch_dw(dh_MF, x_MH, dgate_up, m_sizes, dw_config)
+        launch_dw(dy_MH, a_MI, ddown, m_sizes, dw_config)
+
+    works = {"fwd": forward, "dw": weight_grads}
+
+    def compute(work: str, grid: str):
+        with one_program_per_tile() if grid == "tiles" else contextlib.nullcontext():
+            works[work]()
+
+    def nccl_start(g):
+        def start():
+            work = dist.all_to_all_single(expect, send_UH, splits.recv, splits.send, group=g, async_op=True)
+            return work.wait
+        return start
 
     def ce_start():
         return ce_run().wait
 
-    def together(start, reserve: int):
+    def together(start, work: str, grid: str):
         def fn():
             finish = start()
-            compute(reserve)
+            compute(work, grid)
             finish()
         return fn
 
     out = {"shape": shape.name, "rows_sent": sum(splits.send), "rows_recv": splits.num_recv,
            "bytes_sent_remote": (sum(splits.send) - matrix[rank][rank]) * shape.hidden * 2,
            "ce_matches_nccl": ce_ok}
-    out["compute_ms"] = slowest(median_ms(compute, args.iters))
-    for reserve in args.reserve:
-        out[f"compute_r{reserve}_ms"] = slowest(median_ms(lambda: compute(reserve), args.iters))
-    for name, start in (("nccl", nccl_start), ("ce", ce_start)):
+    for work in args.compute:
+        for grid in args.grids:
+            out[f"{work}_{grid}_ms"] = slowest(median_ms(lambda: compute(work, grid), args.iters))
+    starts = {f"nccl_{name}": nccl_start(g) for name, g in groups.items()}
+    starts["ce"] = ce_start
+    for name, start in starts.items():
         alone = slowest(median_ms(lambda: start()(), args.iters))
         out[f"{name}_ms"] = alone
         out[f"{name}_GBps"] = out["bytes_sent_remote"] / alone / 1e6
-        for reserve in [0] + list(args.reserve):
-            both = slowest(median_ms(together(start, reserve), args.iters))
-            out[f"{name}+compute_r{reserve}_ms"] = both
-            out[f"{name}_hidden_r{reserve}"] = (out["compute_ms"] + alone - both) / alone
+        for work in args.compute:
+            for grid in args.grids:
+                both = slowest(median_ms(together(start, work, grid), args.iters))
+                out[f"{name}+{work}_{grid}_ms"] = both
+                out[f"{name}+{work}_{grid}_hidden"] = (out[f"{work}_{grid}_ms"] + alone - both) / alone
     return out
 
 
@@ -125,17 +160,24 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--reserve", type=lambda s: [int(v) for v in s.split(",") if v], default=[16, 32],
-                        help="SM counts the GEMMs leave free in the overlapped runs (besides 0)")
+    parser.add_argument("--compute", type=lambda s: s.split(","), default=["fwd", "dw"],
+                        help="expert work to overlap: fwd (GEMMs + SwiGLU forward), dw (weight grads)")
+    parser.add_argument("--grids", type=lambda s: s.split(","), default=["persistent", "tiles"],
+                        help="GEMM launch: persistent (one program per SM) or tiles (one per tile)")
+    parser.add_argument("--nccl", type=lambda s: s.split(","), default=["normal", "high", "high-ctas16"],
+                        help="NCCL groups: normal or high-priority streams, -ctasN caps NCCL's CTAs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     dist.init_process_group("nccl")
     local_rank = dist.get_rank() % torch.cuda.device_count()
     torch.cuda.set_device(local_rank)
-    group = dist.group.WORLD
+    groups = {}
+    for name in args.nccl:
+        priority, _, ctas = name.partition("-ctas")
+        groups[name] = nccl_group(dist.get_world_size(), priority == "high", int(ctas or 0))
     results = []
     for name in args.shapes.split(","):
-        row = bench_shape(SHAPES[name], args, group)
+        row = bench_shape(SHAPES[name], args, groups)
         results.append(row)
         if dist.get_rank() == 0:
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)

@@ -1,12 +1,13 @@
 """All-to-all between the GPUs of one node on the copy engines, through symmetric memory.
 
 Why: NCCL's all-to-all runs as kernels, which need SMs. While a persistent grouped GEMM
-holds every SM those kernels cannot progress, so NCCL transfers do not overlap the
-experts (``benchmarks/bench_a2a_overlap.py`` on 4x H200: 0-3% of a qwen3-sized dispatch
-hidden behind the experts' forward). A ``cudaMemcpy`` between GPU memories over NVLink
-runs on the copy engines instead, with no SM (304 GB/s against NCCL's 281 for the bare
-copies in one run; 150 GB/s with this module's staging copy), and 74% of it hid behind
-the experts' forward.
+holds every SM those kernels hardly progress (``benchmarks/bench_a2a_overlap.py`` on 4x
+H200: 10% of a qwen3-sized dispatch hidden behind the experts' forward, none behind the
+dW GEMMs); GEMMs launched one program per tile let NCCL in (about 60% hidden behind dW),
+at some cost to the GEMMs. A ``cudaMemcpy`` between GPU memories over NVLink runs on the
+copy engines instead, with no SM (304 GB/s against NCCL's 281 for the bare copies in one
+run; 150 GB/s with this module's staging copy), and 30 to 94% of it hid behind the
+experts' work.
 
 How: every rank of the EP group holds one :class:`SymmetricWorkspace`, a buffer in
 symmetric memory that every peer can address, and a stream for its copies. An exchange

@@ -129,9 +129,6 @@ class MoEConfig:
     """EP>1: split each rank's tokens into this many chunks and overlap one chunk's
     all-to-all with another's expert GEMMs (:mod:`ep_moe.pipeline`); 1 runs dispatch,
     experts and combine in sequence. Every rank of the EP group must use the same value."""
-    overlap_comm_sms: int = 16
-    """With ``overlap_chunks > 1`` and NCCL transfers: SMs the persistent grouped GEMMs
-    leave free for NCCL's kernels while they overlap (0: the GEMMs take every SM)."""
     transport: Literal["nccl", "copy_engine"] = "nccl"
     """EP>1: how the rows travel. ``"nccl"``: ``all_to_all_single`` (any backend, any
     topology). ``"copy_engine"``: the GPUs' copy engines through a symmetric-memory
@@ -165,8 +162,6 @@ class MoEConfig:
                              "(1: no overlap)")
         if self.transport not in ("nccl", "copy_engine"):
             raise ValueError(f"MoEConfig.transport={self.transport!r}: use 'nccl' or 'copy_engine'")
-        if not isinstance(self.overlap_comm_sms, int) or self.overlap_comm_sms < 0:
-            raise ValueError(f"MoEConfig.overlap_comm_sms={self.overlap_comm_sms!r}: must be an int >= 0")
         if not self.init_std > 0:
             raise ValueError(f"MoEConfig.init_std={self.init_std!r}: must be > 0")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
@@ -579,9 +574,9 @@ class MoELayer(nn.Module):
                               row_weights=weights_SK.flatten().index_select(0, local.slot_index_R))
             return sum_slot_rows(y_RH, local, backend)
 
-        comm_sms = cfg.overlap_comm_sms if cfg.overlap_chunks > 1 and isinstance(exchange, NcclExchange) else 0
+        share_sms = cfg.overlap_chunks > 1 and isinstance(exchange, NcclExchange)
         back_rows = expert_pipeline(run_experts, plans, exchange, self.experts.gate_up, self.experts.down,
-                                    send_rows, arrived_weights, comm_sms)
+                                    send_rows, arrived_weights, share_sms)
         y_chunks = [sum_slot_rows(rows, r.pairs, backend) for rows, r in zip(back_rows, routings)]
         return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
 

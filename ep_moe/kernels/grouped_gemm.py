@@ -53,24 +53,33 @@ def num_programs_for(device: torch.device) -> int:
     return 4
 
 
-_RESERVED_SMS = contextvars.ContextVar("ep_moe_reserved_sms", default=0)
+_TILE_GRID = contextvars.ContextVar("ep_moe_tile_grid", default=False)
+_TILE_GRID_STRIDE = 1 << 30
+"""Stride of the tile loop in a one-program-per-tile launch: past any tile count, so each
+program runs one tile; a constant, so the kernels compile once for this mode."""
 
 
 @contextlib.contextmanager
-def reserve_sms(count: int):
-    """Inside the block, persistent kernels launch ``count`` fewer programs than SMs, so
-    work running beside them (an all-to-all's communication kernels) finds SMs free
-    instead of waiting for a whole GEMM to finish."""
-    token = _RESERVED_SMS.set(max(0, count))
+def one_program_per_tile():
+    """Inside the block, the GEMM kernels launch one program per output tile instead of one
+    per SM. Work launched beside them (an all-to-all's NCCL kernels) then gets an SM as soon
+    as any tile ends, instead of waiting for a persistent kernel to end; the GEMMs lose
+    nothing to idle SMs. Results are bitwise the same (same tiles, same reduction order)."""
+    token = _TILE_GRID.set(True)
     try:
         yield
     finally:
-        _RESERVED_SMS.reset(token)
+        _TILE_GRID.reset(token)
 
 
-def persistent_programs(device: torch.device) -> int:
-    """Programs of a persistent launch now: one per SM, less any :func:`reserve_sms`."""
-    return max(1, num_programs_for(device) - _RESERVED_SMS.get())
+def launch_grid(device: torch.device, max_tiles: int) -> tuple[tuple[int], int]:
+    """(grid, tile stride) of a GEMM launch over at most ``max_tiles`` tiles: persistent
+    (one program per SM, striding the tiles), or one program per tile inside
+    :func:`one_program_per_tile`."""
+    if _TILE_GRID.get():
+        return (max(1, max_tiles),), _TILE_GRID_STRIDE
+    programs = num_programs_for(device)
+    return (max(1, min(programs, max_tiles)),), programs
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,8 +132,9 @@ def _tile_coords(local_tile, num_m_tiles, num_n_tiles, GROUP_SIZE_M: tl.constexp
 
 
 # out[st(r), :] = scale(r) * A[ld(r), :] @ B_e for each row r of expert e; B_e = w[e]^T or w[e].
-# Schedule: persistent; NUM_SMS programs stride one global tile list that walks experts in
-#   order (device-side running sum of m_sizes: no host sync), (m, n) tiles GROUP_SIZE_M-swizzled.
+# Schedule: persistent (one program per SM striding the tiles by TILE_STRIDE) or one program
+#   per tile (launch_grid); one global tile list walks the experts in order (device-side
+#   running sum of m_sizes: no host sync), (m, n) tiles GROUP_SIZE_M-swizzled.
 # Fusions: LOAD_IDX gathers A rows in the prologue; STORE_IDX scatters output rows and SCALE
 #   multiplies a per-row weight (fp32) in the epilogue; ROW_DOT also writes, per row, the dot
 #   of the unscaled tile with rows of D (the top-k weight gradient); fp32 accumulation.
@@ -143,7 +153,7 @@ def _grouped_rows_kernel(
     stride_om, stride_on,
     stride_dm, stride_dn,
     # Meta-parameters
-    NUM_SMS: tl.constexpr,
+    TILE_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
     LOAD_IDX: tl.constexpr, STORE_IDX: tl.constexpr,
@@ -220,7 +230,7 @@ def _grouped_rows_kernel(
             out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & col_ok[None, :])
-            tile += NUM_SMS
+            tile += TILE_STRIDE
         tiles_before += tiles_e
         seg_start += m_e
 
@@ -230,8 +240,9 @@ def _grouped_rows_kernel(
 #   weighted rows once (``launch_gather_rows``), which keeps this reduction loop a plain
 #   pipelined stream of tiles (an index load inside the loop, or an fp32 scale on an operand,
 #   stalls the software pipeline).
-# Schedule: persistent; NUM_SMS programs stride the E * (N/BLOCK_N) * (K/BLOCK_K) output tiles,
-#   so small N*K still fills the GPU; each tile reduces its expert's rows in BLOCK_M steps.
+# Schedule: persistent or one program per tile (launch_grid) over the E * (N/BLOCK_N) *
+#   (K/BLOCK_K) output tiles, so small N*K still fills the GPU; each tile reduces its
+#   expert's rows in BLOCK_M steps.
 # Loads: with USE_TMA, whole BLOCK_M steps come through 2-D TMA descriptors (zero fill past N
 #   and K) and only the ragged tail of a segment through masked pointer loads.
 # Masking: rows past the segment load as zero (they are the reduction axis), and so do columns
@@ -244,7 +255,7 @@ def _grouped_dw_kernel(
     stride_xm, stride_xk,
     stride_we, stride_wn, stride_wk,
     # Meta-parameters
-    NUM_SMS: tl.constexpr,
+    TILE_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_TMA: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -252,7 +263,7 @@ def _grouped_dw_kernel(
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_k_tiles = tl.cdiv(K, BLOCK_K)
     tiles_per_expert = num_n_tiles * num_k_tiles
-    for tile in range(tl.program_id(0), num_experts * tiles_per_expert, NUM_SMS):
+    for tile in range(tl.program_id(0), num_experts * tiles_per_expert, TILE_STRIDE):
         e = tile // tiles_per_expert
         pid_n = (tile % tiles_per_expert) // num_k_tiles
         pid_k = tile % num_k_tiles
@@ -310,10 +321,6 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _persistent_grid(device: torch.device, max_tiles: int) -> tuple[int]:
-    return (max(1, min(persistent_programs(device), max_tiles)),)
-
-
 def launch_rows(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -356,7 +363,8 @@ def launch_rows(
         row_dot = torch.empty((num_n_tiles, a.shape[0]), device=a.device, dtype=torch.float32)
     max_tiles = (triton.cdiv(num_rows, c.BLOCK_M) + num_experts) * num_n_tiles
     dummy = m_sizes  # stands in for absent optional pointers; never dereferenced
-    _grouped_rows_kernel[_persistent_grid(a.device, max_tiles)](
+    grid, stride = launch_grid(a.device, max_tiles)
+    _grouped_rows_kernel[grid](
         a, w, b_desc, out, m_sizes,
         load_idx if load_idx is not None else dummy,
         store_idx if store_idx is not None else dummy,
@@ -370,7 +378,7 @@ def launch_rows(
         out.stride(0), out.stride(1),
         dot_with.stride(0) if dot_with is not None else 0,
         dot_with.stride(1) if dot_with is not None else 0,
-        NUM_SMS=persistent_programs(a.device),
+        TILE_STRIDE=stride,
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
         GROUP_SIZE_M=c.GROUP_SIZE_M,
         LOAD_IDX=load_idx is not None, STORE_IDX=store_idx is not None,
@@ -395,13 +403,14 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
     use_tma = c.use_tma and tma_usable(dy, x)
     dy_desc = TensorDescriptor.from_tensor(dy, [c.BLOCK_M, c.BLOCK_N]) if use_tma else None
     x_desc = TensorDescriptor.from_tensor(x, [c.BLOCK_M, c.BLOCK_K]) if use_tma else None
-    _grouped_dw_kernel[_persistent_grid(x.device, max_tiles)](
+    grid, stride = launch_grid(x.device, max_tiles)
+    _grouped_dw_kernel[grid](
         dy, x, dy_desc, x_desc, dw, m_sizes, m_starts,
         num_experts, x.shape[0], n, k,
         dy.stride(0), dy.stride(1),
         x.stride(0), x.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
-        NUM_SMS=persistent_programs(x.device),
+        TILE_STRIDE=stride,
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
         USE_TMA=use_tma,
         INPUT_PRECISION=_input_precision(x.dtype),

@@ -13,8 +13,9 @@ pays in full.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -109,11 +110,7 @@ def _bwd_impl(
         if need_drw:
             drw = drw_f32.to(row_weights.dtype)
     if need_dw:
-        dw = torch.empty_like(w)
-        weighted = scatter_index is not None or row_weights is not None
-        dy_rows = launch_gather_rows(dy, scatter_index, row_weights) if weighted else dy
-        x_rows = launch_gather_rows(x, gather_index) if gather_index is not None else x
-        launch_dw(dy_rows, x_rows, dw, m_sizes, configs.dw)
+        dw = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, configs.dw)
     return dx, dw, drw
 
 
@@ -127,6 +124,16 @@ def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_w
     dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
     drw = row_weights.new_empty(row_weights.shape) if need_drw else x.new_empty(0)
     return dx, dw, drw
+
+
+def _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config: KernelConfig):
+    """dW through the dW kernel, on expert-ordered rows gathered (and weighted) first."""
+    dw = torch.empty_like(w)
+    weighted = scatter_index is not None or row_weights is not None
+    dy_rows = launch_gather_rows(dy, scatter_index, row_weights) if weighted else dy
+    x_rows = launch_gather_rows(x, gather_index) if gather_index is not None else x
+    launch_dw(dy_rows, x_rows, dw, m_sizes, config)
+    return dw
 
 
 def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
@@ -173,9 +180,9 @@ def _setup_context(ctx, inputs, output):
     ctx.dx_mode = dx_mode
 
 
-def _backward_with(bwd, ctx, dy):
+def _backward_with(bwd, ctx, dy, defer_dw: bool = False):
     x, w, m_sizes, gather_index, scatter_index, row_weights = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and not defer_dw
     need_drw = row_weights is not None and ctx.needs_input_grad[5]
     dx, dw, drw = bwd(
         dy.contiguous(), x, w, m_sizes, gather_index, scatter_index, row_weights,
@@ -204,7 +211,57 @@ class _EagerGroupedGemm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        return _backward_with(_bwd_impl, ctx, dy)
+        deferred = _deferred_weight_grads[-1] if _deferred_weight_grads else None
+        if deferred is None or not ctx.needs_input_grad[1]:
+            return _backward_with(_bwd_impl, ctx, dy)
+        x, w, m_sizes, gather_index, scatter_index, row_weights = ctx.saved_tensors
+        dy = dy.contiguous()
+        config = _configs_from_ints(ctx.config).dw
+        deferred.add(w, lambda: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config))
+        return _backward_with(_bwd_impl, ctx, dy, defer_dw=True)
+
+
+class DeferredWeightGrads:
+    """Weight gradients that the grouped GEMM's backward queued instead of computing, inside
+    :func:`defer_weight_grads`: the input gradients come first, so that work which needs only
+    them (an all-to-all returning them to other ranks) can start while the dW GEMMs run."""
+
+    def __init__(self):
+        self._queued: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+
+    def add(self, weight: torch.Tensor, grad_fn: Callable[[], torch.Tensor]) -> None:
+        """Queue ``grad_fn()``, the gradient of ``weight`` (the tensor the GEMM multiplied by)."""
+        self._queued.append((weight, grad_fn))
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def run(self) -> None:
+        """Compute every queued gradient, in order, and send it into its weight's autograd
+        graph (accumulated into the leaf's ``.grad``, through any cast in between)."""
+        queued, self._queued = self._queued, []
+        for weight, grad_fn in queued:  # one at a time: one dW buffer alive, not all of them
+            torch.autograd.backward(weight, grad_fn())
+
+
+_deferred_weight_grads: list[DeferredWeightGrads] = []
+"""The queues of the enclosing :func:`defer_weight_grads` blocks, innermost last. Process
+wide, not a context variable: on CUDA the autograd engine runs backward functions on its
+own device thread, which does not see the caller's context."""
+
+
+@contextlib.contextmanager
+def defer_weight_grads(queue: DeferredWeightGrads):
+    """Backward passes run inside the block (from any thread) compute the grouped GEMMs'
+    input and row-weight gradients now and queue their weight gradients in ``queue``
+    (eager mode; compiled graphs compute them at once). The caller runs ``queue.run()``
+    later, before reading the weights' ``.grad``; until then the queue holds each GEMM's
+    saved operands."""
+    _deferred_weight_grads.append(queue)
+    try:
+        yield
+    finally:
+        _deferred_weight_grads.pop()
 
 
 def _debug_enabled(debug: Optional[bool]) -> bool:

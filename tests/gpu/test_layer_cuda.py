@@ -54,7 +54,7 @@ def test_compiled_layer_matches_eager():
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(top_k=4, activation="gelu"), dict(capacity_factor=0.5),
-                                       dict(overlap_chunks=3, overlap_comm_sms=100)],
+                                       dict(overlap_chunks=3)],
                          ids=["top2", "top4_gelu", "capacity", "three_chunks"])
 def test_ep_code_path_matches_ep1_path(overrides):
     layer = _layer(**overrides)

@@ -15,12 +15,13 @@ import torch
 from ep_moe import GemmConfigs, KernelConfig, grouped_gemm
 from ep_moe.kernels.grouped_gemm import (
     launch_dw,
+    launch_grid,
     launch_rows,
     num_programs_for,
-    persistent_programs,
-    reserve_sms,
+    one_program_per_tile,
     smem_limit_for,
 )
+from ep_moe.kernels.ops import DeferredWeightGrads, defer_weight_grads
 from ep_moe.kernels.permute import launch_gather_rows
 from ep_moe.kernels.reference import grouped_gemm_reference
 
@@ -218,7 +219,7 @@ def test_empty_experts_get_zero_dw():
     assert torch.equal(dw[0], torch.zeros_like(dw[0])) and torch.equal(dw[2], torch.zeros_like(dw[2]))
 
 
-def test_reserved_sms_shrink_the_persistent_grid_and_keep_results():
+def test_one_program_per_tile_launches_every_tile_and_keeps_results():
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     x, w, m_sizes, g, s, rw = make_problem("ragged", dtype, True, True, True)
     leaves = [x.requires_grad_(), w.requires_grad_(), rw.requires_grad_()]
@@ -229,12 +230,40 @@ def test_reserved_sms_shrink_the_persistent_grid_and_keep_results():
         return (y, *torch.autograd.grad(y, leaves, torch.ones_like(y)))
 
     full = run()
-    with reserve_sms(num_programs_for(DEVICE) - 1):
-        assert persistent_programs(DEVICE) == 1
-        one_program = run()
-    assert persistent_programs(DEVICE) == num_programs_for(DEVICE)
-    for a, b in zip(one_program, full):  # same tiles, same reduction order: bitwise equal
+    with one_program_per_tile():
+        assert launch_grid(DEVICE, 1000) == ((1000,), 1 << 30)
+        per_tile = run()
+    assert launch_grid(DEVICE, 1000) == ((min(1000, num_programs_for(DEVICE)),), num_programs_for(DEVICE))
+    for a, b in zip(per_tile, full):  # same tiles, same reduction order: bitwise equal
         assert torch.equal(a, b)
+
+
+def test_deferred_weight_grads_come_after_the_input_grads_and_equal_direct_ones():
+    """Inside defer_weight_grads the backward gives dx and the row-weight grad at once and
+    queues dW; running the queue sends dW through the cast to the fp32 leaf, bitwise equal
+    to the direct backward."""
+    x, w32, m_sizes, g, s, rw = make_problem("ragged", torch.float16, True, True, True)
+    w32 = w32.float()
+    leaves = [x.requires_grad_(), w32.requires_grad_(), rw.requires_grad_()]
+    configs = configs_for(torch.float16)
+
+    def backward():
+        y = grouped_gemm(x, w32.to(torch.float16), m_sizes, gather_index=g, scatter_index=s,
+                         row_weights=rw, configs=configs, backend="triton")
+        y.backward(torch.ones_like(y))
+
+    backward()
+    want = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    queue = DeferredWeightGrads()
+    with defer_weight_grads(queue):
+        backward()
+    assert len(queue) == 1 and w32.grad is None
+    assert torch.equal(x.grad, want[0]) and torch.equal(rw.grad, want[2])
+    queue.run()
+    assert len(queue) == 0 and w32.grad.dtype == torch.float32
+    assert torch.equal(w32.grad, want[1])
 
 
 # --- torch.compile --------------------------------------------------------------------
