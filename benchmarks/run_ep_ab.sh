@@ -5,30 +5,44 @@
 # Prepare the old tree here (it travels with `carry`), then run on a GPU machine:
 #   git archive <old-rev> | (rm -rf .baseline && mkdir .baseline && tar -x -C .baseline)
 #   echo /.baseline/ >> "$(git rev-parse --git-dir)/info/exclude"
-#   bash benchmarks/run_ep_ab.sh   # env: BASE=.baseline EP=<all GPUs> ROUNDS=2 SHAPES=all
-#                                  #      ITERS=20 WARMUP=5 OUT=<results folder>
+#   bash benchmarks/run_ep_ab.sh
+# Environment (defaults in brackets):
+#   BASE [.baseline]  EP [all GPUs]  ROUNDS [2]  SHAPES [all]  ITERS [20]  WARMUP [5]
+#   OLD_VARIANTS, NEW_VARIANTS [nccl:1]: bench_ep --variants of each side (each tree's own
+#     syntax); layers of the same name are compared
+#   EP1 [0]: 1 also times this tree at EP=1 on the same machine (the EP=P / EP=1 ratio)
+#   DEVICE [cuda]: cpu runs the same on gloo (a smoke test, e.g. SHAPES=tiny EP=2)
+#   OUT [/tmp/ep_ab]: results folder
 # Each round runs benchmarks/bench_ep.py --impls ep_moe of the old tree, then of this one;
 # the summary (and $OUT/ep_ab.json) gives every run's ms and the medians per side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 BASE=$(cd "${BASE:-.baseline}" && pwd) || { echo "no old tree at ${BASE:-.baseline}: see the header" >&2; exit 2; }
+DEVICE=${DEVICE:-cuda}
 EP=${EP:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 RESULTS=${OUT:-/tmp/ep_ab}
 mkdir -p "$RESULTS"
+rm -f "$RESULTS"/ep"$EP"_*_r*.json "$RESULTS/ep1_new.json"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
+bench() {  # bench <tree> <ranks> <variants> <out json> <label>
+  (cd "$1" && PYTHONPATH=$1 timeout 300 python3 -m torch.distributed.run --nproc-per-node "$2" \
+    benchmarks/bench_ep.py --device "$DEVICE" --impls ep_moe --variants "$3" --iters "${ITERS:-20}" \
+    --warmup "${WARMUP:-5}" --shapes "${SHAPES:-all}" --out "$4" 2>&1 | grep "fwd+bwd" | sed "s/^/$5 /")
+}
+
 for round in $(seq "${ROUNDS:-2}"); do
-  for side in old new; do
-    dir=$ROOT; [ "$side" = old ] && dir=$BASE
-    (cd "$dir" && PYTHONPATH=$dir timeout 300 python3 -m torch.distributed.run --nproc-per-node "$EP" \
-      benchmarks/bench_ep.py --impls ep_moe --iters "${ITERS:-20}" --warmup "${WARMUP:-5}" --shapes "${SHAPES:-all}" \
-      --out "$RESULTS/ep${EP}_${side}_r$round.json" 2>&1 | grep "fwd+bwd" | sed "s/^/$side r$round /")
-  done
+  bench "$BASE" "$EP" "${OLD_VARIANTS:-nccl:1}" "$RESULTS/ep${EP}_old_r$round.json" "old r$round"
+  bench "$ROOT" "$EP" "${NEW_VARIANTS:-nccl:1}" "$RESULTS/ep${EP}_new_r$round.json" "new r$round"
 done
+if [ "${EP1:-0}" = 1 ]; then
+  bench "$ROOT" 1 nccl:1 "$RESULTS/ep1_new.json" "new EP=1"
+fi
 
 python3 - "$RESULTS" "$EP" <<'EOF'
-"""Per shape: every run's ms (slowest rank) and the median of each side."""
+"""Per (shape, layer): every run's ms (slowest rank) and the median of each side; with an
+EP=1 run, each side's median over this tree's EP=1 time."""
 import json, statistics, sys
 from pathlib import Path
 
@@ -39,15 +53,29 @@ for path in sorted(folder.glob(f"ep{ep}_*_r*.json")):
     data = json.loads(path.read_text())
     environment = data["environment"]
     for row in data["results"]:
-        runs.setdefault(row["shape"], {"old": [], "new": []})[side].append(row["ms"])
+        runs.setdefault((row["shape"], row["impl"]), {"old": [], "new": []})[side].append(row["ms"])
 if not runs:
     sys.exit("no results")
-summary = {"ep_size": int(ep), "environment": environment, "results": [
-    dict(shape=shape, old_ms=ms["old"], new_ms=ms["new"], old_median=statistics.median(ms["old"]),
-         new_median=statistics.median(ms["new"])) for shape, ms in runs.items() if ms["old"] and ms["new"]]}
-(folder / "ep_ab.json").write_text(json.dumps(summary, indent=1))
+ep1_path = folder / "ep1_new.json"
+ep1 = {row["shape"]: row["ms"] for row in json.loads(ep1_path.read_text())["results"]} if ep1_path.exists() else {}
+results = []
+for (shape, impl), ms in runs.items():
+    row = dict(shape=shape, impl=impl, old_ms=ms["old"], new_ms=ms["new"],
+               old_median=statistics.median(ms["old"]) if ms["old"] else None,
+               new_median=statistics.median(ms["new"]) if ms["new"] else None, ep1_ms=ep1.get(shape))
+    results.append(row)
+(folder / "ep_ab.json").write_text(json.dumps({"ep_size": int(ep), "environment": environment,
+                                               "results": results}, indent=1))
 print(f"\n== EP={ep} on {environment['device']}: ms fwd+bwd per GPU, old -> new (median of each side) ==")
-for r in summary["results"]:
-    print(f"{r['shape']:16s} {r['old_median']:8.2f} -> {r['new_median']:8.2f}  ({r['new_median'] / r['old_median']:.3f}x)"
+
+
+def fmt(value):
+    return "   -    " if value is None else f"{value:8.2f}"
+
+
+for r in results:
+    ratio = "" if r["ep1_ms"] is None else "  vs EP=1: " + " / ".join(
+        "-" if m is None else f"{m / r['ep1_ms']:.3f}" for m in (r["old_median"], r["new_median"]))
+    print(f"{r['shape']:16s} {r['impl']:18s} {fmt(r['old_median'])} -> {fmt(r['new_median'])}{ratio}"
           f"  old {r['old_ms']}  new {r['new_ms']}")
 EOF
