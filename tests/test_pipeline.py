@@ -72,3 +72,45 @@ def test_frozen_inputs_get_no_gradient_and_a_second_backward_is_refused():
     torch.testing.assert_close(gate_up.grad, want)
     with pytest.raises(RuntimeError, match="second backward"):
         out.sum().backward()
+
+
+def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(monkeypatch):
+    """With grouped-GEMM experts (Triton, interpreter) the backward queues both dW GEMMs,
+    runs them after the chunks' row gradients left, launching one program per tile, and
+    the gradients equal the direct computation."""
+    from ep_moe.kernels import grouped_gemm as kernels
+    from ep_moe.kernels.ops import DeferredWeightGrads
+    from ep_moe.layer import expert_mlp
+
+    def gemm_experts(rows_SH, weights_SK, plan, gate_up, down):
+        local = plan.local
+        h = expert_mlp(rows_SH, gate_up, down, local.counts_E, activation="relu",
+                       gather_index=local.token_index_R, backend="triton",
+                       row_weights=weights_SK.flatten().index_select(0, local.slot_index_R))
+        return torch.zeros(rows_SH.shape[0], h.shape[1]).index_add(0, local.token_index_R, h)
+
+    seen = []
+    run = DeferredWeightGrads.run
+
+    def spy(self):
+        seen.append((len(self), kernels.launch_grid(torch.device("cpu"), 7)))
+        run(self)
+
+    monkeypatch.setattr(DeferredWeightGrads, "run", spy)
+    gen = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(3, 16, 8, generator=gen, requires_grad=True)
+    down = torch.randn(3, 8, 16, generator=gen, requires_grad=True)
+    sizes = [5, 3]
+    rows = [torch.randn(n, 8, generator=gen, requires_grad=True) for n in sizes]
+    weights = [torch.rand(n, TOP_K, generator=gen, requires_grad=True) for n in sizes]
+    plans = [_plan(n, seed) for seed, n in enumerate(sizes)]
+    outs = expert_pipeline(gemm_experts, plans, _local(plans), gate_up, down, rows, weights)
+    grads_out = [torch.randn_like(o) for o in outs]
+    leaves = [gate_up, down, *rows, *weights]
+    got = torch.autograd.grad(outs, leaves, grads_out)
+    assert seen == [(4, ((7,), 1 << 30))]  # two GEMMs per chunk, queued, run per tile
+
+    want_outs = [gemm_experts(r, w, p, gate_up, down) for r, w, p in zip(rows, weights, plans)]
+    want = torch.autograd.grad(want_outs, leaves, grads_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
