@@ -99,7 +99,7 @@ def bench_shape(shape, args, groups) -> dict:
     gather = torch.randint(0, splits.num_recv, (num_slots,), device="cuda", dtype=torch.int32)
     gate_up = torch.randn(local_experts, 2 * shape.intermediate, shape.hidden, device="cuda", dtype=dtype) * 0.02
     down = torch.randn(local_experts, shape.hidden, shape.intermediate, device="cuda", dtype=dtype) * 0.02
-    dw_config = GemmConfigs.defaults(2, smem_limit_for(recv_SH.device)).dw
+    dw_config = GemmConfigs.defaults(recv_SH.element_size(), smem_limit_for(recv_SH.device)).dw
     x_MH = torch.randn(num_slots, shape.hidden, device="cuda", dtype=dtype)
     a_MI = torch.randn(num_slots, shape.intermediate, device="cuda", dtype=dtype)
     dh_MF = torch.randn(num_slots, 2 * shape.intermediate, device="cuda", dtype=dtype)
@@ -174,6 +174,8 @@ def main() -> None:
     groups = {}
     for name in args.nccl:
         priority, _, ctas = name.partition("-ctas")
+        if priority not in ("normal", "high") or not (ctas == "" or ctas.isdigit()):
+            raise SystemExit(f"--nccl {name!r}: use normal or high, optionally with -ctasN")
         groups[name] = nccl_group(dist.get_world_size(), priority == "high", int(ctas or 0))
     results = []
     for name in args.shapes.split(","):

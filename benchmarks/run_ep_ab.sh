@@ -20,16 +20,20 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 BASE=$(cd "${BASE:-.baseline}" && pwd) || { echo "no old tree at ${BASE:-.baseline}: see the header" >&2; exit 2; }
 DEVICE=${DEVICE:-cuda}
-EP=${EP:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+if [ "$DEVICE" = cpu ]; then EP=${EP:-2}; else EP=${EP:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}; fi
+[ "$EP" -ge 1 ] 2>/dev/null || { echo "EP=$EP: need at least one rank (no GPU here? DEVICE=cpu runs on gloo)" >&2; exit 2; }
 RESULTS=${OUT:-/tmp/ep_ab}
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/ep"$EP"_*_r*.json "$RESULTS/ep1_new.json"
+rm -f "$RESULTS"/ep"$EP"_*_r*.json* "$RESULTS"/ep1_new.json*
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
-bench() {  # bench <tree> <ranks> <variants> <out json> <label>
+bench() {  # bench <tree> <ranks> <variants> <out json> <label>; full output in <out json>.log
   (cd "$1" && PYTHONPATH=$1 timeout 300 python3 -m torch.distributed.run --nproc-per-node "$2" \
     benchmarks/bench_ep.py --device "$DEVICE" --impls ep_moe --variants "$3" --iters "${ITERS:-20}" \
-    --warmup "${WARMUP:-5}" --shapes "${SHAPES:-all}" --out "$4" 2>&1 | grep "fwd+bwd" | sed "s/^/$5 /")
+    --warmup "${WARMUP:-5}" --shapes "${SHAPES:-all}" --out "$4" > "$4.log" 2>&1)
+  local rc=$?
+  grep "fwd+bwd" "$4.log" | sed "s/^/$5 /"
+  [ $rc = 0 ] || echo "$5: bench_ep exited with $rc; see $4.log" >&2
 }
 
 for round in $(seq "${ROUNDS:-2}"); do

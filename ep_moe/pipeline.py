@@ -107,7 +107,7 @@ class _ExpertPipeline(torch.autograd.Function):
         exchange.begin()
         grads_in = [exchange.dispatch(g.contiguous(), c, "rows") for c, g in enumerate(grads_back)]
         rows_back, weights_grads = [], []
-        weight_grads = DeferredWeightGrads()
+        weight_grads = DeferredWeightGrads(weights)
         for c, (out_SH, rows_SH, row_weights_S) in enumerate(ctx.graphs):
             inputs = [t for t in (rows_SH, row_weights_S, *weights) if t.requires_grad]
             if inputs:
@@ -115,7 +115,7 @@ class _ExpertPipeline(torch.autograd.Function):
                     torch.autograd.backward(out_SH, grads_in[c].wait(), inputs=inputs)
             rows_back.append(exchange.combine(_grad_or_zeros(rows_SH), c, "rows") if need_rows[c] else None)
             weights_grads.append(_grad_or_zeros(row_weights_S) if need_weights[c] else None)
-        with one_program_per_tile():  # under the last row gradients' all-to-all
+        with _sharing_sms(any(need_rows)):  # under the last row gradients' all-to-all
             weight_grads.run()
         grads = []
         for w in weights:  # hand the grads over, so autograd can keep them instead of copying

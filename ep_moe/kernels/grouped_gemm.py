@@ -55,16 +55,18 @@ def num_programs_for(device: torch.device) -> int:
 
 _TILE_GRID = contextvars.ContextVar("ep_moe_tile_grid", default=False)
 _TILE_GRID_STRIDE = 1 << 30
-"""Stride of the tile loop in a one-program-per-tile launch: past any tile count, so each
-program runs one tile; a constant, so the kernels compile once for this mode."""
+"""Stride of the tile loop in a one-program-per-tile launch: past the tile count, so each
+program runs one tile (launches of more tiles stay persistent); a constant, so the kernels
+compile once for this mode."""
 
 
 @contextlib.contextmanager
 def one_program_per_tile():
     """Inside the block, the GEMM kernels launch one program per output tile instead of one
     per SM. Work launched beside them (an all-to-all's NCCL kernels) then gets an SM as soon
-    as any tile ends, instead of waiting for a persistent kernel to end; the GEMMs lose
-    nothing to idle SMs. Results are bitwise the same (same tiles, same reduction order)."""
+    as any tile ends, instead of waiting for a persistent kernel to end. The GEMMs alone run
+    a little slower this way (up to 5% on 4x H200, 17% on qwen3's small forward tiles).
+    Results are bitwise the same (same tiles, same reduction order)."""
     token = _TILE_GRID.set(True)
     try:
         yield
@@ -76,7 +78,7 @@ def launch_grid(device: torch.device, max_tiles: int) -> tuple[tuple[int], int]:
     """(grid, tile stride) of a GEMM launch over at most ``max_tiles`` tiles: persistent
     (one program per SM, striding the tiles), or one program per tile inside
     :func:`one_program_per_tile`."""
-    if _TILE_GRID.get():
+    if _TILE_GRID.get() and max_tiles <= _TILE_GRID_STRIDE:
         return (max(1, max_tiles),), _TILE_GRID_STRIDE
     programs = num_programs_for(device)
     return (max(1, min(programs, max_tiles)),), programs

@@ -211,57 +211,95 @@ class _EagerGroupedGemm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        deferred = _deferred_weight_grads[-1] if _deferred_weight_grads else None
-        if deferred is None or not ctx.needs_input_grad[1]:
-            return _backward_with(_bwd_impl, ctx, dy)
         x, w, m_sizes, gather_index, scatter_index, row_weights = ctx.saved_tensors
+        queue = _queue_for(w) if ctx.needs_input_grad[1] else None
+        if queue is None:
+            return _backward_with(_bwd_impl, ctx, dy)
         dy = dy.contiguous()
         config = _configs_from_ints(ctx.config).dw
-        deferred.add(w, lambda: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config))
+        queue.add(w, lambda: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config))
         return _backward_with(_bwd_impl, ctx, dy, defer_dw=True)
 
 
 class DeferredWeightGrads:
     """Weight gradients that the grouped GEMM's backward queued instead of computing, inside
     :func:`defer_weight_grads`: the input gradients come first, so that work which needs only
-    them (an all-to-all returning them to other ranks) can start while the dW GEMMs run."""
+    them (an all-to-all returning them to other ranks) can start while the dW GEMMs run.
 
-    def __init__(self):
-        self._queued: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+    Only GEMMs whose weight is one of ``weights`` (leaf tensors) or a dtype cast of one
+    (``.to()``, as autocast does) are deferred; every other GEMM computes its dW at once."""
+
+    def __init__(self, weights: list[torch.Tensor]):
+        self._weights = list(weights)
+        self._queued: list[tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]] = []
+
+    def owns(self, leaf: torch.Tensor) -> bool:
+        """Whether GEMMs multiplying by ``leaf`` (or a cast of it) are deferred here."""
+        return any(leaf is w for w in self._weights)
 
     def add(self, weight: torch.Tensor, grad_fn: Callable[[], torch.Tensor]) -> None:
-        """Queue ``grad_fn()``, the gradient of ``weight`` (the tensor the GEMM multiplied by)."""
-        self._queued.append((weight, grad_fn))
+        """Queue ``grad_fn()``, the gradient of ``weight`` (the tensor the GEMM multiplied by:
+        one of the leaves or a cast of one)."""
+        self._queued.append((weight, _leaf_of(weight), grad_fn))
 
     def __len__(self) -> int:
         return len(self._queued)
 
     def run(self) -> None:
         """Compute every queued gradient, in order, and send it into its weight's autograd
-        graph (accumulated into the leaf's ``.grad``, through any cast in between)."""
+        graph (accumulated into the leaf's ``.grad``, through the cast if any). Each entry
+        is dropped once done, so its saved operands are freed before the next dW runs."""
         queued, self._queued = self._queued, []
-        for weight, grad_fn in queued:  # one at a time: one dW buffer alive, not all of them
-            torch.autograd.backward(weight, grad_fn())
+        queued.reverse()
+        while queued:
+            weight, leaf, grad_fn = queued.pop()
+            grad = grad_fn()
+            del grad_fn
+            torch.autograd.backward(weight, grad, inputs=[leaf])
+            del weight, grad
 
 
-_deferred_weight_grads: list[DeferredWeightGrads] = []
-"""The queues of the enclosing :func:`defer_weight_grads` blocks, innermost last. Process
-wide, not a context variable: on CUDA the autograd engine runs backward functions on its
-own device thread, which does not see the caller's context."""
+def _leaf_of(w: torch.Tensor) -> Optional[torch.Tensor]:
+    """``w`` itself if it is a leaf, the leaf it was cast from if it is a dtype cast of one
+    (``.to()``), else None."""
+    node = w.grad_fn
+    if node is None:
+        return w
+    if type(node).__name__.startswith("ToCopyBackward") and len(node.next_functions) == 1:
+        return getattr(node.next_functions[0][0], "variable", None)
+    return None
+
+
+_open_queues: list[DeferredWeightGrads] = []
+"""The queues of the open :func:`defer_weight_grads` blocks. Process wide, not a context
+variable: on CUDA the autograd engine runs backward functions on its own device thread,
+which does not see the context of a caller on another thread. The weights a queue owns
+keep other GEMMs (other layers, other threads) out of it."""
+
+
+def _queue_for(w: torch.Tensor) -> Optional[DeferredWeightGrads]:
+    leaf = _leaf_of(w)
+    if leaf is None:
+        return None
+    return next((q for q in reversed(_open_queues) if q.owns(leaf)), None)
 
 
 @contextlib.contextmanager
 def defer_weight_grads(queue: DeferredWeightGrads):
-    """Backward passes run inside the block (from any thread) compute the grouped GEMMs'
-    input and row-weight gradients now and queue their weight gradients in ``queue``
-    (eager mode; compiled graphs compute them at once). The caller runs ``queue.run()``
-    later, before reading the weights' ``.grad``; until then the queue holds each GEMM's
-    saved operands."""
-    _deferred_weight_grads.append(queue)
+    """Backward passes run inside the block (from any thread; eager mode, compiled graphs
+    compute every gradient at once) compute the input and row-weight gradients of grouped
+    GEMMs whose weight ``queue`` owns now, and queue their weight gradients. The caller runs
+    ``queue.run()`` later, before reading the weights' ``.grad``; until then the queue
+    holds each GEMM's saved operands.
+
+    For ``.backward()`` (or ``torch.autograd.backward``) over graphs whose owned weights
+    all want a gradient: ``torch.autograd.grad`` inside the block would return None for
+    them, and ``queue.run()`` accumulates into their ``.grad`` whatever was asked."""
+    _open_queues.append(queue)
     try:
         yield
     finally:
-        _deferred_weight_grads.pop()
+        _open_queues.remove(queue)
 
 
 def _debug_enabled(debug: Optional[bool]) -> bool:

@@ -240,23 +240,31 @@ def test_one_program_per_tile_launches_every_tile_and_keeps_results():
 
 def test_deferred_weight_grads_come_after_the_input_grads_and_equal_direct_ones():
     """Inside defer_weight_grads the backward gives dx and the row-weight grad at once and
-    queues dW; running the queue sends dW through the cast to the fp32 leaf, bitwise equal
-    to the direct backward."""
+    queues dW of the weights the queue owns; running the queue sends dW through the cast to
+    the fp32 leaf, bitwise equal to the direct backward."""
     x, w32, m_sizes, g, s, rw = make_problem("ragged", torch.float16, True, True, True)
     w32 = w32.float()
     leaves = [x.requires_grad_(), w32.requires_grad_(), rw.requires_grad_()]
     configs = configs_for(torch.float16)
 
-    def backward():
-        y = grouped_gemm(x, w32.to(torch.float16), m_sizes, gather_index=g, scatter_index=s,
+    def backward(scale=None):
+        w = w32 if scale is None else w32 * scale
+        y = grouped_gemm(x, w.to(torch.float16), m_sizes, gather_index=g, scatter_index=s,
                          row_weights=rw, configs=configs, backend="triton")
         y.backward(torch.ones_like(y))
 
     backward()
     want = [t.grad.clone() for t in leaves]
+    # Not deferred: a queue that does not own the weight, a weight that is more than a cast.
+    for queue, scale in ((DeferredWeightGrads([x]), None), (DeferredWeightGrads([w32]), 1.0)):
+        for t in leaves:
+            t.grad = None
+        with defer_weight_grads(queue):
+            backward(scale)
+        assert len(queue) == 0 and torch.equal(w32.grad, want[1])
     for t in leaves:
         t.grad = None
-    queue = DeferredWeightGrads()
+    queue = DeferredWeightGrads([w32])
     with defer_weight_grads(queue):
         backward()
     assert len(queue) == 1 and w32.grad is None
