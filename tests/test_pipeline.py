@@ -20,9 +20,9 @@ def _expert_fn(rows_SH, weights_SK, plan, gate_up, down):
     return torch.zeros(rows_SH.shape[0], h.shape[1]).index_add(0, local.token_index_R, h)
 
 
-def _plan(num_rows: int, seed: int) -> ChunkPlan:
+def _plan(num_rows: int, seed: int, device: torch.device = torch.device("cpu")) -> ChunkPlan:
     ids = torch.randint(0, 3, (num_rows, TOP_K), generator=torch.Generator().manual_seed(seed))
-    return ChunkPlan(SplitSizes(send=[num_rows], recv=[num_rows]), build_routing_metadata(ids, 3))
+    return ChunkPlan(SplitSizes(send=[num_rows], recv=[num_rows]), build_routing_metadata(ids.to(device), 3))
 
 
 def _local(plans):
@@ -74,12 +74,13 @@ def test_frozen_inputs_get_no_gradient_and_a_second_backward_is_refused():
         out.sum().backward()
 
 
-def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(monkeypatch):
-    """With grouped-GEMM experts (Triton, interpreter) the backward queues both dW GEMMs,
-    runs them after the chunks' row gradients left, launching one program per tile, and
-    the gradients equal the direct computation."""
+def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(monkeypatch, device):
+    """With grouped-GEMM experts (Triton: the GPU, or the interpreter) the backward queues
+    both dW GEMMs of each chunk, runs them after the chunks' row gradients left, launching
+    one program per tile, sums the chunks' dW inside the kernel (the later chunk
+    accumulates), and the gradients equal the direct computation."""
     from ep_moe.kernels import grouped_gemm as kernels
-    from ep_moe.kernels.ops import DeferredWeightGrads
+    from ep_moe.kernels import ops
     from ep_moe.layer import expert_mlp
 
     def gemm_experts(rows_SH, weights_SK, plan, gate_up, down):
@@ -87,30 +88,38 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
         h = expert_mlp(rows_SH, gate_up, down, local.counts_E, activation="relu",
                        gather_index=local.token_index_R, backend="triton",
                        row_weights=weights_SK.flatten().index_select(0, local.slot_index_R))
-        return torch.zeros(rows_SH.shape[0], h.shape[1]).index_add(0, local.token_index_R, h)
+        return torch.zeros(rows_SH.shape[0], h.shape[1], device=device).index_add(0, local.token_index_R, h)
 
-    seen = []
-    run = DeferredWeightGrads.run
+    seen, accumulated = [], []
+    run, launch_dw = ops.DeferredWeightGrads.run, ops.launch_dw
 
-    def spy(self):
-        seen.append((len(self), kernels.launch_grid(torch.device("cpu"), 7)))
+    def spy_run(self):
+        seen.append((len(self), kernels.launch_grid(device, 7)))
         run(self)
 
-    monkeypatch.setattr(DeferredWeightGrads, "run", spy)
+    def spy_launch_dw(*args, accumulate=False):
+        accumulated.append(accumulate)
+        launch_dw(*args, accumulate=accumulate)
+
+    monkeypatch.setattr(ops.DeferredWeightGrads, "run", spy_run)
+    monkeypatch.setattr(ops, "launch_dw", spy_launch_dw)
     gen = torch.Generator().manual_seed(2)
-    gate_up = torch.randn(3, 16, 8, generator=gen, requires_grad=True)
-    down = torch.randn(3, 8, 16, generator=gen, requires_grad=True)
+    gate_up = torch.randn(3, 16, 8, generator=gen).to(device).requires_grad_()
+    down = torch.randn(3, 8, 16, generator=gen).to(device).requires_grad_()
     sizes = [5, 3]
-    rows = [torch.randn(n, 8, generator=gen, requires_grad=True) for n in sizes]
-    weights = [torch.rand(n, TOP_K, generator=gen, requires_grad=True) for n in sizes]
-    plans = [_plan(n, seed) for seed, n in enumerate(sizes)]
+    rows = [torch.randn(n, 8, generator=gen).to(device).requires_grad_() for n in sizes]
+    weights = [torch.rand(n, TOP_K, generator=gen).to(device).requires_grad_() for n in sizes]
+    plans = [_plan(n, seed, device) for seed, n in enumerate(sizes)]
     outs = expert_pipeline(gemm_experts, plans, _local(plans), gate_up, down, rows, weights)
     grads_out = [torch.randn_like(o) for o in outs]
     leaves = [gate_up, down, *rows, *weights]
     got = torch.autograd.grad(outs, leaves, grads_out)
     assert seen == [(4, ((7,), 1 << 30))]  # two GEMMs per chunk, queued, run per tile
+    assert accumulated == [False, False, True, True]  # chunk 1 adds to chunk 0's dW
 
+    accumulated.clear()
     want_outs = [gemm_experts(r, w, p, gate_up, down) for r, w, p in zip(rows, weights, plans)]
     want = torch.autograd.grad(want_outs, leaves, grads_out)
+    assert accumulated == [False] * 4  # no queue: each GEMM its own dW
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)

@@ -249,6 +249,9 @@ def _grouped_rows_kernel(
 #   and K) and only the ragged tail of a segment through masked pointer loads.
 # Masking: rows past the segment load as zero (they are the reduction axis), and so do columns
 #   past N or K. Experts with no rows store zeros. fp32 accumulation.
+# Fuses: with ACCUMULATE, the tile adds what dw already holds (in fp32, one rounding), so the
+#   dW of several row sets (the chunks of a pipeline) sums in place, with no buffer per set
+#   and no separate add.
 @triton.jit(launch_metadata=_dw_metadata)
 def _grouped_dw_kernel(
     dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, m_sizes_ptr, m_starts_ptr,
@@ -261,6 +264,7 @@ def _grouped_dw_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_TMA: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_k_tiles = tl.cdiv(K, BLOCK_K)
@@ -297,7 +301,10 @@ def _grouped_dw_kernel(
             x_ptrs += BLOCK_M * stride_xm
         dw_ptrs = (dw_ptr + tl.cast(e, tl.int64) * stride_we
                    + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk)
-        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+        tile_ok = n_ok[:, None] & k_ok[None, :]
+        if ACCUMULATE:
+            acc += tl.load(dw_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=tile_ok)
 
 
 # out[t] = sum of src rows offsets[t] .. offsets[t+1]-1, in order: the deterministic
@@ -395,9 +402,10 @@ def launch_rows(
 
 
 def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torch.Tensor,
-              config: KernelConfig) -> None:
+              config: KernelConfig, accumulate: bool = False) -> None:
     """Launch the dW kernel into ``dw`` [E, N, K] from expert-ordered rows of ``dy`` [M, N]
-    and ``x`` [M, K] (gather or weight them first with :func:`ep_moe.kernels.permute.launch_gather_rows`)."""
+    and ``x`` [M, K] (gather or weight them first with :func:`ep_moe.kernels.permute.launch_gather_rows`).
+    ``accumulate``: add the product to what ``dw`` holds instead of overwriting it."""
     num_experts, n, k = dw.shape
     m_starts = torch.cumsum(m_sizes, 0, dtype=torch.int32) - m_sizes
     c = config
@@ -416,6 +424,7 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
         USE_TMA=use_tma,
         INPUT_PRECISION=_input_precision(x.dtype),
+        ACCUMULATE=accumulate,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
 

@@ -126,13 +126,15 @@ def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_w
     return dx, dw, drw
 
 
-def _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config: KernelConfig):
-    """dW through the dW kernel, on expert-ordered rows gathered (and weighted) first."""
-    dw = torch.empty_like(w)
+def _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config: KernelConfig,
+                 add_to: Optional[torch.Tensor] = None):
+    """dW through the dW kernel, on expert-ordered rows gathered (and weighted) first; with
+    ``add_to``, added to that tensor in place (and returned) instead of a new one."""
+    dw = torch.empty_like(w) if add_to is None else add_to
     weighted = scatter_index is not None or row_weights is not None
     dy_rows = launch_gather_rows(dy, scatter_index, row_weights) if weighted else dy
     x_rows = launch_gather_rows(x, gather_index) if gather_index is not None else x
-    launch_dw(dy_rows, x_rows, dw, m_sizes, config)
+    launch_dw(dy_rows, x_rows, dw, m_sizes, config, accumulate=add_to is not None)
     return dw
 
 
@@ -217,7 +219,8 @@ class _EagerGroupedGemm(torch.autograd.Function):
             return _backward_with(_bwd_impl, ctx, dy)
         dy = dy.contiguous()
         config = _configs_from_ints(ctx.config).dw
-        queue.add(w, lambda: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config))
+        queue.add(w, lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
+                                                 config, add_to))
         return _backward_with(_bwd_impl, ctx, dy, defer_dw=True)
 
 
@@ -231,32 +234,37 @@ class DeferredWeightGrads:
 
     def __init__(self, weights: list[torch.Tensor]):
         self._weights = list(weights)
-        self._queued: list[tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]] = []
+        self._queued: list[tuple[torch.Tensor, Callable[[Optional[torch.Tensor]], torch.Tensor]]] = []
 
     def owns(self, leaf: torch.Tensor) -> bool:
         """Whether GEMMs multiplying by ``leaf`` (or a cast of it) are deferred here."""
         return any(leaf is w for w in self._weights)
 
-    def add(self, weight: torch.Tensor, grad_fn: Callable[[], torch.Tensor]) -> None:
-        """Queue ``grad_fn()``, the gradient of ``weight`` (the tensor the GEMM multiplied by:
-        one of the leaves or a cast of one)."""
-        self._queued.append((weight, _leaf_of(weight), grad_fn))
+    def add(self, weight: torch.Tensor, grad_fn: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> None:
+        """Queue ``grad_fn(add_to)``, the gradient of ``weight`` (the tensor the GEMM multiplied
+        by: one of the leaves or a cast of one): a new tensor for ``add_to=None``, else added
+        to ``add_to`` in place and returned."""
+        self._queued.append((weight, grad_fn))
 
     def __len__(self) -> int:
         return len(self._queued)
 
     def run(self) -> None:
         """Compute every queued gradient, in order, and send it into its weight's autograd
-        graph (accumulated into the leaf's ``.grad``, through the cast if any). Each entry
-        is dropped once done, so its saved operands are freed before the next dW runs."""
+        graph (accumulated into the leaf's ``.grad``, through the cast if any). GEMMs of the
+        same weight tensor (the chunks of a pipeline) sum into one buffer inside the dW
+        kernel, which goes into the graph once. Each entry is dropped once done, so its
+        saved operands are freed before the next dW runs."""
         queued, self._queued = self._queued, []
         queued.reverse()
+        sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, its dW so far)
         while queued:
-            weight, leaf, grad_fn = queued.pop()
-            grad = grad_fn()
+            weight, grad_fn = queued.pop()
+            partial = sums.get(id(weight))
+            sums[id(weight)] = (weight, grad_fn(None if partial is None else partial[1]))
             del grad_fn
-            torch.autograd.backward(weight, grad, inputs=[leaf])
-            del weight, grad
+        for weight, grad in sums.values():
+            torch.autograd.backward(weight, grad, inputs=[_leaf_of(weight)])
 
 
 def _leaf_of(w: torch.Tensor) -> Optional[torch.Tensor]:

@@ -219,6 +219,23 @@ def test_empty_experts_get_zero_dw():
     assert torch.equal(dw[0], torch.zeros_like(dw[0])) and torch.equal(dw[2], torch.zeros_like(dw[2]))
 
 
+@pytest.mark.parametrize("variant", list(TMA_VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dw_accumulates_into_what_it_holds(dtype, variant):
+    """accumulate=True adds the product to dw (empty experts keep their values), one
+    rounding: the sum of two row sets' dW equals their reference sum."""
+    config = configs_for(dtype, TMA_VARIANTS[variant]).dw
+    x, w, m_sizes, _, _, _ = make_problem("ragged", dtype, False, False, False)
+    dy = torch.randn(x.shape[0], w.shape[1], device=DEVICE).to(dtype)
+    held = torch.randn_like(w)
+    dw = held.clone()
+    launch_dw(dy, x, dw, m_sizes, config, accumulate=True)
+    ref = held.double() + torch.stack([a.t() @ b for a, b in zip(torch.split(dy.double(), m_sizes.tolist()),
+                                                                 torch.split(x.double(), m_sizes.tolist()))])
+    assert rel_err(dw, ref) < TOL[dtype]
+    assert torch.equal(dw[1], held[1])  # expert 1 has no rows
+
+
 def test_one_program_per_tile_launches_every_tile_and_keeps_results():
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     x, w, m_sizes, g, s, rw = make_problem("ragged", dtype, True, True, True)
