@@ -8,10 +8,10 @@ E/P experts per rank) and ``--tokens`` tokens per rank, one forward+backward of 
 layer (router to combine, dX and every weight gradient) of:
 
 - ``ep_moe``: :class:`ep_moe.MoELayer` (Triton grouped GEMM on CUDA, reference on CPU);
-  at EP>1 one layer per ``--variants`` entry TRANSPORT:C (``MoEConfig.transport``
+  at EP>1 one layer per ``--variants`` entry TRANSPORT:C[:own] (``MoEConfig.transport``
   ``nccl`` or ``ce``, the copy engines; tokens in C pipelined chunks, all-to-all
-  overlapped with the GEMMs), named ``ep_moe`` for ``nccl:1`` and
-  ``ep_moe_<transport>_c<C>`` otherwise;
+  overlapped with the GEMMs; ``own``: ``MoEConfig.own_rows_first``), named ``ep_moe``
+  for ``nccl:1`` and ``ep_moe_<transport>_c<C>[_own]`` otherwise;
 - ``plain``: the torchtitan-style layer of ``baselines.py`` (argsort permute, uneven
   ``all_to_all_single``, ``torch._grouped_mm`` SwiGLU experts);
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` (dropless, SwiGLU experts) when deepspeed
@@ -70,8 +70,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per layer first")
     parser.add_argument("--impls", default="ep_moe,plain,deepspeed", help="which layers to time")
     parser.add_argument("--variants", default="nccl:1",
-                        help="ep_moe variants at EP>1, comma-separated TRANSPORT:CHUNKS "
-                             "(MoEConfig transport 'nccl' or 'ce', overlap_chunks); "
+                        help="ep_moe variants at EP>1, comma-separated TRANSPORT:CHUNKS[:own] "
+                             "(MoEConfig transport 'nccl' or 'ce', overlap_chunks, own_rows_first); "
                              "EP=1 runs nccl:1 only")
     parser.add_argument("--autotune", action="store_true",
                         help="run ep_moe.autotune.warmup for each shape first (may tune on rank 0)")
@@ -203,34 +203,36 @@ def time_all_to_all(layer: MoELayer, x: torch.Tensor, per_slot: bool, args, devi
         return median_ms(run, lambda: None, args.iters, args.warmup, device)
 
 
-Variant = tuple[str, int]
-"""(transport, chunks) of an ep_moe layer."""
+Variant = tuple[str, int, bool]
+"""(transport, chunks, own rows first) of an ep_moe layer."""
 TRANSPORTS = {"nccl": "nccl", "ce": "copy_engine"}
 
 
 def parse_variants(spec: str) -> list[Variant]:
-    """``--variants`` as (transport, chunks) tuples."""
+    """``--variants`` as (transport, chunks, own rows first) tuples."""
     variants = []
     for item in spec.split(","):
-        transport, _, chunks = item.partition(":")
-        if transport not in TRANSPORTS or not chunks.isdigit():
-            raise SystemExit(f"--variants {item!r}: use TRANSPORT:CHUNKS, TRANSPORT one of {list(TRANSPORTS)}")
-        variants.append((transport, int(chunks)))
+        transport, chunks, *own = item.split(":")
+        if transport not in TRANSPORTS or not chunks.isdigit() or own not in ([], ["own"]):
+            raise SystemExit(f"--variants {item!r}: use TRANSPORT:CHUNKS or TRANSPORT:CHUNKS:own, "
+                             f"TRANSPORT one of {list(TRANSPORTS)}")
+        variants.append((transport, int(chunks), bool(own)))
     return variants
 
 
 def variant_name(variant: Variant) -> str:
-    transport, chunks = variant
-    if variant == ("nccl", 1):
+    transport, chunks, own = variant
+    if variant == ("nccl", 1, False):
         return "ep_moe"
-    return f"ep_moe_{transport}_c{chunks}"
+    return f"ep_moe_{transport}_c{chunks}" + ("_own" if own else "")
 
 
 def sharing_modules(layer: MoELayer, variant: Variant) -> MoELayer:
     """A layer with other transport and overlap settings that shares ``layer``'s modules
     (same parameters)."""
-    transport, chunks = variant
-    config = dataclasses.replace(layer.config, transport=TRANSPORTS[transport], overlap_chunks=chunks)
+    transport, chunks, own = variant
+    config = dataclasses.replace(layer.config, transport=TRANSPORTS[transport], overlap_chunks=chunks,
+                                 own_rows_first=own)
     variant = MoELayer(config, layer.ep_group, device="meta")
     variant.router, variant.experts, variant.shared_experts = layer.router, layer.experts, layer.shared_experts
     return variant
@@ -260,7 +262,7 @@ def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch
     """Validate and time every layer on one shape; one result row per timed layer."""
     ep_size = dist.get_world_size()
     impls = args.impls.split(",")
-    variants = parse_variants(args.variants) if ep_size > 1 else [("nccl", 1)]
+    variants = parse_variants(args.variants) if ep_size > 1 else [("nccl", 1, False)]
     ours, layers = build_layers(shape, group, device, dtype, impls, variants, deepspeed)
     if args.autotune:
         from ep_moe.autotune import warmup

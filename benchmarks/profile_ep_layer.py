@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--chunks", type=int, default=1)
     parser.add_argument("--transport", default="nccl")
+    parser.add_argument("--own", action="store_true", help="MoEConfig.own_rows_first")
     parser.add_argument("--top", type=int, default=0, help="rank 0 lists this many GPU ops by time")
     parser.add_argument("--cprofile", type=int, default=0,
                         help="rank 0 lists this many Python functions by own and by cumulative host time "
@@ -177,7 +178,8 @@ def main() -> None:
         shape = SHAPES[name]
         config = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                            num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0,
-                           backend="triton", overlap_chunks=args.chunks, transport=args.transport)
+                           backend="triton", overlap_chunks=args.chunks, transport=args.transport,
+                           own_rows_first=args.own)
         torch.manual_seed(0)
         ep_layer = MoELayer(config, dist.group.WORLD, device="cuda", dtype=torch.bfloat16)
         torch.manual_seed(0)
@@ -213,7 +215,8 @@ def main() -> None:
         torch.cuda.synchronize()
         dist.barrier()
         if rank == 0:
-            print(f"--- {name} rank 0 GPU ops, one step (transport {args.transport}, chunks {args.chunks})")
+            print(f"--- {name} rank 0 GPU ops, one step (transport {args.transport}, chunks {args.chunks}, "
+                  f"own rows first {args.own})")
         row.update(kernel_breakdown(ep_step, args.top if rank == 0 else 0))
         if args.cprofile:
             host_profile(ep_step, args.cprofile if rank == 0 else 0)
@@ -228,7 +231,8 @@ def main() -> None:
         rows = [None] * world
         dist.all_gather_object(rows, row)
         if rank == 0:
-            print(f"--- {name} (EP={world}, chunks={args.chunks}, transport {args.transport})", flush=True)
+            print(f"--- {name} (EP={world}, chunks={args.chunks}, transport {args.transport}, "
+                  f"own rows first {args.own})", flush=True)
             for r in rows:
                 print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                        for k, v in r.items()), flush=True)

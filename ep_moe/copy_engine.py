@@ -264,6 +264,11 @@ class CopyEngineExchange:
     stages there; the workspace is sized for the largest rank. Every rank must make the
     same sequence of :meth:`begin`, :meth:`dispatch` and :meth:`combine` calls."""
 
+    uses_sms = False
+    """Copies on the copy engines and stream memory operations: no SM needed."""
+    reuses_staging = True
+    """Staged rows live in the workspace, which the next session restages."""
+
     def __init__(self, workspace: SymmetricWorkspace, matrices: list[list[list[int]]],
                  row_bytes: dict[str, int]) -> None:
         self.workspace, self.row_bytes = workspace, row_bytes

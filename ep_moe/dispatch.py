@@ -29,7 +29,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 
@@ -175,25 +174,6 @@ def start_combine(out_SH: torch.Tensor, splits: SplitSizes, group: Optional[Proc
     return start_exchange(out_SH, splits.send, splits.recv, group)
 
 
-class _Arrived(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, sent, arrived_, splits, group):
-        ctx.splits, ctx.group = splits, group
-        return arrived_
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        return start_combine(grad.contiguous(), ctx.splits, ctx.group).wait(), None, None, None
-
-
-def arrived(sent: torch.Tensor, arrived_rows: torch.Tensor, splits: SplitSizes,
-            group: Optional[ProcessGroup]) -> torch.Tensor:
-    """``arrived_rows``, what a dispatch of ``sent`` delivered (e.g. packed into another
-    message), made differentiable in ``sent``: the gradient goes back by a combine."""
-    return _Arrived.apply(sent, arrived_rows, splits, group)
-
-
 _PACK_ALIGN = 8
 """Bytes each packed part's width is rounded up to, so every part unpacks as a view."""
 
@@ -250,6 +230,11 @@ class NcclExchange:
     on GPU, gloo on CPU; no collective without a group). Same interface as
     :class:`ep_moe.copy_engine.CopyEngineExchange`; ``kind`` names the message (rows,
     weights) and only matters there."""
+
+    uses_sms = True
+    """NCCL's all-to-all runs as kernels: GEMMs that overlap it leave it SMs."""
+    reuses_staging = False
+    """No staging buffers (:meth:`staging` gives None)."""
 
     def __init__(self, group: Optional[ProcessGroup], splits: list[SplitSizes]) -> None:
         self.group, self.splits = group, splits

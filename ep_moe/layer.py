@@ -38,7 +38,6 @@ from ep_moe.copy_engine import CopyEngineExchange, SymmetricWorkspace, copy_engi
 from ep_moe.dispatch import (
     NcclExchange,
     SplitSizes,
-    arrived,
     chunk_splits,
     dispatch_packed,
     group_size,
@@ -51,7 +50,7 @@ from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm
 from ep_moe.kernels.permute import gather_tokens, permute_tokens, sum_slot_rows
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
-from ep_moe.pipeline import ChunkPlan, expert_pipeline
+from ep_moe.pipeline import ChunkPlan, OwnRows, expert_pipeline
 from ep_moe.routing import (
     DropPolicy,
     RouterOutput,
@@ -129,6 +128,13 @@ class MoEConfig:
     """EP>1: split each rank's tokens into this many chunks and overlap one chunk's
     all-to-all with another's expert GEMMs (:mod:`ep_moe.pipeline`); 1 runs dispatch,
     experts and combine in sequence. Every rank of the EP group must use the same value."""
+    own_rows_first: bool = False
+    """EP>1: run the experts first on the rows a rank routes to its own experts (about
+    1/P of its rows, which need no all-to-all), while the all-to-all carries the rest;
+    likewise in the backward. The forward's dispatch and the backward's gradient dispatch
+    then hide behind that work (seen in a profile), but on 4x H100 the layer measured
+    slower with it on every benchmark shape (README, "Results"): opt in to experiment.
+    Every rank of the EP group must use the same value."""
     transport: Literal["nccl", "copy_engine"] = "nccl"
     """EP>1: how the rows travel. ``"nccl"``: ``all_to_all_single`` (any backend, any
     topology). ``"copy_engine"``: the GPUs' copy engines through a symmetric-memory
@@ -546,16 +552,23 @@ class MoELayer(nn.Module):
             gather_tokens(x, r.pairs, r.num_sent, backend) for x, r in zip(x_chunks, routings)]
         counts = pending_counts.result()  # [source][chunk][destination][rows, slots]: the host sync
         all_splits = [chunk_splits(counts, self.ep_rank, c) for c in range(len(sizes))]
-        exchange = self._exchange(counts, all_splits, x_TH)
-        plans, arrived_weights = [], []
+        exchange = self._exchange(counts, all_splits, x_TH, router.topk_weights_TK)
+        plans, send_weights, arrived_weights = [], [], []
         for c, splits in enumerate(all_splits):
             num_sent = sum(splits.send)
             routings[c] = routings[c].first_rows(num_sent)
             recv_ids_SK, recv_weights_SK = dispatch_packed(packed[c].first_rows(num_sent), splits, group)
-            arrived_weights.append(arrived(weights[c][:num_sent], recv_weights_SK, splits, group))
-            local = build_routing_metadata(recv_ids_SK.clamp(min=0), num_local, recv_ids_SK >= 0,
-                                           num_kept=sum(source[c][self.ep_rank][1] for source in counts))
-            plans.append(ChunkPlan(splits, local))
+            send_weights.append(weights[c][:num_sent])
+            arrived_weights.append(recv_weights_SK)
+            kept_SK = recv_ids_SK >= 0
+            num_kept = sum(source[c][self.ep_rank][1] for source in counts)
+            own_slots = counts[self.ep_rank][c][self.ep_rank][1]
+            own = self._own_rows(splits, recv_ids_SK, own_slots)
+            if own is not None:  # their slots leave the arrived rows' routing
+                _own_rows_of(kept_SK, own).fill_(False)
+                num_kept -= own_slots
+            local = build_routing_metadata(recv_ids_SK.clamp(min=0), num_local, kept_SK, num_kept=num_kept)
+            plans.append(ChunkPlan(splits, local, own))
         exchange.begin()  # before anything is staged in its buffers (waits for the peers' last pulls)
         send_rows = []
         for c, (splits, routing) in enumerate(zip(all_splits, routings)):
@@ -574,14 +587,27 @@ class MoELayer(nn.Module):
                               row_weights=weights_SK.flatten().index_select(0, local.slot_index_R))
             return sum_slot_rows(y_RH, local, backend)
 
-        share_sms = cfg.overlap_chunks > 1 and isinstance(exchange, NcclExchange)
         back_rows = expert_pipeline(run_experts, plans, exchange, self.experts.gate_up, self.experts.down,
-                                    send_rows, arrived_weights, share_sms)
+                                    send_rows, send_weights, arrived_weights)
         y_chunks = [sum_slot_rows(rows, r.pairs, backend) for rows, r in zip(back_rows, routings)]
         return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
 
-    def _exchange(self, counts: list, splits: list[SplitSizes], x_TH: torch.Tensor):
-        """The all-to-alls of this call, on the transport ``MoEConfig.transport`` picks."""
+    def _own_rows(self, splits: SplitSizes, recv_ids_SK: torch.Tensor, num_slots: int) -> Optional[OwnRows]:
+        """With ``MoEConfig.own_rows_first``, the rows of a chunk this rank sends itself
+        (``num_slots`` kept slots), routed to its experts; None without them."""
+        rank = self.ep_rank
+        num_rows = splits.send[rank]
+        if not self.config.own_rows_first or num_rows == 0:
+            return None
+        arrived_start = sum(splits.recv[:rank])
+        ids_SK = recv_ids_SK[arrived_start: arrived_start + num_rows]
+        local = build_routing_metadata(ids_SK.clamp(min=0), self.num_local_experts, ids_SK >= 0, num_kept=num_slots)
+        return OwnRows(sent_start=sum(splits.send[:rank]), arrived_start=arrived_start, num_rows=num_rows,
+                       local=local)
+
+    def _exchange(self, counts: list, splits: list[SplitSizes], x_TH: torch.Tensor, weights_TK: torch.Tensor):
+        """The all-to-alls of this call, on the transport ``MoEConfig.transport`` picks
+        (rows like ``x_TH``'s, top-k weights like ``weights_TK``'s)."""
         group = self.ep_group
         if self.config.transport == "nccl":
             return NcclExchange(group, splits)
@@ -590,7 +616,9 @@ class MoELayer(nn.Module):
             raise RuntimeError(f"MoEConfig.transport='copy_engine' cannot run here: {reason}; "
                                "use transport='nccl'")
         workspace = SymmetricWorkspace.for_group(group, x_TH.device)
-        return CopyEngineExchange(workspace, row_matrices(counts), {"rows": x_TH.shape[1] * x_TH.element_size()})
+        row_bytes = {"rows": x_TH.shape[1] * x_TH.element_size(),
+                     "weights": weights_TK.shape[1] * weights_TK.element_size()}
+        return CopyEngineExchange(workspace, row_matrices(counts), row_bytes)
 
     @torch.no_grad()
     def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor]) -> None:
@@ -623,6 +651,11 @@ class MoELayer(nn.Module):
         load_E = load_E.to(self.expert_bias.dtype)
         self.expert_bias += self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
         self._load_since_update.zero_()
+
+
+def _own_rows_of(arrived: torch.Tensor, own: OwnRows) -> torch.Tensor:
+    """The own rows of a chunk's arrived-order tensor (a view)."""
+    return arrived[own.arrived_start: own.arrived_start + own.num_rows]
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:

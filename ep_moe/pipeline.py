@@ -20,8 +20,19 @@ travel, the row gradients return) and computes the weight gradients last
 (:class:`~ep_moe.kernels.ops.DeferredWeightGrads`): the last chunk's row gradients travel
 back while the dW GEMMs run, so even C = 1 hides that all-to-all::
 
-    comm:     grads 0 |            | rows back 0 |
+    comm:     grads 0 |            | rows back 0, top-k weight grads 0 |
     compute:          | dX chain 0 | dW GEMMs (one program per tile)
+
+(the top-k weights travel with the expert ids before the pipeline; their gradients go
+back from inside it, right after each chunk's input gradients).
+
+With ``MoEConfig.own_rows_first`` the rows a rank sends itself (:class:`OwnRows`, about
+1/P of a chunk's rows) need no exchange: the experts run on them from the send buffer
+while the dispatch carries the rest, and in the backward while the gradients travel;
+the exchange carries zeros for them, and their results are written into its output::
+
+    comm:     dispatch 0 (others' rows)  |          | combine 0 |
+    compute:  own rows 0 (one prog/tile) | others 0 |
 
 The experts of each chunk are recorded as a small autograd graph on detached inputs
 during the forward and replayed by ``torch.autograd.backward`` in the backward (as a
@@ -45,18 +56,45 @@ from ep_moe.routing import RoutingMetadata
 
 
 @dataclass(frozen=True)
+class OwnRows:
+    """The rows of a chunk that a rank sends itself: they need no all-to-all, so the
+    experts run on them (from the send buffer) while the exchange carries the rest."""
+
+    sent_start: int
+    """First of them in the chunk's send order (and in the combined rows)."""
+    arrived_start: int
+    """First of them in the chunk's arrival order."""
+    num_rows: int
+    local: RoutingMetadata
+    """Routing of these rows to this rank's experts (rows as tokens)."""
+
+
+@dataclass(frozen=True)
 class ChunkPlan:
     """Where one chunk's rows go and how the local experts take them."""
 
     splits: SplitSizes
     """Rows sent to / received from each rank."""
     local: RoutingMetadata
-    """Routing of the arrived rows to this rank's experts (rows as tokens)."""
+    """Routing of the arrived rows to this rank's experts (rows as tokens); with ``own``,
+    the slots of the own rows are left out (those arrived rows produce zeros)."""
+    own: Optional[OwnRows] = None
+    """The rows this rank sends itself, when run ahead of the exchange."""
+
+    def own_part(self) -> "ChunkPlan":
+        """The plan ``expert_fn`` gets for the own rows."""
+        return ChunkPlan(self.splits, self.own.local)
 
 
 class Exchange(Protocol):
     """The all-to-alls of one layer call: :class:`ep_moe.dispatch.NcclExchange` or
     :class:`ep_moe.copy_engine.CopyEngineExchange`."""
+
+    uses_sms: bool
+    """Whether the exchange's transfers run as kernels that need SMs (NCCL)."""
+    reuses_staging: bool
+    """Whether rows sent from :meth:`staging` buffers get overwritten by later exchanges
+    (so what must outlive the exchange is copied out)."""
 
     def begin(self) -> None: ...
     def staging(self, chunk: int, kind: str, rows: int, row_shape: tuple,
@@ -74,24 +112,45 @@ per arrived row, differentiable."""
 class _ExpertPipeline(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Exchange,
-                share_sms: bool, record: bool, gate_up: torch.Tensor, down: torch.Tensor, *rows_and_weights):
+                arrived_weights: list[torch.Tensor], record: bool, gate_up: torch.Tensor, down: torch.Tensor,
+                *rows_and_weights):
         num_chunks = len(plans)
-        send, arrived_weights = rows_and_weights[:num_chunks], rows_and_weights[num_chunks:]
+        # GEMMs that overlap an exchange's kernels launch one program per tile: the own
+        # rows' (under the dispatch) and, with several chunks, every chunk's.
+        share_sms = exchange.uses_sms and num_chunks > 1
+        send, send_weights = rows_and_weights[:num_chunks], rows_and_weights[num_chunks:]
         rows_in = [exchange.dispatch(send[c], c, "rows") for c in range(num_chunks)]
         # Detached stand-ins: each chunk's graph ends at these leaves, whose grads the
         # backward collects and returns.
-        weights = [w.detach().requires_grad_(record and w.requires_grad) for w in (gate_up, down)]
-        graphs, rows_out = [], []
+        weights = [_stand_in(w, record and w.requires_grad) for w in (gate_up, down)]
+        graphs, own_graphs, rows_out = [], [], []
         for c, plan in enumerate(plans):
-            # detach: without a group the "received" rows are the sent tensors themselves
-            rows_SH = rows_in[c].wait().detach().requires_grad_(record and send[c].requires_grad)
-            row_weights_S = arrived_weights[c].detach().requires_grad_(record and arrived_weights[c].requires_grad)
+            own_graph = None
+            if plan.own is not None:  # from the send buffer, while the dispatch travels
+                own = plan.own
+                own_rows = _own_slice(send[c], own, "sent")
+                if exchange.reuses_staging:  # the GEMMs keep these rows for the backward
+                    own_rows = own_rows.clone()
+                own_rows = _stand_in(own_rows, record and send[c].requires_grad)
+                own_weights = _stand_in(_own_slice(arrived_weights[c], own, "arrived"),
+                                        record and send_weights[c].requires_grad)
+                with torch.set_grad_enabled(record), _sharing_sms(exchange.uses_sms):
+                    own_graph = (expert_fn(own_rows, own_weights, plan.own_part(), *weights), own_rows, own_weights)
+            own_graphs.append(own_graph)
+            # a stand-in: without a group the "received" rows are the sent tensors themselves
+            rows_SH = _stand_in(rows_in[c].wait(), record and send[c].requires_grad)
+            row_weights_S = _stand_in(arrived_weights[c], record and send_weights[c].requires_grad)
             with torch.set_grad_enabled(record), _sharing_sms(share_sms):
                 out_SH = expert_fn(rows_SH, row_weights_S, plan, *weights)
             graphs.append((out_SH, rows_SH, row_weights_S))
             rows_out.append(exchange.combine(out_SH.detach(), c, "rows"))
-        ctx.plans, ctx.exchange, ctx.share_sms, ctx.weights, ctx.graphs = plans, exchange, share_sms, weights, graphs
-        return tuple(pending.wait() for pending in rows_out)
+        ctx.plans, ctx.exchange, ctx.share_sms, ctx.weights = plans, exchange, share_sms, weights
+        ctx.graphs, ctx.own_graphs = graphs, own_graphs
+        outs = tuple(pending.wait() for pending in rows_out)
+        for plan, out, own_graph in zip(plans, outs, own_graphs):
+            if own_graph is not None:  # the exchange brought zeros for these rows
+                _own_slice(out, plan.own, "sent").copy_(own_graph[0].detach())
+        return outs
 
     @staticmethod
     def backward(ctx, *grads_back):
@@ -105,25 +164,62 @@ class _ExpertPipeline(torch.autograd.Function):
         need_rows = ctx.needs_input_grad[_SEND_ARG: _SEND_ARG + num_chunks]
         need_weights = ctx.needs_input_grad[_SEND_ARG + num_chunks:]
         exchange.begin()
-        grads_in = [exchange.dispatch(g.contiguous(), c, "rows") for c, g in enumerate(grads_back)]
-        rows_back, weights_grads = [], []
+        grads_back = [g.contiguous() for g in grads_back]
+        grads_in = [exchange.dispatch(g, c, "rows") for c, g in enumerate(grads_back)]
+        rows_back, weights_back = [], []
         weight_grads = DeferredWeightGrads(weights)
-        for c, (out_SH, rows_SH, row_weights_S) in enumerate(ctx.graphs):
-            inputs = [t for t in (rows_SH, row_weights_S, *weights) if t.requires_grad]
-            if inputs:
-                with defer_weight_grads(weight_grads), _sharing_sms(ctx.share_sms):
-                    torch.autograd.backward(out_SH, grads_in[c].wait(), inputs=inputs)
+        for c, (plan, graph, own_graph) in enumerate(zip(plans, ctx.graphs, ctx.own_graphs)):
+            if own_graph is not None:  # its gradients are here: no wait for the exchange
+                own_grad = _own_slice(grads_back[c], plan.own, "sent")
+                _backward_into(own_graph, own_grad, weights, weight_grads, exchange.uses_sms)
+            out_SH, rows_SH, row_weights_S = graph
+            _backward_into(graph, grads_in[c], weights, weight_grads, ctx.share_sms)
             rows_back.append(exchange.combine(_grad_or_zeros(rows_SH), c, "rows") if need_rows[c] else None)
-            weights_grads.append(_grad_or_zeros(row_weights_S) if need_weights[c] else None)
-        with _sharing_sms(any(need_rows)):  # under the last row gradients' all-to-all
+            weights_back.append(None)
+            if need_weights[c]:  # back to the senders, under the dW GEMMs
+                grad_weights = _grad_or_zeros(row_weights_S)
+                if own_graph is not None:  # zeros there so far
+                    _own_slice(grad_weights, plan.own, "arrived").copy_(_grad_or_zeros(own_graph[2]))
+                weights_back[c] = exchange.combine(grad_weights, c, "weights")
+        with _sharing_sms(any(need_rows) and exchange.uses_sms):  # under the last row gradients' all-to-all
             weight_grads.run()
         grads = []
         for w in weights:  # hand the grads over, so autograd can keep them instead of copying
             grads.append(w.grad)
             w.grad = None
-        ctx.graphs = ctx.weights = ctx.exchange = None  # free the chunks' graphs
-        grad_send = [None if p is None else p.wait() for p in rows_back]
-        return (None, None, None, None, None, *grads, *grad_send, *weights_grads)
+        grad_send = []
+        for plan, pending, own_graph in zip(plans, rows_back, ctx.own_graphs):
+            grad = None if pending is None else pending.wait()
+            if grad is not None and own_graph is not None:
+                _own_slice(grad, plan.own, "sent").copy_(_grad_or_zeros(own_graph[1]))
+            grad_send.append(grad)
+        grad_send_weights = [None if p is None else p.wait() for p in weights_back]
+        ctx.graphs = ctx.own_graphs = ctx.weights = ctx.exchange = None  # free the chunks' graphs
+        return (None, None, None, None, None, *grads, *grad_send, *grad_send_weights)
+
+
+def _stand_in(t: torch.Tensor, wants_grad: bool) -> torch.Tensor:
+    """A detached leaf standing in for ``t`` in a chunk's graph: the graph ends there and
+    the backward collects the leaf's grad."""
+    return t.detach().requires_grad_(wants_grad)
+
+
+def _own_slice(t: torch.Tensor, own: OwnRows, order: str) -> torch.Tensor:
+    """The own rows of ``t``, a chunk's rows in send (``"sent"``) or arrival order."""
+    start = own.sent_start if order == "sent" else own.arrived_start
+    return t[start: start + own.num_rows]
+
+
+def _backward_into(graph: tuple, grad: "torch.Tensor | PendingExchange", weights: list[torch.Tensor],
+                   weight_grads: DeferredWeightGrads, share_sms: bool) -> None:
+    """Backward of one recorded expert graph ``(out, rows, row_weights)`` with ``grad`` (or
+    what a pending exchange brings), its weight gradients queued in ``weight_grads``."""
+    out, rows, row_weights = graph
+    inputs = [t for t in (rows, row_weights, *weights) if t.requires_grad]
+    if not inputs:
+        return
+    with defer_weight_grads(weight_grads), _sharing_sms(share_sms):
+        torch.autograd.backward(out, grad.wait() if isinstance(grad, PendingExchange) else grad, inputs=inputs)
 
 
 def _sharing_sms(share: bool):
@@ -141,10 +237,10 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
 
 def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Exchange,
                     gate_up: torch.Tensor, down: torch.Tensor, send_rows: list[torch.Tensor],
-                    arrived_weights: list[torch.Tensor], share_sms: bool = False) -> list[torch.Tensor]:
+                    send_weights: list[torch.Tensor], arrived_weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """Dispatch, local experts and combine of every chunk, communication overlapped with
     compute (see the module docstring). Differentiable in ``gate_up``, ``down``, the sent
-    rows and the arrived weights.
+    rows and the sent top-k weights.
 
     Args:
         expert_fn: the local experts on one chunk (:data:`ExpertFn`).
@@ -153,17 +249,17 @@ def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Excha
             session (``exchange.begin()``) before staging anything; the backward begins its own.
         gate_up, down: the local expert weights, passed on to ``expert_fn``.
         send_rows: per chunk, [U_c, H] rows grouped by destination rank.
-        arrived_weights: per chunk, the top-k weights of each row this rank receives
-            ([S_c] or [S_c, K], already here: they travel with the expert ids, see
-            :func:`ep_moe.dispatch.arrived`; applied by ``expert_fn``).
-        share_sms: launch the GEMMs of the chunks one program per tile, so that the
-            all-to-alls they overlap find SMs (True for NCCL with several chunks; the
-            copy engines need no SM, and one chunk overlaps nothing in the forward).
+        send_weights: per chunk, the top-k weights of the sent rows ([U_c] or [U_c, K]).
+        arrived_weights: per chunk, what the dispatch of ``send_weights`` delivered ([S_c]
+            or [S_c, K], already here: they travel with the expert ids, before the rows);
+            applied by ``expert_fn``. Their gradients go back to the senders with a
+            combine that the backward starts right after the chunk's input gradients, so
+            it runs under the weight-gradient GEMMs.
 
     Returns:
         Per chunk, [U_c, H] expert outputs in the chunk's send order.
     """
     record = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (gate_up, down, *send_rows, *arrived_weights))
-    return list(_ExpertPipeline.apply(expert_fn, plans, exchange, share_sms, record, gate_up, down,
-                                      *send_rows, *arrived_weights))
+        t.requires_grad for t in (gate_up, down, *send_rows, *send_weights))
+    return list(_ExpertPipeline.apply(expert_fn, plans, exchange, arrived_weights, record, gate_up, down,
+                                      *send_rows, *send_weights))

@@ -196,8 +196,16 @@ def test_pipeline_over_copy_engine_matches_local_computation(size, layers):
                  torch.randn(4, 6, generator=gen, dtype=torch.float64)) for _ in range(size)]
                for _ in range(layers)]
     inputs = per_rank_chunk(sent_count, 4)
-    # the top-k weights of the rows a rank receives arrive before the pipeline
+    # the top-k weights of the rows a rank receives arrive before the pipeline; what each
+    # rank sent of them: rank q's rows for p, in the order p received them
     arrived = [per_rank_chunk(recv_count, TOP_K, torch.rand) for _ in range(layers)]
+
+    def sent_part(per_dest, c, q):  # rank q's rows of chunk c, from each destination's arrival-order tensor
+        m = matrices[c]
+        return torch.cat([per_dest[p][c][sum(m[r][p] for r in range(q)):][:m[q][p]] for p in range(size)])
+
+    sent_weights = [[[sent_part(layer, c, q) for c in range(len(matrices))] for q in range(size)]
+                    for layer in arrived]
     ids = [[[torch.randint(0, EXPERTS, (recv_count(m, p), TOP_K), generator=gen) for m in matrices]
             for p in range(size)] for _ in range(layers)]
     grads = per_rank_chunk(sent_count, 4)
@@ -208,12 +216,13 @@ def test_pipeline_over_copy_engine_matches_local_computation(size, layers):
 
     def rank_fn(rank, workspace):
         experts = [[w.clone().requires_grad_() for w in weights[layer][rank]] for layer in range(layers)]
-        wts = [[w.clone().requires_grad_() for w in arrived[layer][rank]] for layer in range(layers)]
+        wts = [[w.clone().requires_grad_() for w in sent_weights[layer][rank]] for layer in range(layers)]
         rows = first = [r.clone().requires_grad_() for r in inputs[rank]]
         for layer in range(layers):
-            exchange = CopyEngineExchange(workspace, matrices, {"rows": 4 * 8})
+            exchange = CopyEngineExchange(workspace, matrices, {"rows": 4 * 8, "weights": TOP_K * 8})
             exchange.begin()
-            rows = expert_pipeline(_expert_fn, plans_of(layer, rank), exchange, *experts[layer], rows, wts[layer])
+            rows = expert_pipeline(_expert_fn, plans_of(layer, rank), exchange, *experts[layer], rows, wts[layer],
+                                   arrived[layer][rank])
         torch.autograd.backward(rows, grads[rank])
         leaves = [t for layer in range(layers) for t in (*experts[layer], *wts[layer])] + first
         return [o.detach() for o in rows], [t.grad for t in leaves]
@@ -237,7 +246,11 @@ def test_pipeline_over_copy_engine_matches_local_computation(size, layers):
     for q, (got_outs, got_grads) in enumerate(results):
         for c in range(len(matrices)):
             torch.testing.assert_close(got_outs[c], sent[q][c])
-        want_grads = [t.grad for layer in range(layers) for t in (*experts[layer][q], *arrived_leaves[layer][q])]
+        want_grads = []
+        for layer in range(layers):
+            want_grads += [t.grad for t in experts[layer][q]]
+            arrived_grads = [[w.grad for w in per] for per in arrived_leaves[layer]]
+            want_grads += [sent_part(arrived_grads, c, q) for c in range(len(matrices))]
         want_grads += [r.grad for r in first[q]]
         assert len(got_grads) == len(want_grads)
         for got, want in zip(got_grads, want_grads):

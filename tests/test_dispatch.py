@@ -9,7 +9,6 @@ from ep_moe import dispatch
 from ep_moe.dispatch import (
     NcclExchange,
     SplitSizes,
-    arrived,
     chunk_splits,
     dispatch_packed,
     pack_rows,
@@ -88,13 +87,12 @@ def _dispatch_worker(rank, world_size):
     pending = [exchange.dispatch(sends[c], c, "rows") for c in range(2)]
     recvs = [p.wait() for p in pending]
     backs = [exchange.combine(r + 0.5, c, "rows").wait() for c, r in enumerate(recvs)]
-    # two messages of other dtypes in one exchange; the weights differentiable
+    # two messages of other dtypes in one exchange
     ids = sends[0][:, :2].to(torch.int32) + 1
-    weights = sends[0][:, :3].double().requires_grad_()
+    weights = sends[0][:, :3].double()
     got_ids, got_weights = dispatch_packed(pack_rows([ids, weights]), splits[0], group)
-    (arrived(weights, got_weights, splits[0], group) * torch.arange(3.0)).sum().backward()
     return dict(counts=counts, splits=splits, recv=recvs, back=backs, send=sends,
-                packed=(got_ids.clone(), got_weights.clone()), weights_grad=weights.grad)
+                packed=(got_ids.clone(), got_weights.clone()))
 
 
 @pytest.mark.distributed
@@ -116,6 +114,4 @@ def test_dispatch_and_combine_on_gloo(world_size):
                 got_ids, got_weights = res["packed"]
                 assert got_ids.dtype == torch.int32 and got_ids[:, 1].tolist() == [v + 1 for v in arrival]
                 assert got_weights.dtype == torch.float64 and got_weights[:, 2].tolist() == arrival
-                torch.testing.assert_close(res["weights_grad"], torch.arange(3.0, dtype=torch.float64)
-                                           .expand_as(res["weights_grad"]))
     assert results[1]["send"][0].shape[0] == 0

@@ -323,6 +323,12 @@ SCENARIOS = {
     "empty_rank_overlap2": dict(top_k=2, overlap_chunks=2),
     # Zero router: every token picks expert 0, which keeps one: the second chunk sends nothing.
     "capacity_empty_chunk": dict(top_k=1, capacity_factor=0.5, drop_policy="position", overlap_chunks=2),
+    # The rows a rank sends itself run ahead of the exchange (ep_moe.pipeline.OwnRows).
+    "own_first_top3": dict(top_k=3, own_rows_first=True),
+    "own_first_triton_overlap2": dict(top_k=2, backend="triton", own_rows_first=True, overlap_chunks=2),
+    "own_first_capacity": dict(top_k=2, capacity_factor=0.75, own_rows_first=True),
+    "skewed_own_first": dict(top_k=2, own_rows_first=True),
+    "empty_rank_own_first": dict(top_k=2, own_rows_first=True),
 }
 
 
@@ -339,7 +345,7 @@ def _scenario(name, world_size):
         inputs[1] = torch.randn(0, 4, H)
     if name == "capacity_empty_chunk":
         state["router.weight"] = torch.zeros_like(state["router.weight"])
-    if name == "skewed":  # every token picks rank 0's experts
+    if name.startswith("skewed"):  # every token picks rank 0's experts
         owned = E // world_size
         inputs = [x.abs() + 0.1 for x in inputs]
         router = state["router.weight"].abs()
@@ -444,12 +450,22 @@ def _ep_worker(rank, world_size, merged_ckpt):
         group = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     else:
         group = dist.group.WORLD
-    results = {}
+    results, own_parts = {}, []
+    own_rows = MoELayer._own_rows
+
+    def counting_own_rows(self, *args):  # how many chunks ran their own rows ahead
+        own = own_rows(self, *args)
+        own_parts.append(own is not None)
+        return own
+
+    MoELayer._own_rows = counting_own_rows  # this worker process only
     for name in SCENARIOS:
         kwargs, state, inputs, grads = _scenario(name, world_size)
         layer = MoELayer(_config(**kwargs), group)
         layer.load_state_dict(state)
-        results[name] = dict(run=_run_layer(layer, inputs[rank], grads[rank]), grads=_param_grads(layer))
+        own_parts.clear()
+        results[name] = dict(run=_run_layer(layer, inputs[rank], grads[rank]), grads=_param_grads(layer),
+                             own_parts=sum(own_parts))
     if world_size == 4:
         torch.manual_seed(0)
         results["init_shard"] = MoELayer(_config(top_k=2), group).state_dict()
@@ -519,6 +535,10 @@ def test_ep_scenarios_are_what_they_claim(request, world_size):
     assert results[1]["empty_rank"]["run"]["y"].numel() == 0
     assert sum(int(r["capacity_probs"]["run"]["dropped"]) for r in results) > 0
     assert sum(int(r["capacity_position"]["run"]["dropped"]) for r in results) > 0
+    for name, kwargs in SCENARIOS.items():  # own rows ran ahead where asked (skewed: rank 0 only)
+        parts = [r[name]["own_parts"] for r in results]
+        assert (sum(parts) > 0) == bool(kwargs.get("own_rows_first")), (name, parts)
+    assert results[1]["empty_rank_own_first"]["own_parts"] == 0
 
 
 @pytest.mark.distributed

@@ -25,6 +25,11 @@ def _plan(num_rows: int, seed: int, device: torch.device = torch.device("cpu")) 
     return ChunkPlan(SplitSizes(send=[num_rows], recv=[num_rows]), build_routing_metadata(ids.to(device), 3))
 
 
+def _arrived(weights):
+    """What a dispatch without a group delivers of the sent top-k weights: the same values."""
+    return [w.detach() for w in weights]
+
+
 def _local(plans):
     """Exchanges without a group: the rows stay where they are."""
     return NcclExchange(None, [plan.splits for plan in plans])
@@ -38,7 +43,7 @@ def test_chunks_match_direct_computation_and_gradients():
     rows = [torch.randn(n, 4, generator=gen, requires_grad=True) for n in sizes]
     weights = [torch.rand(n, TOP_K, generator=gen, requires_grad=True) for n in sizes]
     plans = [_plan(n, seed) for seed, n in enumerate(sizes)]
-    outs = expert_pipeline(_expert_fn, plans, _local(plans), gate_up, down, rows, weights)
+    outs = expert_pipeline(_expert_fn, plans, _local(plans), gate_up, down, rows, weights, _arrived(weights))
     grads_out = [torch.randn_like(o) for o in outs]
     leaves = [gate_up, down, *rows, *weights]
     got = torch.autograd.grad(outs, leaves, grads_out)
@@ -54,8 +59,9 @@ def test_chunks_match_direct_computation_and_gradients():
 def test_no_graph_under_no_grad():
     gate_up, down = torch.randn(6, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
     with torch.no_grad():
+        weights = [torch.rand(3, TOP_K)]
         (out,) = expert_pipeline(_expert_fn, [_plan(3, 0)], _local([_plan(3, 0)]), gate_up, down,
-                                 [torch.randn(3, 4)], [torch.rand(3, TOP_K)])
+                                 [torch.randn(3, 4)], weights, _arrived(weights))
     assert out.grad_fn is None and not out.requires_grad
 
 
@@ -65,7 +71,8 @@ def test_frozen_inputs_get_no_gradient_and_a_second_backward_is_refused():
     down = torch.randn(4, 6, generator=gen)  # frozen
     rows = [torch.randn(5, 4, generator=gen, requires_grad=True)]
     weights = [torch.rand(5, TOP_K, generator=gen)]  # e.g. a frozen router
-    (out,) = expert_pipeline(_expert_fn, [_plan(5, 0)], _local([_plan(5, 0)]), gate_up, down, rows, weights)
+    (out,) = expert_pipeline(_expert_fn, [_plan(5, 0)], _local([_plan(5, 0)]), gate_up, down, rows, weights,
+                             _arrived(weights))
     out.sum().backward(retain_graph=True)
     assert gate_up.grad is not None and rows[0].grad is not None and down.grad is None
     want = torch.autograd.grad(_expert_fn(rows[0], weights[0], _plan(5, 0), gate_up, down).sum(), gate_up)[0]
@@ -78,7 +85,8 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
     """With grouped-GEMM experts (Triton: the GPU, or the interpreter) the backward queues
     both dW GEMMs of each chunk, runs them after the chunks' row gradients left, launching
     one program per tile, sums the chunks' dW inside the kernel (the later chunk
-    accumulates), and the gradients equal the direct computation."""
+    accumulates) and hands those buffers over uncopied, and the gradients equal the
+    direct computation."""
     from ep_moe.kernels import grouped_gemm as kernels
     from ep_moe.kernels import ops
     from ep_moe.layer import expert_mlp
@@ -90,7 +98,7 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
                        row_weights=weights_SK.flatten().index_select(0, local.slot_index_R))
         return torch.zeros(rows_SH.shape[0], h.shape[1], device=device).index_add(0, local.token_index_R, h)
 
-    seen, accumulated = [], []
+    seen, accumulated, dw_buffers = [], [], set()
     run, launch_dw = ops.DeferredWeightGrads.run, ops.launch_dw
 
     def spy_run(self):
@@ -99,6 +107,7 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
 
     def spy_launch_dw(*args, accumulate=False):
         accumulated.append(accumulate)
+        dw_buffers.add(args[2].data_ptr())
         launch_dw(*args, accumulate=accumulate)
 
     monkeypatch.setattr(ops.DeferredWeightGrads, "run", spy_run)
@@ -110,12 +119,13 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
     rows = [torch.randn(n, 8, generator=gen).to(device).requires_grad_() for n in sizes]
     weights = [torch.rand(n, TOP_K, generator=gen).to(device).requires_grad_() for n in sizes]
     plans = [_plan(n, seed, device) for seed, n in enumerate(sizes)]
-    outs = expert_pipeline(gemm_experts, plans, _local(plans), gate_up, down, rows, weights)
+    outs = expert_pipeline(gemm_experts, plans, _local(plans), gate_up, down, rows, weights, _arrived(weights))
     grads_out = [torch.randn_like(o) for o in outs]
     leaves = [gate_up, down, *rows, *weights]
     got = torch.autograd.grad(outs, leaves, grads_out)
     assert seen == [(4, ((7,), 1 << 30))]  # two GEMMs per chunk, queued, run per tile
     assert accumulated == [False, False, True, True]  # chunk 1 adds to chunk 0's dW
+    assert {got[0].data_ptr(), got[1].data_ptr()} <= dw_buffers  # the kernel's sums, not copies
 
     accumulated.clear()
     want_outs = [gemm_experts(r, w, p, gate_up, down) for r, w, p in zip(rows, weights, plans)]

@@ -264,7 +264,17 @@ class DeferredWeightGrads:
             sums[id(weight)] = (weight, grad_fn(None if partial is None else partial[1]))
             del grad_fn
         for weight, grad in sums.values():
-            torch.autograd.backward(weight, grad, inputs=[_leaf_of(weight)])
+            leaf = _leaf_of(weight)
+            if weight is leaf and leaf.grad is None and not _has_grad_hooks(leaf):
+                # What AccumulateGrad would store, without the copy it makes of a gradient
+                # the caller still holds.
+                leaf.grad = grad
+            else:
+                torch.autograd.backward(weight, grad, inputs=[leaf])
+
+
+def _has_grad_hooks(t: torch.Tensor) -> bool:
+    return bool(t._backward_hooks) or bool(getattr(t, "_post_accumulate_grad_hooks", None))
 
 
 def _leaf_of(w: torch.Tensor) -> Optional[torch.Tensor]:

@@ -41,6 +41,8 @@ SCENARIOS = {
     "empty_rank": dict(top_k=2),
     "chunks3": dict(top_k=2, overlap_chunks=3),
     "capacity_chunks2": dict(top_k=3, capacity_factor=0.75, overlap_chunks=2),
+    "own_first": dict(top_k=4, own_rows_first=True),
+    "own_first_chunks2_skewed": dict(top_k=2, own_rows_first=True, overlap_chunks=2),
 }
 TRANSPORTS = ("nccl", "copy_engine")
 
@@ -58,7 +60,7 @@ def _scenario(name: str, world_size: int):
     inputs = [torch.randn(T + 7 * r, H) for r in range(world_size)]
     if name == "empty_rank":
         inputs[1] = torch.randn(0, H)
-    if name == "skewed":  # every token picks the first EP rank's experts (E/4 of them at EP=4)
+    if "skewed" in name:  # every token picks the first EP rank's experts (E/4 of them at EP=4)
         inputs = [x.abs() + 0.1 for x in inputs]
         router = state["router.weight"].float().abs()
         router[E // 4:] *= -1
