@@ -167,7 +167,7 @@ class _ExpertPipeline(torch.autograd.Function):
         grads_back = [g.contiguous() for g in grads_back]
         grads_in = [exchange.dispatch(g, c, "rows") for c, g in enumerate(grads_back)]
         rows_back, weights_back = [], []
-        weight_grads = DeferredWeightGrads(weights)
+        weight_grads = DeferredWeightGrads(weights, private_leaves=True)  # the stand-ins
         for c, (plan, graph, own_graph) in enumerate(zip(plans, ctx.graphs, ctx.own_graphs)):
             if own_graph is not None:  # its gradients are here: no wait for the exchange
                 own_grad = _own_slice(grads_back[c], plan.own, "sent")

@@ -230,10 +230,14 @@ class DeferredWeightGrads:
     them (an all-to-all returning them to other ranks) can start while the dW GEMMs run.
 
     Only GEMMs whose weight is one of ``weights`` (leaf tensors) or a dtype cast of one
-    (``.to()``, as autocast does) are deferred; every other GEMM computes its dW at once."""
+    (``.to()``, as autocast does) are deferred; every other GEMM computes its dW at once.
+    ``private_leaves``: the weights are leaves only the caller sees (no hooks on them or on
+    their grad accumulators, as DDP registers): a dW of the leaf itself is then stored in
+    its ``.grad`` when that is empty, without the copy ``AccumulateGrad`` makes of a
+    gradient its caller still references."""
 
-    def __init__(self, weights: list[torch.Tensor]):
-        self._weights = list(weights)
+    def __init__(self, weights: list[torch.Tensor], private_leaves: bool = False):
+        self._weights, self._private = list(weights), private_leaves
         self._queued: list[tuple[torch.Tensor, Callable[[Optional[torch.Tensor]], torch.Tensor]]] = []
 
     def owns(self, leaf: torch.Tensor) -> bool:
@@ -253,8 +257,8 @@ class DeferredWeightGrads:
         """Compute every queued gradient, in order, and send it into its weight's autograd
         graph (accumulated into the leaf's ``.grad``, through the cast if any). GEMMs of the
         same weight tensor (the chunks of a pipeline) sum into one buffer inside the dW
-        kernel, which goes into the graph once. Each entry is dropped once done, so its
-        saved operands are freed before the next dW runs."""
+        kernel, which goes into the graph once (for private leaves, into ``.grad``). Each
+        entry is dropped once done, so its saved operands are freed before the next dW runs."""
         queued, self._queued = self._queued, []
         queued.reverse()
         sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, its dW so far)
@@ -265,16 +269,10 @@ class DeferredWeightGrads:
             del grad_fn
         for weight, grad in sums.values():
             leaf = _leaf_of(weight)
-            if weight is leaf and leaf.grad is None and not _has_grad_hooks(leaf):
-                # What AccumulateGrad would store, without the copy it makes of a gradient
-                # the caller still holds.
-                leaf.grad = grad
+            if self._private and weight is leaf and leaf.grad is None:
+                leaf.grad = grad  # what AccumulateGrad would store, uncopied
             else:
                 torch.autograd.backward(weight, grad, inputs=[leaf])
-
-
-def _has_grad_hooks(t: torch.Tensor) -> bool:
-    return bool(t._backward_hooks) or bool(getattr(t, "_post_accumulate_grad_hooks", None))
 
 
 def _leaf_of(w: torch.Tensor) -> Optional[torch.Tensor]:
