@@ -212,7 +212,8 @@ def parse_variants(spec: str) -> list[Variant]:
     """``--variants`` as (transport, chunks, own rows first) tuples."""
     variants = []
     for item in spec.split(","):
-        transport, chunks, *own = item.split(":")
+        parts = item.split(":")
+        transport, chunks, own = parts[0], parts[1] if len(parts) > 1 else "", parts[2:]
         if transport not in TRANSPORTS or not chunks.isdigit() or own not in ([], ["own"]):
             raise SystemExit(f"--variants {item!r}: use TRANSPORT:CHUNKS or TRANSPORT:CHUNKS:own, "
                              f"TRANSPORT one of {list(TRANSPORTS)}")

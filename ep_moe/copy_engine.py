@@ -266,8 +266,6 @@ class CopyEngineExchange:
 
     uses_sms = False
     """Copies on the copy engines and stream memory operations: no SM needed."""
-    reuses_staging = True
-    """Staged rows live in the workspace, which the next session restages."""
 
     def __init__(self, workspace: SymmetricWorkspace, matrices: list[list[list[int]]],
                  row_bytes: dict[str, int]) -> None:

@@ -233,8 +233,6 @@ class NcclExchange:
 
     uses_sms = True
     """NCCL's all-to-all runs as kernels: GEMMs that overlap it leave it SMs."""
-    reuses_staging = False
-    """No staging buffers (:meth:`staging` gives None)."""
 
     def __init__(self, group: Optional[ProcessGroup], splits: list[SplitSizes]) -> None:
         self.group, self.splits = group, splits

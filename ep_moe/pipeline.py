@@ -29,7 +29,8 @@ back from inside it, right after each chunk's input gradients).
 With ``MoEConfig.own_rows_first`` the rows a rank sends itself (:class:`OwnRows`, about
 1/P of a chunk's rows) need no exchange: the experts run on them from the send buffer
 while the dispatch carries the rest, and in the backward while the gradients travel;
-the exchange carries zeros for them, and their results are written into its output::
+the combine carries zeros for them (the dispatch still brings them, unused), and their
+results are written into its output::
 
     comm:     dispatch 0 (others' rows)  |          | combine 0 |
     compute:  own rows 0 (one prog/tile) | others 0 |
@@ -92,9 +93,6 @@ class Exchange(Protocol):
 
     uses_sms: bool
     """Whether the exchange's transfers run as kernels that need SMs (NCCL)."""
-    reuses_staging: bool
-    """Whether rows sent from :meth:`staging` buffers get overwritten by later exchanges
-    (so what must outlive the exchange is copied out)."""
 
     def begin(self) -> None: ...
     def staging(self, chunk: int, kind: str, rows: int, row_shape: tuple,
@@ -106,7 +104,8 @@ class Exchange(Protocol):
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, ChunkPlan, torch.Tensor, torch.Tensor], torch.Tensor]
 """``expert_fn(rows_SH, weights_S, plan, gate_up, down) -> out_SH``: the local experts on
 one chunk's arrived rows and their top-k weights (``[S]`` or ``[S, K]``), one output row
-per arrived row, differentiable."""
+per arrived row, differentiable. ``gate_up`` and ``down`` come cast to the rows' dtype,
+one cast per pipeline call that every chunk shares."""
 
 
 class _ExpertPipeline(torch.autograd.Function):
@@ -123,25 +122,28 @@ class _ExpertPipeline(torch.autograd.Function):
         # Detached stand-ins: each chunk's graph ends at these leaves, whose grads the
         # backward collects and returns.
         weights = [_stand_in(w, record and w.requires_grad) for w in (gate_up, down)]
+        with torch.set_grad_enabled(record):  # one cast (autocast's) for every chunk: their dW sum in place
+            compute_weights = [w.to(send[0].dtype) for w in weights]
         graphs, own_graphs, rows_out = [], [], []
         for c, plan in enumerate(plans):
             own_graph = None
             if plan.own is not None:  # from the send buffer, while the dispatch travels
                 own = plan.own
                 own_rows = _own_slice(send[c], own, "sent")
-                if exchange.reuses_staging:  # the GEMMs keep these rows for the backward
+                if record:  # saved for the backward: not a view pinning (or restaged with) the send buffer
                     own_rows = own_rows.clone()
                 own_rows = _stand_in(own_rows, record and send[c].requires_grad)
                 own_weights = _stand_in(_own_slice(arrived_weights[c], own, "arrived"),
                                         record and send_weights[c].requires_grad)
                 with torch.set_grad_enabled(record), _sharing_sms(exchange.uses_sms):
-                    own_graph = (expert_fn(own_rows, own_weights, plan.own_part(), *weights), own_rows, own_weights)
+                    own_graph = (expert_fn(own_rows, own_weights, plan.own_part(), *compute_weights), own_rows,
+                                 own_weights)
             own_graphs.append(own_graph)
             # a stand-in: without a group the "received" rows are the sent tensors themselves
             rows_SH = _stand_in(rows_in[c].wait(), record and send[c].requires_grad)
             row_weights_S = _stand_in(arrived_weights[c], record and send_weights[c].requires_grad)
             with torch.set_grad_enabled(record), _sharing_sms(share_sms):
-                out_SH = expert_fn(rows_SH, row_weights_S, plan, *weights)
+                out_SH = expert_fn(rows_SH, row_weights_S, plan, *compute_weights)
             graphs.append((out_SH, rows_SH, row_weights_S))
             rows_out.append(exchange.combine(out_SH.detach(), c, "rows"))
         ctx.plans, ctx.exchange, ctx.share_sms, ctx.weights = plans, exchange, share_sms, weights
@@ -181,7 +183,8 @@ class _ExpertPipeline(torch.autograd.Function):
                 if own_graph is not None:  # zeros there so far
                     _own_slice(grad_weights, plan.own, "arrived").copy_(_grad_or_zeros(own_graph[2]))
                 weights_back[c] = exchange.combine(grad_weights, c, "weights")
-        with _sharing_sms(any(need_rows) and exchange.uses_sms):  # under the last row gradients' all-to-all
+        # under the last chunk's row and top-k weight gradients' all-to-alls
+        with _sharing_sms((any(need_rows) or any(need_weights)) and exchange.uses_sms):
             weight_grads.run()
         grads = []
         for w in weights:  # hand the grads over, so autograd can keep them instead of copying
@@ -259,6 +262,9 @@ def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Excha
     Returns:
         Per chunk, [U_c, H] expert outputs in the chunk's send order.
     """
+    if any(w.requires_grad for w in arrived_weights):
+        raise ValueError("expert_pipeline: arrived_weights are data (their gradient goes back to "
+                         "send_weights); pass them detached")
     record = torch.is_grad_enabled() and any(
         t.requires_grad for t in (gate_up, down, *send_rows, *send_weights))
     return list(_ExpertPipeline.apply(expert_fn, plans, exchange, arrived_weights, record, gate_up, down,

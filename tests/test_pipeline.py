@@ -4,8 +4,8 @@ the unchunked computation, graphs are freed, and no graph is kept under no_grad.
 import pytest
 import torch
 
-from ep_moe.dispatch import NcclExchange, SplitSizes
-from ep_moe.pipeline import ChunkPlan, expert_pipeline
+from ep_moe.dispatch import NcclExchange, PendingExchange, SplitSizes
+from ep_moe.pipeline import ChunkPlan, OwnRows, expert_pipeline
 from ep_moe.routing import build_routing_metadata
 
 TOP_K = 2
@@ -56,6 +56,71 @@ def test_chunks_match_direct_computation_and_gradients():
         torch.testing.assert_close(a, b)
 
 
+class _Delivering(NcclExchange):
+    """An exchange without a group that, like a real one, delivers new tensors."""
+
+    def dispatch(self, x, chunk, kind):
+        return PendingExchange(x.clone())
+
+    def combine(self, x, chunk, kind):
+        return PendingExchange(x.clone())
+
+
+def _sine_experts(rows_SH, weights_SK, plan, gate_up, down):
+    """:func:`_expert_fn` after a sine, whose backward reads the rows themselves."""
+    return _expert_fn(rows_SH.sin(), weights_SK, plan, gate_up, down)
+
+
+def _plan_with_own_rows(num_rows: int, own_start: int, own_rows: int, seed: int) -> ChunkPlan:
+    """A chunk whose rows [own_start, own_start + own_rows) are the rank's own (no group:
+    send and arrival order are the same); their slots leave the arrived rows' routing."""
+    ids = torch.randint(0, 3, (num_rows, TOP_K), generator=torch.Generator().manual_seed(seed))
+    others = torch.ones(num_rows, TOP_K, dtype=torch.bool)
+    others[own_start: own_start + own_rows] = False
+    own = OwnRows(own_start, own_start, own_rows,
+                  build_routing_metadata(ids[own_start: own_start + own_rows], 3))
+    local = build_routing_metadata(ids, 3, others, num_kept=int(others.sum()))
+    return ChunkPlan(SplitSizes(send=[num_rows], recv=[num_rows]), local, own)
+
+
+def test_own_rows_run_ahead_and_match_direct_computation():
+    """Own rows (the middle of a chunk, the whole of another) run from a copy of the send
+    buffer: overwriting the send rows after the forward changes nothing, and outputs and
+    gradients equal the direct computation over all rows."""
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(6, 4, generator=gen, requires_grad=True)
+    down = torch.randn(4, 6, generator=gen, requires_grad=True)
+    sizes = [7, 3]
+    plans = [_plan_with_own_rows(7, 2, 3, 0), _plan_with_own_rows(3, 0, 3, 1)]
+    values = [torch.randn(n, 4, generator=gen) for n in sizes]
+    rows = [v.clone().requires_grad_() for v in values]
+    weights = [torch.rand(n, TOP_K, generator=gen, requires_grad=True) for n in sizes]
+    sends = [r * 1 for r in rows]  # non-leaf send buffers, overwritten below
+    outs = expert_pipeline(_sine_experts, plans, _Delivering(None, [p.splits for p in plans]), gate_up, down,
+                           sends, weights, _arrived(weights))
+    for s in sends:
+        s.detach().zero_()  # as a restaged send buffer would be
+    grads_out = [torch.randn_like(o) for o in outs]
+    leaves = [gate_up, down, *rows, *weights]
+    got = torch.autograd.grad(outs, leaves, grads_out)
+
+    want_outs = [_sine_experts(r, w, _plan(n, seed), gate_up, down)  # same ids, no own rows
+                 for seed, (r, w, n) in enumerate(zip(rows, weights, sizes))]
+    want = torch.autograd.grad(want_outs, leaves, grads_out)
+    for a, b in zip(outs, want_outs):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_arrived_weights_must_be_data():
+    gate_up, down = torch.randn(6, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
+    weights = [torch.rand(3, TOP_K, requires_grad=True)]
+    with pytest.raises(ValueError, match="arrived_weights are data"):
+        expert_pipeline(_expert_fn, [_plan(3, 0)], _local([_plan(3, 0)]), gate_up, down,
+                        [torch.randn(3, 4)], weights, weights)
+
+
 def test_no_graph_under_no_grad():
     gate_up, down = torch.randn(6, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
     with torch.no_grad():
@@ -81,12 +146,14 @@ def test_frozen_inputs_get_no_gradient_and_a_second_backward_is_refused():
         out.sum().backward()
 
 
-def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(monkeypatch, device):
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float64], ids=["fp32", "cast"])
+def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(monkeypatch, device, weight_dtype):
     """With grouped-GEMM experts (Triton: the GPU, or the interpreter) the backward queues
     both dW GEMMs of each chunk, runs them after the chunks' row gradients left, launching
     one program per tile, sums the chunks' dW inside the kernel (the later chunk
-    accumulates) and hands those buffers over uncopied, and the gradients equal the
-    direct computation."""
+    accumulates; with weights cast to the rows' dtype, as autocast does, too: one cast for
+    all chunks) and hands those buffers over uncopied, and the gradients equal the direct
+    computation."""
     from ep_moe.kernels import grouped_gemm as kernels
     from ep_moe.kernels import ops
     from ep_moe.layer import expert_mlp
@@ -113,8 +180,8 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
     monkeypatch.setattr(ops.DeferredWeightGrads, "run", spy_run)
     monkeypatch.setattr(ops, "launch_dw", spy_launch_dw)
     gen = torch.Generator().manual_seed(2)
-    gate_up = torch.randn(3, 16, 8, generator=gen).to(device).requires_grad_()
-    down = torch.randn(3, 8, 16, generator=gen).to(device).requires_grad_()
+    gate_up = torch.randn(3, 16, 8, generator=gen).to(device, weight_dtype).requires_grad_()
+    down = torch.randn(3, 8, 16, generator=gen).to(device, weight_dtype).requires_grad_()
     sizes = [5, 3]
     rows = [torch.randn(n, 8, generator=gen).to(device).requires_grad_() for n in sizes]
     weights = [torch.rand(n, TOP_K, generator=gen).to(device).requires_grad_() for n in sizes]
@@ -125,7 +192,8 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
     got = torch.autograd.grad(outs, leaves, grads_out)
     assert seen == [(4, ((7,), 1 << 30))]  # two GEMMs per chunk, queued, run per tile
     assert accumulated == [False, False, True, True]  # chunk 1 adds to chunk 0's dW
-    assert {got[0].data_ptr(), got[1].data_ptr()} <= dw_buffers  # the kernel's sums, not copies
+    if weight_dtype == torch.float32:
+        assert {got[0].data_ptr(), got[1].data_ptr()} <= dw_buffers  # the kernel's sums, not copies
 
     accumulated.clear()
     want_outs = [gemm_experts(r, w, p, gate_up, down) for r, w, p in zip(rows, weights, plans)]
