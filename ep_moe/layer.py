@@ -168,6 +168,8 @@ class MoEConfig:
                              "(1: no overlap)")
         if self.transport not in ("nccl", "copy_engine"):
             raise ValueError(f"MoEConfig.transport={self.transport!r}: use 'nccl' or 'copy_engine'")
+        if not isinstance(self.own_rows_first, bool):
+            raise ValueError(f"MoEConfig.own_rows_first={self.own_rows_first!r}: must be True or False")
         if not self.init_std > 0:
             raise ValueError(f"MoEConfig.init_std={self.init_std!r}: must be > 0")
         if self.capacity_factor is not None and not self.capacity_factor > 0:

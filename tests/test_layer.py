@@ -278,6 +278,7 @@ def test_ep_layout_expert_then_data():
     (dict(top_k=2, aux_loss_coef=-1.0), r"aux_loss_coef=-1.0: must be >= 0"),
     (dict(top_k=2, overlap_chunks=0), r"overlap_chunks=0: must be an int >= 1"),
     (dict(top_k=2, transport="nvshmem"), r"transport='nvshmem': use 'nccl' or 'copy_engine'"),
+    (dict(top_k=2, own_rows_first="yes"), r"own_rows_first='yes': must be True or False"),
 ])
 def test_config_errors(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
