@@ -4,7 +4,8 @@
 
 For each shape (the layer of ``bench_ep.py``: same config, seed and tokens), on every
 rank: forward+backward time of the EP=P layer and of an EP=1 layer on the same GPU and
-tokens (CUDA-event medians), the slots this rank's experts serve (load imbalance), then
+tokens (CUDA-event medians) with what the caching allocator did meanwhile (new and freed
+segments, out-of-memory retries, reserved peak), the slots this rank's experts serve (load imbalance), then
 one profiled step of the EP=P layer split, from the CUDA kernel timeline, into compute
 kernels (union), communication kernels not overlapped by compute, and idle GPU time
 (host syncs and launch gaps). Optional: ``--top N`` GPU ops by time, ``--cprofile N``
@@ -73,6 +74,17 @@ def kernel_breakdown(step, top: int = 0) -> dict:
     busy = union_ms(comm + compute)
     return dict(span_ms=span, compute_ms=union_ms(compute), gemm_ms=union_ms(gemm),
                 comm_ms=union_ms(comm), comm_exposed_ms=busy - union_ms(compute), idle_ms=span - busy)
+
+
+def allocator_churn(label: str, before: dict, after: dict) -> dict:
+    """What the caching allocator did during the timed steps: new cudaMalloc'd segments
+    and freed ones (each can stall the host), retries after an out-of-memory (each frees
+    the cache and synchronizes), and the peak of reserved memory so far (GB)."""
+    def grew(key: str) -> int:
+        return int(after.get(key, 0) - before.get(key, 0))
+    return {f"{label}_segments_new": grew("segment.all.allocated"), f"{label}_segments_freed": grew("segment.all.freed"),
+            f"{label}_alloc_retries": grew("num_alloc_retries"),
+            f"{label}_reserved_peak_gb": after.get("reserved_bytes.all.peak", 0) / 2**30}
 
 
 def host_profile(step, top: int, steps: int = 10) -> None:
@@ -194,7 +206,9 @@ def main() -> None:
                 x.grad = layer.experts.gate_up.grad = layer.experts.down.grad = None  # as bench_ep
                 layer(x).backward(dy)
             dist.barrier()
+            before = torch.cuda.memory_stats()
             row[f"{label}_ms"] = fixed_median_ms(step)
+            row.update(allocator_churn(label, before, torch.cuda.memory_stats()))
         counts = ep_layer.last_stats.tokens_per_expert.clone()
         dist.all_reduce(counts)
         local = counts.view(world, -1).sum(1)
