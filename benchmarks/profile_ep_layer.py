@@ -87,6 +87,22 @@ def allocator_churn(label: str, before: dict, after: dict) -> dict:
             f"{label}_reserved_peak_gb": after.get("reserved_bytes.all.peak", 0) / 2**30}
 
 
+def host_ms(label: str, layer, x, dy) -> dict:
+    """Host time of one forward and one backward call started on an idle GPU (the forward's
+    includes waiting for its host sync, if any)."""
+    x.grad = layer.experts.gate_up.grad = layer.experts.down.grad = None
+    dist.barrier()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    y = layer(x)
+    t1 = time.perf_counter()
+    y.backward(dy)
+    t2 = time.perf_counter()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return {f"{label}_host_fwd_ms": (t1 - t0) * 1e3, f"{label}_host_bwd_ms": (t2 - t1) * 1e3}
+
+
 def host_profile(step, top: int, steps: int = 10) -> None:
     """cProfile of ``steps`` steps (every rank runs them; rank 0 with ``top`` > 0 prints)."""
     profiler = cProfile.Profile()
@@ -209,6 +225,7 @@ def main() -> None:
             before = torch.cuda.memory_stats()
             row[f"{label}_ms"] = fixed_median_ms(step)
             row.update(allocator_churn(label, before, torch.cuda.memory_stats()))
+            row.update(host_ms(label, layer, x, dy))
         counts = ep_layer.last_stats.tokens_per_expert.clone()
         dist.all_reduce(counts)
         local = counts.view(world, -1).sum(1)
@@ -218,16 +235,6 @@ def main() -> None:
         def ep_step():
             x.grad = ep_layer.experts.gate_up.grad = ep_layer.experts.down.grad = None
             ep_layer(x).backward(dy)
-        dist.barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        y = ep_layer(x)
-        row["host_fwd_ms"] = (time.perf_counter() - t0) * 1e3
-        t0 = time.perf_counter()
-        y.backward(dy)
-        row["host_bwd_ms"] = (time.perf_counter() - t0) * 1e3
-        torch.cuda.synchronize()
-        dist.barrier()
         if rank == 0:
             print(f"--- {name} rank 0 GPU ops, one step (transport {args.transport}, chunks {args.chunks}, "
                   f"own rows first {args.own})")

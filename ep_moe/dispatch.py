@@ -219,10 +219,26 @@ def pack_rows(parts: list[torch.Tensor]) -> PackedRows:
     return PackedRows(data, tuple((p.dtype, tuple(p.shape[1:])) for p in parts))
 
 
+class PendingPacked:
+    """:func:`start_dispatch_packed` in flight; :meth:`wait` returns the arrived parts."""
+
+    def __init__(self, pending: PendingExchange, parts: tuple) -> None:
+        self._pending, self._parts = pending, parts
+
+    def wait(self) -> list[torch.Tensor]:
+        """The arrived parts ([S, ...] each, views of one buffer; not differentiable), once
+        the current stream may use them."""
+        return PackedRows(self._pending.wait(), self._parts).unpack()
+
+
+def start_dispatch_packed(packed: PackedRows, splits: SplitSizes, group: Optional[ProcessGroup]) -> PendingPacked:
+    """Start dispatching packed rows in one all-to-all."""
+    return PendingPacked(start_dispatch(packed.data, splits, group), packed.parts)
+
+
 def dispatch_packed(packed: PackedRows, splits: SplitSizes, group: Optional[ProcessGroup]) -> list[torch.Tensor]:
-    """Dispatch packed rows in one all-to-all; returns the arrived parts ([S, ...] each,
-    views of one buffer; not differentiable)."""
-    return PackedRows(start_dispatch(packed.data, splits, group).wait(), packed.parts).unpack()
+    """:func:`start_dispatch_packed` and its arrived parts at once."""
+    return start_dispatch_packed(packed, splits, group).wait()
 
 
 class NcclExchange:

@@ -39,10 +39,10 @@ from ep_moe.dispatch import (
     NcclExchange,
     SplitSizes,
     chunk_splits,
-    dispatch_packed,
     group_size,
     pack_rows,
     row_matrices,
+    start_dispatch_packed,
     start_gather_counts,
 )
 from ep_moe.kernels.activation import swiglu
@@ -555,12 +555,25 @@ class MoELayer(nn.Module):
         counts = pending_counts.result()  # [source][chunk][destination][rows, slots]: the host sync
         all_splits = [chunk_splits(counts, self.ep_rank, c) for c in range(len(sizes))]
         exchange = self._exchange(counts, all_splits, x_TH, router.topk_weights_TK)
+        # Right after the sync, the exchanges: first the small one of expert ids and
+        # weights, then the rows, which travel while the host queues the receiver's routing
+        # (the GPU would otherwise idle until the host has issued it).
+        packed_in = []
+        for c, splits in enumerate(all_splits):
+            routings[c] = routings[c].first_rows(sum(splits.send))
+            packed_in.append(start_dispatch_packed(packed[c].first_rows(sum(splits.send)), splits, group))
+        exchange.begin()  # before anything is staged in its buffers (waits for the peers' last pulls)
+        send_rows = []
+        for c, (splits, routing) in enumerate(zip(all_splits, routings)):
+            staging = exchange.staging(c, "rows", sum(splits.send), x_TH.shape[1:], x_TH.dtype)
+            early = None if early_rows[c] is None else early_rows[c][:sum(splits.send)]
+            send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend, out=staging, gathered=early))
+        with torch.no_grad():
+            rows_in = [exchange.dispatch(rows, c, "rows") for c, rows in enumerate(send_rows)]
         plans, send_weights, arrived_weights = [], [], []
         for c, splits in enumerate(all_splits):
-            num_sent = sum(splits.send)
-            routings[c] = routings[c].first_rows(num_sent)
-            recv_ids_SK, recv_weights_SK = dispatch_packed(packed[c].first_rows(num_sent), splits, group)
-            send_weights.append(weights[c][:num_sent])
+            recv_ids_SK, recv_weights_SK = packed_in[c].wait()
+            send_weights.append(weights[c][:sum(splits.send)])
             arrived_weights.append(recv_weights_SK)
             kept_SK = recv_ids_SK >= 0
             num_kept = sum(source[c][self.ep_rank][1] for source in counts)
@@ -571,12 +584,6 @@ class MoELayer(nn.Module):
                 num_kept -= own_slots
             local = build_routing_metadata(recv_ids_SK.clamp(min=0), num_local, kept_SK, num_kept=num_kept)
             plans.append(ChunkPlan(splits, local, own))
-        exchange.begin()  # before anything is staged in its buffers (waits for the peers' last pulls)
-        send_rows = []
-        for c, (splits, routing) in enumerate(zip(all_splits, routings)):
-            staging = exchange.staging(c, "rows", sum(splits.send), x_TH.shape[1:], x_TH.dtype)
-            early = None if early_rows[c] is None else early_rows[c][:sum(splits.send)]
-            send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend, out=staging, gathered=early))
         configs = {}  # per distinct routed-row count
 
         def run_experts(rows_SH, weights_SK, plan: ChunkPlan, gate_up, down):
@@ -590,7 +597,7 @@ class MoELayer(nn.Module):
             return sum_slot_rows(y_RH, local, backend)
 
         back_rows = expert_pipeline(run_experts, plans, exchange, self.experts.gate_up, self.experts.down,
-                                    send_rows, send_weights, arrived_weights)
+                                    send_rows, send_weights, arrived_weights, dispatched=rows_in)
         y_chunks = [sum_slot_rows(rows, r.pairs, backend) for rows, r in zip(back_rows, routings)]
         return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
 

@@ -111,14 +111,15 @@ one cast per pipeline call that every chunk shares."""
 class _ExpertPipeline(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Exchange,
-                arrived_weights: list[torch.Tensor], record: bool, gate_up: torch.Tensor, down: torch.Tensor,
-                *rows_and_weights):
+                arrived_weights: list[torch.Tensor], dispatched: Optional[list[PendingExchange]], record: bool,
+                gate_up: torch.Tensor, down: torch.Tensor, *rows_and_weights):
         num_chunks = len(plans)
         # GEMMs that overlap an exchange's kernels launch one program per tile: the own
         # rows' (under the dispatch) and, with several chunks, every chunk's.
         share_sms = exchange.uses_sms and num_chunks > 1
         send, send_weights = rows_and_weights[:num_chunks], rows_and_weights[num_chunks:]
-        rows_in = [exchange.dispatch(send[c], c, "rows") for c in range(num_chunks)]
+        rows_in = dispatched if dispatched is not None else [
+            exchange.dispatch(send[c], c, "rows") for c in range(num_chunks)]
         # Detached stand-ins: each chunk's graph ends at these leaves, whose grads the
         # backward collects and returns.
         weights = [_stand_in(w, record and w.requires_grad) for w in (gate_up, down)]
@@ -198,7 +199,7 @@ class _ExpertPipeline(torch.autograd.Function):
             grad_send.append(grad)
         grad_send_weights = [None if p is None else p.wait() for p in weights_back]
         ctx.graphs = ctx.own_graphs = ctx.weights = ctx.exchange = None  # free the chunks' graphs
-        return (None, None, None, None, None, *grads, *grad_send, *grad_send_weights)
+        return (None, None, None, None, None, None, *grads, *grad_send, *grad_send_weights)
 
 
 def _stand_in(t: torch.Tensor, wants_grad: bool) -> torch.Tensor:
@@ -230,7 +231,7 @@ def _sharing_sms(share: bool):
     return one_program_per_tile() if share else contextlib.nullcontext()
 
 
-_SEND_ARG = 7
+_SEND_ARG = 8
 """Position of the first sent rows among ``_ExpertPipeline.forward``'s arguments."""
 
 
@@ -240,7 +241,8 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
 
 def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Exchange,
                     gate_up: torch.Tensor, down: torch.Tensor, send_rows: list[torch.Tensor],
-                    send_weights: list[torch.Tensor], arrived_weights: list[torch.Tensor]) -> list[torch.Tensor]:
+                    send_weights: list[torch.Tensor], arrived_weights: list[torch.Tensor],
+                    dispatched: Optional[list[PendingExchange]] = None) -> list[torch.Tensor]:
     """Dispatch, local experts and combine of every chunk, communication overlapped with
     compute (see the module docstring). Differentiable in ``gate_up``, ``down``, the sent
     rows and the sent top-k weights.
@@ -258,14 +260,21 @@ def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Excha
             applied by ``expert_fn``. Their gradients go back to the senders with a
             combine that the backward starts right after the chunk's input gradients, so
             it runs under the weight-gradient GEMMs.
+        dispatched: per chunk, the dispatch of ``send_rows`` already started by the
+            caller (``exchange.dispatch(rows, chunk, "rows")``), so the rows travel while
+            the caller still queues work (the receiver's routing); default: the pipeline
+            starts them.
 
     Returns:
         Per chunk, [U_c, H] expert outputs in the chunk's send order.
     """
+    if dispatched is not None and len(dispatched) != len(plans):
+        raise ValueError(f"expert_pipeline: {len(dispatched)} dispatches for {len(plans)} chunks; "
+                         "pass one per chunk or None")
     if any(w.requires_grad for w in arrived_weights):
         raise ValueError("expert_pipeline: arrived_weights are data (their gradient goes back to "
                          "send_weights); pass them detached")
     record = torch.is_grad_enabled() and any(
         t.requires_grad for t in (gate_up, down, *send_rows, *send_weights))
-    return list(_ExpertPipeline.apply(expert_fn, plans, exchange, arrived_weights, record, gate_up, down,
-                                      *send_rows, *send_weights))
+    return list(_ExpertPipeline.apply(expert_fn, plans, exchange, arrived_weights, dispatched, record,
+                                      gate_up, down, *send_rows, *send_weights))

@@ -35,7 +35,8 @@ def _local(plans):
     return NcclExchange(None, [plan.splits for plan in plans])
 
 
-def test_chunks_match_direct_computation_and_gradients():
+@pytest.mark.parametrize("caller_dispatches", [False, True])
+def test_chunks_match_direct_computation_and_gradients(caller_dispatches):
     gen = torch.Generator().manual_seed(0)
     gate_up = torch.randn(6, 4, generator=gen, requires_grad=True)
     down = torch.randn(4, 6, generator=gen, requires_grad=True)
@@ -43,7 +44,11 @@ def test_chunks_match_direct_computation_and_gradients():
     rows = [torch.randn(n, 4, generator=gen, requires_grad=True) for n in sizes]
     weights = [torch.rand(n, TOP_K, generator=gen, requires_grad=True) for n in sizes]
     plans = [_plan(n, seed) for seed, n in enumerate(sizes)]
-    outs = expert_pipeline(_expert_fn, plans, _local(plans), gate_up, down, rows, weights, _arrived(weights))
+    exchange = _Counting(None, [plan.splits for plan in plans])
+    dispatched = [exchange.dispatch(r.detach(), c, "rows") for c, r in enumerate(rows)] if caller_dispatches else None
+    outs = expert_pipeline(_expert_fn, plans, exchange, gate_up, down, rows, weights, _arrived(weights),
+                           dispatched=dispatched)
+    assert exchange.dispatches == len(sizes)  # the caller's dispatches are used, none repeated
     grads_out = [torch.randn_like(o) for o in outs]
     leaves = [gate_up, down, *rows, *weights]
     got = torch.autograd.grad(outs, leaves, grads_out)
@@ -64,6 +69,24 @@ class _Delivering(NcclExchange):
 
     def combine(self, x, chunk, kind):
         return PendingExchange(x.clone())
+
+
+class _Counting(_Delivering):
+    """Counts the forward's row dispatches."""
+
+    dispatches = 0
+
+    def dispatch(self, x, chunk, kind):
+        self.dispatches += 1
+        return super().dispatch(x, chunk, kind)
+
+
+def test_dispatches_one_per_chunk():
+    plans = [_plan(3, 0)]
+    weights = [torch.rand(3, TOP_K)]
+    with pytest.raises(ValueError, match="2 dispatches for 1 chunks"):
+        expert_pipeline(_expert_fn, plans, _local(plans), torch.randn(6, 4), torch.randn(4, 6),
+                        [torch.randn(3, 4)], weights, weights, dispatched=[None, None])
 
 
 def _sine_experts(rows_SH, weights_SK, plan, gate_up, down):
