@@ -575,15 +575,7 @@ class MoELayer(nn.Module):
             recv_ids_SK, recv_weights_SK = packed_in[c].wait()
             send_weights.append(weights[c][:sum(splits.send)])
             arrived_weights.append(recv_weights_SK)
-            kept_SK = recv_ids_SK >= 0
-            num_kept = sum(source[c][self.ep_rank][1] for source in counts)
-            own_slots = counts[self.ep_rank][c][self.ep_rank][1]
-            own = self._own_rows(splits, recv_ids_SK, own_slots)
-            if own is not None:  # their slots leave the arrived rows' routing
-                _own_rows_of(kept_SK, own).fill_(False)
-                num_kept -= own_slots
-            local = build_routing_metadata(recv_ids_SK.clamp(min=0), num_local, kept_SK, num_kept=num_kept)
-            plans.append(ChunkPlan(splits, local, own))
+            plans.append(self._arrived_plan(c, splits, counts, recv_ids_SK))
         configs = {}  # per distinct routed-row count
 
         def run_experts(rows_SH, weights_SK, plan: ChunkPlan, gate_up, down):
@@ -600,6 +592,21 @@ class MoELayer(nn.Module):
                                     send_rows, send_weights, arrived_weights, dispatched=rows_in)
         y_chunks = [sum_slot_rows(rows, r.pairs, backend) for rows, r in zip(back_rows, routings)]
         return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
+
+    def _arrived_plan(self, chunk: int, splits: SplitSizes, counts: list, recv_ids_SK: torch.Tensor) -> ChunkPlan:
+        """How this rank's experts take a chunk's arrived rows (``recv_ids_SK``: each row's
+        local expert ids, -1 for slots that went elsewhere), the own rows split off when
+        they run first; ``counts`` as :func:`ep_moe.dispatch.start_gather_counts` gives them."""
+        rank = self.ep_rank
+        kept_SK = recv_ids_SK >= 0
+        num_kept = sum(source[chunk][rank][1] for source in counts)
+        own_slots = counts[rank][chunk][rank][1]
+        own = self._own_rows(splits, recv_ids_SK, own_slots)
+        if own is not None:  # their slots leave the arrived rows' routing
+            _own_rows_of(kept_SK, own).fill_(False)
+            num_kept -= own_slots
+        local = build_routing_metadata(recv_ids_SK.clamp(min=0), self.num_local_experts, kept_SK, num_kept=num_kept)
+        return ChunkPlan(splits, local, own)
 
     def _own_rows(self, splits: SplitSizes, recv_ids_SK: torch.Tensor, num_slots: int) -> Optional[OwnRows]:
         """With ``MoEConfig.own_rows_first``, the rows of a chunk this rank sends itself
