@@ -251,7 +251,8 @@ def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Excha
         expert_fn: the local experts on one chunk (:data:`ExpertFn`).
         plans: one :class:`ChunkPlan` per chunk.
         exchange: the all-to-alls (:class:`Exchange`); the caller has begun the forward's
-            session (``exchange.begin()``) before staging anything; the backward begins its own.
+            session (``exchange.begin()``) before staging or dispatching anything; the
+            backward begins its own.
         gate_up, down: the local expert weights, passed on to ``expert_fn``.
         send_rows: per chunk, [U_c, H] rows grouped by destination rank.
         send_weights: per chunk, the top-k weights of the sent rows ([U_c] or [U_c, K]).
@@ -261,9 +262,10 @@ def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Excha
             combine that the backward starts right after the chunk's input gradients, so
             it runs under the weight-gradient GEMMs.
         dispatched: per chunk, the dispatch of ``send_rows`` already started by the
-            caller (``exchange.dispatch(rows, chunk, "rows")``), so the rows travel while
-            the caller still queues work (the receiver's routing); default: the pipeline
-            starts them.
+            caller on this ``exchange`` (``exchange.dispatch(send_rows[c], c, "rows")``,
+            chunks in order, after ``begin()``), so the rows travel while the caller still
+            queues work (the receiver's routing); default: the pipeline starts them. Only
+            their number is checked.
 
     Returns:
         Per chunk, [U_c, H] expert outputs in the chunk's send order.
