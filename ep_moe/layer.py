@@ -47,13 +47,14 @@ from ep_moe.dispatch import (
 )
 from ep_moe.kernels.activation import swiglu
 from ep_moe.kernels.config import GemmConfigs
-from ep_moe.kernels.ops import grouped_gemm
+from ep_moe.kernels.ops import grouped_gemm, grouped_gemm_slot_sum
 from ep_moe.kernels.permute import gather_tokens, permute_tokens, sum_slot_rows
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
 from ep_moe.pipeline import ChunkPlan, OwnRows, expert_pipeline
 from ep_moe.routing import (
     DropPolicy,
     RouterOutput,
+    RoutingMetadata,
     ScoreFunc,
     build_rank_routing,
     build_routing_metadata,
@@ -310,14 +311,22 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, m_siz
                activation: Activation, gather_index: Optional[torch.Tensor] = None,
                scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
                backend: str = "torch",
-               configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None)) -> torch.Tensor:
-    """The math of :meth:`GroupedExperts.forward` with the weights passed in."""
+               configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None),
+               slot_sum: Optional[RoutingMetadata] = None) -> torch.Tensor:
+    """The math of :meth:`GroupedExperts.forward` with the weights passed in. ``slot_sum``:
+    the output rows summed per token over ``slot_sum``'s slots ([T, H];
+    :func:`~ep_moe.kernels.permute.sum_slot_rows`), fused with the down projection on the
+    Triton backend (:func:`~ep_moe.kernels.ops.grouped_gemm_slot_sum`; no scatter then)."""
     # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
     h_RF = grouped_gemm(x, gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
                         configs=configs[0], backend=backend)
     a_RI = _activate(h_RF, activation, backend)
-    return grouped_gemm(a_RI, down.to(x.dtype), m_sizes_e, scatter_index=scatter_index,
+    if slot_sum is not None and backend == "triton":
+        return grouped_gemm_slot_sum(a_RI, down.to(x.dtype), m_sizes_e, row_weights, slot_sum.token_index_R,
+                                     slot_sum.row_of_slot_N, slot_sum.top_k, configs[1])
+    y_RH = grouped_gemm(a_RI, down.to(x.dtype), m_sizes_e, scatter_index=scatter_index,
                         row_weights=row_weights, configs=configs[1], backend=backend)
+    return y_RH if slot_sum is None else sum_slot_rows(y_RH, slot_sum, backend)
 
 
 def _split_experts_hook(module: GroupedExperts, state_dict, prefix, local_metadata) -> None:
@@ -583,10 +592,9 @@ class MoELayer(nn.Module):
             rows = local.slot_index_R.shape[0]
             if rows not in configs:
                 configs[rows] = self._configs(backend, rows, x_TH.device)
-            y_RH = expert_mlp(rows_SH, gate_up, down, local.counts_E, activation=cfg.activation,
+            return expert_mlp(rows_SH, gate_up, down, local.counts_E, activation=cfg.activation,
                               gather_index=local.token_index_R, backend=backend, configs=configs[rows],
-                              row_weights=weights_SK.flatten().index_select(0, local.slot_index_R))
-            return sum_slot_rows(y_RH, local, backend)
+                              row_weights=weights_SK.flatten().index_select(0, local.slot_index_R), slot_sum=local)
 
         back_rows = expert_pipeline(run_experts, plans, exchange, self.experts.gate_up, self.experts.down,
                                     send_rows, send_weights, arrived_weights, dispatched=rows_in)

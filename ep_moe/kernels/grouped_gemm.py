@@ -139,7 +139,9 @@ def _tile_coords(local_tile, num_m_tiles, num_n_tiles, GROUP_SIZE_M: tl.constexp
 #   running sum of m_sizes: no host sync), (m, n) tiles GROUP_SIZE_M-swizzled.
 # Fusions: LOAD_IDX gathers A rows in the prologue; STORE_IDX scatters output rows and SCALE
 #   multiplies a per-row weight (fp32) in the epilogue; ROW_DOT also writes, per row, the dot
-#   of the unscaled tile with rows of D (the top-k weight gradient); fp32 accumulation.
+#   of the unscaled tile with rows of D (the top-k weight gradient); fp32 accumulation. The
+#   weight and the dot belong to the store row, the load row or (PER_ROUTED_ROW) the routed
+#   row r itself, when several routed rows load the same A row (a slot sum's backward).
 # Masking: segments may be empty or end mid-tile. Rows past the segment read a clamped valid
 #   row and are dropped at the store; K and N tails are masked unless EVEN_K / EVEN_N (masks,
 #   not clamps, on the contiguous dim keep the loads vectorised). Weight tiles come through a 3-D TMA descriptor [E, N, K] when USE_TMA, which
@@ -159,7 +161,7 @@ def _grouped_rows_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
     LOAD_IDX: tl.constexpr, STORE_IDX: tl.constexpr,
-    SCALE: tl.constexpr, SCALE_BY_LOAD_ROW: tl.constexpr,
+    SCALE: tl.constexpr, SCALE_BY_LOAD_ROW: tl.constexpr, PER_ROUTED_ROW: tl.constexpr,
     ROW_DOT: tl.constexpr, D_IDX: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
@@ -223,9 +225,12 @@ def _grouped_rows_kernel(
                 d = tl.load(d_ptr + d_rows[:, None] * stride_dm + offs_n[None, :] * stride_dn,
                             mask=col_ok[None, :], other=0.0)
                 partial = tl.sum(acc * d.to(tl.float32), axis=1)
-                tl.store(row_dot_ptr + tl.cast(pid_n, tl.int64) * num_rows + a_rows, partial, mask=row_ok)
+                dot_rows = rows.to(tl.int64) if PER_ROUTED_ROW else a_rows
+                tl.store(row_dot_ptr + tl.cast(pid_n, tl.int64) * num_rows + dot_rows, partial, mask=row_ok)
             if SCALE:
-                if SCALE_BY_LOAD_ROW:
+                if PER_ROUTED_ROW:
+                    acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
+                elif SCALE_BY_LOAD_ROW:
                     acc = acc * tl.load(scale_ptr + a_rows).to(tl.float32)[:, None]
                 else:
                     acc = acc * tl.load(scale_ptr + out_rows).to(tl.float32)[:, None]
@@ -342,14 +347,17 @@ def launch_rows(
     store_idx: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     scale_by_load_row: bool = False,
+    per_routed_row: bool = False,
     dot_with: torch.Tensor | None = None,
     dot_idx: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Launch the row-tiled kernel: forward (``transpose_w=True``) or dX (``False``).
 
     ``a`` is read at rows ``load_idx[r]``; the product lands in ``out`` at rows
-    ``store_idx[r]``. With ``dot_with`` set, returns the per-row dot products of the
+    ``store_idx[r]``, times ``scale`` at the store row (at the load row with
+    ``scale_by_load_row``). With ``dot_with`` set, returns the per-row dot products of the
     unscaled result with ``dot_with[dot_idx[r]]``, indexed by load row ([rows of a], fp32).
+    ``per_routed_row``: the scale and the dots belong to routed row r itself (dots [M]).
     Inputs are trusted: :mod:`ep_moe.kernels.ops` validates them.
     """
     num_experts, w_n, w_k = w.shape
@@ -369,7 +377,8 @@ def launch_rows(
     num_n_tiles = triton.cdiv(n_out, c.BLOCK_N)
     row_dot = None
     if dot_with is not None:
-        row_dot = torch.empty((num_n_tiles, a.shape[0]), device=a.device, dtype=torch.float32)
+        row_dot = torch.empty((num_n_tiles, num_rows if per_routed_row else a.shape[0]), device=a.device,
+                              dtype=torch.float32)
     max_tiles = (triton.cdiv(num_rows, c.BLOCK_M) + num_experts) * num_n_tiles
     dummy = m_sizes  # stands in for absent optional pointers; never dereferenced
     grid, stride = launch_grid(a.device, max_tiles)
@@ -391,7 +400,7 @@ def launch_rows(
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
         GROUP_SIZE_M=c.GROUP_SIZE_M,
         LOAD_IDX=load_idx is not None, STORE_IDX=store_idx is not None,
-        SCALE=scale is not None, SCALE_BY_LOAD_ROW=scale_by_load_row,
+        SCALE=scale is not None, SCALE_BY_LOAD_ROW=scale_by_load_row, PER_ROUTED_ROW=per_routed_row,
         ROW_DOT=dot_with is not None, D_IDX=dot_idx is not None,
         EVEN_K=k_red % c.BLOCK_K == 0, EVEN_N=n_out % c.BLOCK_N == 0,
         USE_TMA=use_tma, B_TRANSPOSED=transpose_w,

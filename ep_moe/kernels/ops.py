@@ -28,7 +28,7 @@ from ep_moe.kernels.grouped_gemm import (
     launch_segment_sum,
     smem_limit_for,
 )
-from ep_moe.kernels.permute import launch_gather_rows
+from ep_moe.kernels.permute import launch_gather_rows, launch_sum_slot_rows
 from ep_moe.kernels.reference import grouped_gemm_reference
 
 Backend = Literal["auto", "triton", "torch"]
@@ -222,6 +222,69 @@ class _EagerGroupedGemm(torch.autograd.Function):
         queue.add(w, lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
                                                  config, add_to))
         return _backward_with(_bwd_impl, ctx, dy, defer_dw=True)
+
+
+class _GemmSlotSum(torch.autograd.Function):
+    """:func:`grouped_gemm_slot_sum`'s forward and backward (Triton)."""
+
+    @staticmethod
+    def forward(ctx, a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, config):
+        configs = _configs_from_ints(config)
+        rows = a.new_empty((a.shape[0], w.shape[1]))
+        launch_rows(a, w, rows, m_sizes, configs.forward, transpose_w=True, scale=row_weights)
+        ctx.save_for_backward(a, w, m_sizes, row_weights, token_index)
+        ctx.configs = configs
+        return launch_sum_slot_rows(rows, row_of_slot, top_k)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        a, w, m_sizes, row_weights, token_index = ctx.saved_tensors
+        need_da, need_dw, need_drw = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        dy = dy.contiguous()
+        da = drw = dw = None
+        if need_da or need_drw:  # each routed row loads its token's gradient row
+            da = torch.empty_like(a)
+            drw = launch_rows(dy, w, da, m_sizes, ctx.configs.dx, transpose_w=False, load_idx=token_index,
+                              scale=row_weights, per_routed_row=True, dot_with=a if need_drw else None)
+        if need_dw:
+            config = ctx.configs.dw
+
+            def grad_weight(add_to: Optional[torch.Tensor]) -> torch.Tensor:
+                out = torch.empty_like(w) if add_to is None else add_to
+                weighted = launch_gather_rows(dy, token_index, row_weights, scale_by_out_row=True)
+                launch_dw(weighted, a, out, m_sizes, config, accumulate=add_to is not None)
+                return out
+
+            queue = _queue_for(w)
+            if queue is None:
+                dw = grad_weight(None)
+            else:
+                queue.add(w, grad_weight)
+        return (da if need_da else None, dw, None, None if drw is None or not need_drw else drw.to(row_weights.dtype),
+                None, None, None, None)
+
+
+@torch.compiler.disable  # eager only: its autograd.Function is not a custom op
+def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, row_weights: torch.Tensor,
+                          token_index: torch.Tensor, row_of_slot: torch.Tensor, top_k: int,
+                          configs: Optional[GemmConfigs] = None) -> torch.Tensor:
+    """Routed rows through their experts, weighted, then summed per token over its slots
+    (Triton; the EP receiver's down projection and slot sum):
+    ``out[t] = sum_k row_weights[r] * a[r] @ w[e(r)]^T`` for ``r = row_of_slot[t*K + k]``
+    (-1 skipped), [T, N], T = ``len(row_of_slot) / top_k``.
+
+    ``a`` [M, K] is in expert order (``m_sizes`` rows each), ``row_weights`` [M] belongs to
+    each routed row, ``token_index`` [M] gives each routed row's token (the inverse of
+    ``row_of_slot``). Same result as :func:`grouped_gemm` with ``row_weights`` followed by
+    :func:`ep_moe.kernels.permute.sum_slot_rows`, but the backward reads the [T, N]
+    gradient through ``token_index`` (dA in the kernel's loads, the dW operand in its one
+    weighting pass) instead of first gathering it to [M, N]. Its dW joins an open
+    :func:`defer_weight_grads` queue like the grouped GEMM's. Arguments are trusted (the
+    layer builds them)."""
+    configs = configs or GemmConfigs.defaults(a.element_size(), smem_limit_for(a.device))
+    return _GemmSlotSum.apply(a, w, _as_int32(m_sizes), row_weights, _as_int32(token_index),
+                              _as_int32(row_of_slot), top_k, _configs_to_ints(configs))
 
 
 class DeferredWeightGrads:

@@ -27,12 +27,14 @@ if TYPE_CHECKING:
     from ep_moe.routing import RoutingMetadata
 
 
-# out[r] = src[idx[r]] * scale[idx[r]] (scale in fp32, optional), in one pass; with LIMIT,
+# out[r] = src[idx[r]] * scale[idx[r]] (or scale[r] with SCALE_BY_OUT_ROW; in fp32, optional),
+# in one pass; with LIMIT,
 # only rows r < *limit_ptr (a count still on the device; the grid covers num_rows >= it).
 # Tiling: one program per (BLOCK_R rows, BLOCK_C columns).
 @triton.jit
 def _gather_rows_kernel(src_ptr, idx_ptr, scale_ptr, limit_ptr, out_ptr, num_rows, C, stride_sm, stride_om,
-                        SCALE: tl.constexpr, LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                        SCALE: tl.constexpr, SCALE_BY_OUT_ROW: tl.constexpr, LIMIT: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok = offs_r < num_rows
@@ -42,7 +44,8 @@ def _gather_rows_kernel(src_ptr, idx_ptr, scale_ptr, limit_ptr, out_ptr, num_row
     src_rows = tl.load(idx_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
     vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_c[None, :], mask=mask, other=0.0)
     if SCALE:
-        vals = vals.to(tl.float32) * tl.load(scale_ptr + src_rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+        scale_rows = offs_r if SCALE_BY_OUT_ROW else src_rows
+        vals = vals.to(tl.float32) * tl.load(scale_ptr + scale_rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
              vals.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -74,11 +77,12 @@ def _column_block(cols: int) -> int:
 
 def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
                        scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                       limit: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``src[idx] * scale[idx][:, None]`` as a contiguous tensor of src's dtype (idx None:
-    the identity), written into ``out`` when given (else a new tensor). One pass; the
-    scale multiply is in fp32. ``src`` must have a contiguous last dim. ``limit``: a
-    0-dim integer tensor on the device; only the first ``limit`` rows are written."""
+                       limit: Optional[torch.Tensor] = None, scale_by_out_row: bool = False) -> torch.Tensor:
+    """``src[idx] * scale[idx][:, None]`` (``scale[:, None]`` with ``scale_by_out_row``) as a
+    contiguous tensor of src's dtype (idx None: the identity), written into ``out`` when
+    given (else a new tensor). One pass; the scale multiply is in fp32. ``src`` must have a
+    contiguous last dim. ``limit``: a 0-dim integer tensor on the device; only the first
+    ``limit`` rows are written."""
     if idx is None:
         idx = torch.arange(src.shape[0], device=src.device, dtype=torch.int32)
     num_rows, cols = idx.shape[0], src.shape[1]
@@ -88,7 +92,8 @@ def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
     block_c, block_r = _column_block(cols), 16
     _gather_rows_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c))](
         src, idx, scale if scale is not None else idx, limit if limit is not None else idx, out, num_rows, cols,
-        src.stride(0), out.stride(0), SCALE=scale is not None, LIMIT=limit is not None,
+        src.stride(0), out.stride(0), SCALE=scale is not None, SCALE_BY_OUT_ROW=scale_by_out_row,
+        LIMIT=limit is not None,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
     )
     return out
