@@ -377,8 +377,10 @@ def launch_rows(
     num_n_tiles = triton.cdiv(n_out, c.BLOCK_N)
     row_dot = None
     if dot_with is not None:
-        row_dot = torch.empty((num_n_tiles, num_rows if per_routed_row else a.shape[0]), device=a.device,
-                              dtype=torch.float32)
+        if not per_routed_row and a.shape[0] != num_rows:  # the kernel strides the dots by num_rows
+            raise ValueError(f"launch_rows: dots by load row need one routed row per row of a "
+                             f"({num_rows} routed rows, a has {a.shape[0]}); pass per_routed_row=True")
+        row_dot = torch.empty((num_n_tiles, num_rows), device=a.device, dtype=torch.float32)
     max_tiles = (triton.cdiv(num_rows, c.BLOCK_M) + num_experts) * num_n_tiles
     dummy = m_sizes  # stands in for absent optional pointers; never dereferenced
     grid, stride = launch_grid(a.device, max_tiles)

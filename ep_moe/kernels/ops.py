@@ -261,7 +261,7 @@ class _GemmSlotSum(torch.autograd.Function):
                 dw = grad_weight(None)
             else:
                 queue.add(w, grad_weight)
-        return (da if need_da else None, dw, None, None if drw is None or not need_drw else drw.to(row_weights.dtype),
+        return (da if need_da else None, dw, None, drw.to(row_weights.dtype) if need_drw else None,
                 None, None, None, None)
 
 
@@ -283,12 +283,13 @@ def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tenso
     :func:`defer_weight_grads` queue like the grouped GEMM's. Arguments are trusted (the
     layer builds them)."""
     configs = configs or GemmConfigs.defaults(a.element_size(), smem_limit_for(a.device))
-    return _GemmSlotSum.apply(a, w, _as_int32(m_sizes), row_weights, _as_int32(token_index),
+    return _GemmSlotSum.apply(a, w, _as_int32(m_sizes), row_weights.contiguous(), _as_int32(token_index),
                               _as_int32(row_of_slot), top_k, _configs_to_ints(configs))
 
 
 class DeferredWeightGrads:
-    """Weight gradients that the grouped GEMM's backward queued instead of computing, inside
+    """Weight gradients that the backward of the grouped GEMM (and of
+    :func:`grouped_gemm_slot_sum`) queued instead of computing, inside
     :func:`defer_weight_grads`: the input gradients come first, so that work which needs only
     them (an all-to-all returning them to other ranks) can start while the dW GEMMs run.
 
@@ -507,7 +508,8 @@ def grouped_gemm(
                                       scatter_index=scatter_index, row_weights=row_weights)
     op = torch.ops.ep_moe.grouped_gemm_fwd if torch.compiler.is_compiling() else _EagerGroupedGemm.apply
     return op(
-        x, w, _as_int32(m_sizes), _as_int32(gather_index), _as_int32(scatter_index), row_weights,
+        x, w, _as_int32(m_sizes), _as_int32(gather_index), _as_int32(scatter_index),
+        None if row_weights is None else row_weights.contiguous(),  # the kernels index it with stride 1
         _configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
         "unique" if unique_gather else ("sort" if deterministic else "atomic"),
     )

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 
 # out[r] = src[idx[r]] * scale[idx[r]] (or scale[r] with SCALE_BY_OUT_ROW; in fp32, optional),
-# in one pass; with LIMIT,
-# only rows r < *limit_ptr (a count still on the device; the grid covers num_rows >= it).
+# in one pass; with LIMIT only rows r < *limit_ptr (a count still on the device; the grid
+# covers num_rows >= it).
 # Tiling: one program per (BLOCK_R rows, BLOCK_C columns).
 @triton.jit
 def _gather_rows_kernel(src_ptr, idx_ptr, scale_ptr, limit_ptr, out_ptr, num_rows, C, stride_sm, stride_om,

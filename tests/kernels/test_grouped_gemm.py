@@ -176,6 +176,28 @@ def test_gathered_rows_never_read_get_zero_grad():
     assert (dx[read].abs().sum(1) > 0).all()
 
 
+def test_strided_row_weights_match_contiguous_ones():
+    """Row weights that are a strided view (a column of a [M, 2] tensor) weight the right rows."""
+    x, w, m_sizes, g, s, rw = make_problem("ragged", torch.float32, gather=True, scatter=True, weights=True)
+    strided = torch.stack([rw, torch.full_like(rw, 100.0)], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    got = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=strided, configs=CONFIGS,
+                       backend="triton")
+    want = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw, configs=CONFIGS,
+                        backend="triton")
+    torch.testing.assert_close(got, want)
+
+
+def test_row_dots_by_load_row_need_one_routed_row_per_row_of_a():
+    """launch_rows strides the dots by the routed-row count: dots indexed by load row are
+    refused when a has another number of rows (they would land in the wrong tile's row)."""
+    x, w, m_sizes, g, s, rw = make_problem("ragged", torch.float32, True, True, True)
+    out = torch.empty(g.shape[0], w.shape[1], device=DEVICE)
+    assert x.shape[0] != g.shape[0]
+    with pytest.raises(ValueError, match="per_routed_row=True"):
+        launch_rows(x, w, out, m_sizes, CONFIGS.forward, transpose_w=True, load_idx=g, dot_with=out)
+
+
 # --- raw launchers on poisoned outputs: every output element must be written --------------
 
 @pytest.mark.parametrize("case", ["ragged", "all_on_one"])
