@@ -62,6 +62,8 @@ class PendingCounts:
     host has seen it finish (the current stream does not wait for it, so freeing them
     earlier would let the current stream reuse their memory while NCCL works on it)."""
 
+    _keep: tuple = ()  # also for an instance torch.compile made without __init__ (its __del__ runs)
+
     def __init__(self, host: torch.Tensor, shape: tuple, event: Optional[torch.cuda.Event] = None,
                  keep: tuple = ()) -> None:
         self._host, self._shape, self._event, self._keep = host, shape, event, keep
