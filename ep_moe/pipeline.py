@@ -239,6 +239,7 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
+@torch.compiler.disable  # streams, events and async collectives: eager under torch.compile
 def expert_pipeline(expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Exchange,
                     gate_up: torch.Tensor, down: torch.Tensor, send_rows: list[torch.Tensor],
                     send_weights: list[torch.Tensor], arrived_weights: list[torch.Tensor],

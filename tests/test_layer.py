@@ -643,7 +643,7 @@ def test_ep_code_path_without_group_matches_ep1_path(kwargs):
         _close(got[1][key], grad)
 
 
-def _compiled_worker(rank, world_size):
+def _compiled_worker(rank, world_size, backend):
     """Eager and ``torch.compile``d runs of the same EP layer on this rank's tokens, and the
     exceptions Python reported as unraisable (e.g. from a ``__del__``) meanwhile."""
     import sys
@@ -651,7 +651,7 @@ def _compiled_worker(rank, world_size):
     unraisable = []
     sys.unraisablehook = lambda report: unraisable.append(f"{report.exc_type.__name__}: {report.exc_value}")
     torch.manual_seed(11)
-    layer = MoELayer(_config(top_k=2), dist.group.WORLD)
+    layer = MoELayer(_config(top_k=2, backend=backend), dist.group.WORLD)
     gen = torch.Generator().manual_seed(100 + rank)
     x, g = torch.randn(2, 7, H, generator=gen), torch.randn(2, 7, H, generator=gen)
     eager = _run_layer(layer, x, g), _param_grads(layer)
@@ -665,10 +665,13 @@ def _compiled_worker(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_torch_compile_of_the_ep_layer_matches_eager():
-    """A model compiled with ``torch.compile`` (graph breaks at the host sync and the
-    collectives) gives the eager outputs and gradients at EP=2, and nothing raises on the side."""
-    for res in run_distributed(_compiled_worker, 2):
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_torch_compile_of_the_ep_layer_matches_eager(backend, world_size):
+    """A model compiled with ``torch.compile`` (graph breaks at the host sync, the
+    collectives and the Triton launches) gives the eager outputs and gradients at EP=1 and
+    EP=2, and nothing raises on the side."""
+    for res in run_distributed(_compiled_worker, world_size, backend):
         assert res["unraisable"] == []
         (got, got_grads), (want, want_grads) = res["compiled"], res["eager"]
         for key in ("y", "dx", "aux", "z", "counts", "dropped"):

@@ -37,6 +37,7 @@ def _swiglu_kernel(h_ptr, da_ptr, out_ptr, num_rows, I, stride_h, stride_a, stri
         tl.store(out_ptr + rows * stride_o + offs_c[None, :], (silu * up).to(out_ty), mask=mask)
 
 
+@torch.compiler.disable  # Triton launches stay eager under torch.compile (a graph break)
 def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     num_rows, inter = h.shape[0], h.shape[1] // 2
     if num_rows == 0:

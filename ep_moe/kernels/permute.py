@@ -75,6 +75,7 @@ def _column_block(cols: int) -> int:
     return min(triton.next_power_of_2(max(cols, 16)), 256)
 
 
+@torch.compiler.disable  # Triton launches stay eager under torch.compile (a graph break)
 def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
                        scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                        limit: Optional[torch.Tensor] = None, scale_by_out_row: bool = False) -> torch.Tensor:
@@ -99,6 +100,7 @@ def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
     return out
 
 
+@torch.compiler.disable  # Triton launches stay eager under torch.compile (a graph break)
 def launch_sum_slot_rows(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int) -> torch.Tensor:
     """``out[t] = sum_k src[row_of_slot[t*top_k + k]]`` ([N / top_k, C], src's dtype),
     negative rows skipped. ``src`` must have a contiguous last dim."""
