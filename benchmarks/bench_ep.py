@@ -11,7 +11,8 @@ layer (router to combine, dX and every weight gradient) of:
   at EP>1 one layer per ``--variants`` entry TRANSPORT:C[:own] (``MoEConfig.transport``
   ``nccl`` or ``ce``, the copy engines; tokens in C pipelined chunks, all-to-all
   overlapped with the GEMMs; ``own``: ``MoEConfig.own_rows_first``), named ``ep_moe``
-  for ``nccl:1`` and ``ep_moe_<transport>_c<C>[_own]`` otherwise;
+  for ``nccl:1`` and ``ep_moe_<transport>_c<C>[_own]`` otherwise; with ``--compile``
+  each once more under ``torch.compile`` (``<name>+compile``);
 - ``plain``: the torchtitan-style layer of ``baselines.py`` (argsort permute, uneven
   ``all_to_all_single``, ``torch._grouped_mm`` SwiGLU experts);
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` (dropless, SwiGLU experts) when deepspeed
@@ -73,6 +74,8 @@ def parse_args() -> argparse.Namespace:
                         help="ep_moe variants at EP>1, comma-separated TRANSPORT:CHUNKS[:own] "
                              "(MoEConfig transport 'nccl' or 'ce', overlap_chunks, own_rows_first); "
                              "EP=1 runs nccl:1 only")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time each ep_moe layer under torch.compile (named <layer>+compile)")
     parser.add_argument("--autotune", action="store_true",
                         help="run ep_moe.autotune.warmup for each shape first (may tune on rank 0)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
@@ -240,9 +243,10 @@ def sharing_modules(layer: MoELayer, variant: Variant) -> MoELayer:
 
 
 def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtype, impls: list[str],
-                 variants: list[Variant], deepspeed) -> tuple[MoELayer, dict]:
+                 variants: list[Variant], deepspeed, compiled: bool = False) -> tuple[MoELayer, dict]:
     """ep_moe's layer, and {name: (forward, params)} of the plain layer and of the other
-    layers in ``impls`` (ep_moe once per variant), all with ep_moe's weights."""
+    layers in ``impls`` (ep_moe once per variant, and with ``compiled`` once more under
+    ``torch.compile``), all with ep_moe's weights."""
     torch.manual_seed(0)  # same router on every rank; expert weights depend on global ids only
     config = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                        num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0,
@@ -256,6 +260,10 @@ def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtyp
     if "deepspeed" in impls and deepspeed is not None:
         layers["deepspeed"] = deepspeed_moe_like(ours)
     forwards = {name: (lambda x, m=m: m(x)[0]) if name == "deepspeed" else m for name, m in layers.items()}
+    if compiled:
+        for name in [n for n in layers if n.startswith("ep_moe")]:
+            layers[f"{name}+compile"] = layers[name]
+            forwards[f"{name}+compile"] = torch.compile(layers[name])
     return ours, {name: (forwards[name], list(m.parameters())) for name, m in layers.items()}
 
 
@@ -264,7 +272,7 @@ def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch
     ep_size = dist.get_world_size()
     impls = args.impls.split(",")
     variants = parse_variants(args.variants) if ep_size > 1 else [("nccl", 1, False)]
-    ours, layers = build_layers(shape, group, device, dtype, impls, variants, deepspeed)
+    ours, layers = build_layers(shape, group, device, dtype, impls, variants, deepspeed, args.compile)
     if args.autotune:
         from ep_moe.autotune import warmup
 
