@@ -9,7 +9,7 @@ reference: for each EP group, one EP=1 layer with the same global weights runs e
 member's tokens one rank at a time (same shapes, so the router picks the same experts)
 and accumulates the parameter gradients the group computes together. Every output, input
 gradient, router gradient and expert gradient must be within a relative (Frobenius)
-error of 2e-2.
+error of 2e-2. Two scenarios also run under ``torch.compile`` at the largest EP size.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ SCENARIOS = {
     "own_first_chunks2_skewed": dict(top_k=2, own_rows_first=True, overlap_chunks=2),
 }
 TRANSPORTS = ("nccl", "copy_engine")
+COMPILED = ("top2", "capacity_chunks2")
+"""Scenarios also run under ``torch.compile`` (NCCL) at the largest EP size, as ``"nccl+compile"``."""
 
 
 def _config(**overrides) -> MoEConfig:
@@ -122,6 +124,13 @@ def _ep_worker(rank: int, world_size: int) -> dict:
                     layer.zero_grad(set_to_none=True)
                     run = _run(layer, inputs[rank], grads[rank])
                 results[(ep_size, name, transport)] = dict(run=run, grads=_param_grads(layer))
+            if name in COMPILED and ep_size == world_size:
+                layer = _layer(kwargs, state, group)
+                compiled = torch.compile(layer)
+                for _ in range(2):  # the second call runs what the first compiled
+                    layer.zero_grad(set_to_none=True)
+                    run = _run(compiled, inputs[rank], grads[rank])
+                results[(ep_size, name, "nccl+compile")] = dict(run=run, grads=_param_grads(layer))
             if rank == 0:
                 results[(ep_size, name, "ref")] = [_ep1_reference(kwargs, state, inputs, grads, ranks)
                                                    for ranks in ep_groups]
@@ -159,6 +168,18 @@ def ep_results():
 @pytest.mark.parametrize("ep_size", [2, 4])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_ep_matches_ep1_bf16(ep_results, ep_size, name, transport):
+    _check_against_ep1(ep_results, ep_size, name, transport)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_ep_matches_ep1_bf16(ep_results, name):
+    _check_against_ep1(ep_results, WORLD, name, "nccl+compile")
+
+
+def _check_against_ep1(ep_results, ep_size: int, name: str, variant: str) -> None:
+    """Every EP group's outputs, input grads and summed parameter grads of ``variant``
+    against rank 0's EP=1 runs of the same tokens."""
     if ep_size > WORLD:
         pytest.skip(f"EP={ep_size} needs {ep_size} GPUs, found {NUM_GPUS}")
     refs = ep_results[0][(ep_size, name, "ref")]
@@ -166,7 +187,7 @@ def test_ep_matches_ep1_bf16(ep_results, ep_size, name, transport):
     for ranks, ref in zip(ep_groups, refs):
         summed = {}
         for rank in ranks:
-            res = ep_results[rank][(ep_size, name, transport)]
+            res = ep_results[rank][(ep_size, name, variant)]
             expected = ref["runs"][rank]
             assert torch.equal(res["run"]["counts"], expected["counts"]), f"rank {rank}: routing differs"
             for key in ("y", "dx"):
