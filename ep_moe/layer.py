@@ -24,6 +24,7 @@ experts: each rank picks its experts' keys and ignores the others (resharding on
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
@@ -212,6 +213,9 @@ class MoEStats:
     (before capacity drops), detached."""
     num_dropped: torch.Tensor
     """0-dim int64: slots dropped by the capacity (always 0 when dropless)."""
+    with_autograd: bool = True
+    """Whether the forward ran with autograd on, so that the losses carry gradients (False
+    under ``torch.no_grad``, and in the first forward of a reentrant activation checkpoint)."""
 
 
 def _activate(h_RF: torch.Tensor, activation: Activation, backend: str) -> torch.Tensor:
@@ -514,7 +518,7 @@ class MoELayer(nn.Module):
             y_TH = self._experts_parallel(x_TH, router, keep_TK, backend)
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH, backend)
-        self._record(router, keep_TK)
+        self._record(router, keep_TK, torch.is_grad_enabled())
         return y_TH.view(x.shape)
 
     def _experts_local(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
@@ -645,13 +649,13 @@ class MoELayer(nn.Module):
         return CopyEngineExchange(workspace, row_matrices(counts), row_bytes)
 
     @torch.no_grad()
-    def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor]) -> None:
+    def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor], with_autograd: bool) -> None:
         counts_E = router.counts_E.detach()
         num_dropped = (torch.zeros((), dtype=torch.int64, device=counts_E.device) if keep_TK is None
                        else keep_TK.numel() - keep_TK.sum())
         self.last_stats = MoEStats(
             aux_loss=router.aux_loss, z_loss=router.z_loss, tokens_per_expert=counts_E,
-            num_dropped=num_dropped,
+            num_dropped=num_dropped, with_autograd=with_autograd,
         )
         if self.expert_bias is not None and self.training:
             self._load_since_update += counts_E
@@ -689,8 +693,23 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     """Sum of ``aux_loss + z_loss`` of every MoE layer's last forward (a 0-dim tensor,
-    zero when there is none); add it to the training loss before ``backward``."""
-    stats = [m.last_stats for m in moe_layers(model) if m.last_stats is not None]
+    zero when there is none); add it to the training loss before ``backward``.
+
+    Warns when a layer in training mode, with a loss coefficient and a trainable router,
+    ran its last forward without autograd while autograd is on now: those losses carry
+    no gradient. That is what a reentrant activation checkpoint does (its first forward
+    runs under ``no_grad``); use ``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=False)``, which keeps the losses differentiable."""
+    layers = [m for m in moe_layers(model) if m.last_stats is not None]
+    if torch.is_grad_enabled():
+        lost = [m for m in layers if m.training and not m.last_stats.with_autograd
+                and m.router.weight.requires_grad and (m.config.aux_loss_coef > 0 or m.config.z_loss_coef > 0)]
+        if lost:
+            warnings.warn(f"moe_aux_loss: {len(lost)} MoE layer(s) computed their aux/z losses without "
+                          "autograd (under torch.no_grad or a reentrant activation checkpoint), so the "
+                          "losses will not train the router; checkpoint with use_reentrant=False",
+                          stacklevel=2)
+    stats = [m.last_stats for m in layers]
     if not stats:
         param = next(model.parameters(), None)
         return torch.zeros((), device=None if param is None else param.device)

@@ -356,11 +356,14 @@ def _scenario(name, world_size):
     return kwargs, state, inputs, grads
 
 
-def _run_layer(layer, x, g):
+def _run_layer(layer, x, g, stats_of=None):
+    """Forward and backward of ``sum(y * g) + aux + z`` through ``layer`` (a module or a
+    function of x; then ``stats_of`` is the MoE layer whose losses and stats count)."""
+    stats_of = layer if stats_of is None else stats_of
     x = x.clone().requires_grad_()
     y = layer(x)
-    ((y * g).sum() + moe_aux_loss(layer)).backward()
-    s = layer.last_stats
+    ((y * g).sum() + moe_aux_loss(stats_of)).backward()
+    s = stats_of.last_stats
     return dict(y=y.detach(), dx=x.grad, aux=s.aux_loss.detach(), z=s.z_loss.detach(),
                 counts=s.tokens_per_expert, dropped=s.num_dropped)
 
@@ -679,6 +682,58 @@ def test_torch_compile_of_the_ep_layer_matches_eager(backend, world_size):
         assert got_grads.keys() == want_grads.keys()
         for key, grad in want_grads.items():
             _close(got_grads[key], grad)
+
+
+def _checkpointed_worker(rank, world_size):
+    """The EP layer plain and under a non-reentrant activation checkpoint (its forward
+    recomputed in the backward, collectives included): outputs and every gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(12)
+    layer = MoELayer(_config(top_k=2, overlap_chunks=2), dist.group.WORLD)
+    gen = torch.Generator().manual_seed(200 + rank)
+    x, g = torch.randn(19, H, generator=gen), torch.randn(19, H, generator=gen)
+    plain = _run_layer(layer, x, g), _param_grads(layer)
+    layer.zero_grad(set_to_none=True)
+    checkpointed = _run_layer(lambda t: checkpoint(layer, t, use_reentrant=False), x, g, layer), _param_grads(layer)
+    return dict(plain=plain, checkpointed=checkpointed)
+
+
+@pytest.mark.distributed
+def test_non_reentrant_activation_checkpoint_matches_plain_run():
+    for res in run_distributed(_checkpointed_worker, 2):
+        (got, got_grads), (want, want_grads) = res["checkpointed"], res["plain"]
+        for key in ("y", "dx", "aux", "z", "counts"):
+            _close(got[key], want[key])
+        for key, grad in want_grads.items():
+            _close(got_grads[key], grad)
+
+
+def test_aux_loss_without_autograd_warns_when_training():
+    """A reentrant checkpoint's first forward runs under no_grad: its aux loss would not
+    train the router, and moe_aux_loss says so; eval runs and no_grad callers stay quiet."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(3)
+    layer = MoELayer(_config(top_k=2))
+    x = torch.randn(10, H, requires_grad=True)
+    y = checkpoint(layer, x, use_reentrant=True)
+    with pytest.warns(UserWarning, match="use_reentrant=False"):
+        loss = y.sum() + moe_aux_loss(layer)
+    loss.backward()
+    assert layer.router.weight.grad is not None  # the task loss still reaches it
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint(layer, x, use_reentrant=False).sum() + moe_aux_loss(layer)  # differentiable: quiet
+        with torch.no_grad():
+            layer(x)
+            moe_aux_loss(layer)  # logging under no_grad
+        layer.eval()
+        with torch.no_grad():
+            layer(x)
+        moe_aux_loss(layer)  # an eval run
 
 
 def test_autocast_runs_experts_in_the_autocast_dtype():
