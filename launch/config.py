@@ -66,6 +66,12 @@ class TrainingConfig:
     """Compute dtype: ``bfloat16`` autocasts attention and projections (weights and optimizer
     stay fp32); the MoE layers compute in their parameter dtype. On CUDA, fp32 matmuls,
     the Triton expert GEMMs included, use TF32 tensor cores."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in the backward instead of keeping its activations
+    (``torch.utils.checkpoint``, non-reentrant; the MoE layer's all-to-alls run again)."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (Dynamo breaks the graph at the MoE layer's
+    host sync, collectives and Triton launches and compiles the rest)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ep_moe import MoEConfig, MoELayer
 
@@ -148,6 +149,8 @@ class MoETransformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._init_dense_weights()
+        self.checkpoint_blocks = False
+        """Recompute each block in the backward (non-reentrant activation checkpointing)."""
 
     def _init_dense_weights(self) -> None:
         """Normal(0, init_std) for embeddings and projections, with the residual-stream
@@ -168,8 +171,12 @@ class MoETransformer(nn.Module):
             raise ValueError(f"sequence length {L} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         cos_Lh, sin_Lh = self.rope_cos[:L], self.rope_sin[:L]
         x_BLD = self.tok_embeddings(tokens_BL)
+        recompute = self.checkpoint_blocks and torch.is_grad_enabled()
         for block in self.layers:
-            x_BLD = block(x_BLD, cos_Lh, sin_Lh)
+            if recompute:
+                x_BLD = checkpoint(block, x_BLD, cos_Lh, sin_Lh, use_reentrant=False)
+            else:
+                x_BLD = block(x_BLD, cos_Lh, sin_Lh)
         return self.output(self.norm(x_BLD))
 
     @torch.no_grad()

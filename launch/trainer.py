@@ -114,6 +114,10 @@ class Trainer:
                              f"{job.model.vocab_size}; set model.vocab_size >= {streams.vocab_size}")
         self.byte_level = streams.byte_level
         self.model = MoETransformer(job.model, job.moe_config(), self.ranks.ep_group).to(self.ranks.device)
+        self.model.checkpoint_blocks = tcfg.activation_checkpointing
+        if tcfg.compile:
+            for block in self.model.layers:
+                block.compile()  # in place: parameter names and checkpoints stay as they are
         self.optimizer = self._build_optimizer()
         dp = dict(seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, dp_rank=self.ranks.rank,
                   dp_size=self.ranks.world_size)

@@ -2,7 +2,8 @@
 
 - ``launch/train.py`` under ``torchrun --nproc-per-node 2`` (gloo, torch experts, EP=2):
   the loss falls; resuming from a checkpoint logs exactly the losses of the uninterrupted
-  run; the EP=2 checkpoint also resumes at EP=1 (experts resharded on load).
+  run, also with activation checkpointing (and, to rounding, with compiled blocks); the
+  EP=2 checkpoint also resumes at EP=1 (experts resharded on load).
 - in-process: config overrides and their errors, checkpoint discovery, data batches.
 - ``launch/warmup_node.sh``: the first run tunes, the second is a pure cache hit.
 
@@ -108,6 +109,30 @@ def test_resume_reshards_experts(full_run, tmp_path):
     out, records = full_run
     resumed = _train(tmp_path, "--ep-size", "1", "--resume", str(out / "ckpt" / "step_00000010"))
     want = {s: v for s, v in _by_step(records, "loss").items() if s > CKPT_EVERY}
+    assert _by_step(resumed, "loss") == pytest.approx(want, abs=1e-4)
+
+
+def test_activation_checkpointing_keeps_the_run_exact(full_run, tmp_path):
+    """Recomputing every block in the backward (the MoE all-to-alls included) continues the
+    run from its step-10 checkpoint with exactly its losses, gradient norms and loads."""
+    out, records = full_run
+    shutil.copytree(out / "ckpt" / "step_00000010", tmp_path / "ckpt" / "step_00000010")
+    resumed = _train(tmp_path, "--ep-size", "2", "--resume", "latest",
+                     "--set", "training.activation_checkpointing=true")
+    for field in ("loss", "aux_loss", "grad_norm", "load_min", "load_max", "val_loss"):
+        want = {s: v for s, v in _by_step(records, field).items() if s > CKPT_EVERY}
+        assert _by_step(resumed, field) == want, field
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="torch.compile on the CPU (Inductor) needs a C++ compiler")
+def test_compiled_blocks_continue_the_run(full_run, tmp_path):
+    """Every block under torch.compile (Inductor) continues the run from its step-20
+    checkpoint with its losses, up to the rounding of fused kernels."""
+    out, records = full_run
+    shutil.copytree(out / "ckpt" / "step_00000020", tmp_path / "ckpt" / "step_00000020")
+    resumed = _train(tmp_path, "--ep-size", "2", "--resume", "latest", "--set", "training.compile=true")
+    want = {s: v for s, v in _by_step(records, "loss").items() if s > 2 * CKPT_EVERY}
     assert _by_step(resumed, "loss") == pytest.approx(want, abs=1e-4)
 
 
