@@ -261,6 +261,7 @@ def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtyp
         layers["deepspeed"] = deepspeed_moe_like(ours)
     forwards = {name: (lambda x, m=m: m(x)[0]) if name == "deepspeed" else m for name, m in layers.items()}
     if compiled:
+        torch._dynamo.reset()  # each shape compiles afresh, far from Dynamo's recompile limit
         for name in [n for n in layers if n.startswith("ep_moe")]:
             layers[f"{name}+compile"] = layers[name]
             forwards[f"{name}+compile"] = torch.compile(layers[name])

@@ -68,6 +68,7 @@ class PendingCounts:
                  keep: tuple = ()) -> None:
         self._host, self._shape, self._event, self._keep = host, shape, event, keep
 
+    @torch.compiler.disable  # the host sync: eager under torch.compile
     def result(self) -> list:
         """The nested lists ``all[q][c][p]`` (host ints; blocks until they are here)."""
         self._release()
@@ -85,6 +86,7 @@ class PendingCounts:
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
+@torch.compiler.disable  # streams, events and async collectives stay eager under torch.compile
 def start_gather_counts(counts_CPX: torch.Tensor, group: Optional[ProcessGroup]) -> PendingCounts:
     """Start gathering every rank's per-destination counts: ``counts_CPX[c, p]`` holds X
     numbers this rank has for rank p in chunk c; :meth:`PendingCounts.result` returns
@@ -143,6 +145,7 @@ class PendingExchange:
                  event: Optional[torch.cuda.Event] = None) -> None:
         self._out, self._work, self._event = out, work, event
 
+    @torch.compiler.disable  # a stream wait: eager under torch.compile
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
@@ -153,6 +156,7 @@ class PendingExchange:
         return self._out
 
 
+@torch.compiler.disable  # streams, events and async collectives stay eager under torch.compile
 def start_exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
                    group: Optional[ProcessGroup]) -> PendingExchange:
     """Start ``all_to_all_single`` of the rows of ``x`` with uneven splits (not

@@ -650,6 +650,8 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor], with_autograd: bool) -> None:
+        if _in_backward():  # an activation checkpoint recomputing this forward: counted already
+            return
         counts_E = router.counts_E.detach()
         num_dropped = (torch.zeros((), dtype=torch.int64, device=counts_E.device) if keep_TK is None
                        else keep_TK.numel() - keep_TK.sum())
@@ -686,6 +688,12 @@ def _own_rows_of(arrived: torch.Tensor, own: OwnRows) -> torch.Tensor:
     return arrived[own.arrived_start: own.arrived_start + own.num_rows]
 
 
+def _in_backward() -> bool:
+    """Whether this runs inside a backward pass (as a checkpoint's recomputed forward does)."""
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task_id is not None and graph_task_id() != -1
+
+
 def moe_layers(model: nn.Module) -> list[MoELayer]:
     """The MoE layers of ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, MoELayer)]
@@ -695,15 +703,14 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     """Sum of ``aux_loss + z_loss`` of every MoE layer's last forward (a 0-dim tensor,
     zero when there is none); add it to the training loss before ``backward``.
 
-    Warns when a layer in training mode, with a loss coefficient and a trainable router,
-    ran its last forward without autograd while autograd is on now: those losses carry
-    no gradient. That is what a reentrant activation checkpoint does (its first forward
+    Warns when a layer in training mode, with a loss coefficient, ran its last forward
+    without autograd while autograd is on now: those losses carry no gradient. That is what a reentrant activation checkpoint does (its first forward
     runs under ``no_grad``); use ``torch.utils.checkpoint.checkpoint(...,
     use_reentrant=False)``, which keeps the losses differentiable."""
     layers = [m for m in moe_layers(model) if m.last_stats is not None]
     if torch.is_grad_enabled():
         lost = [m for m in layers if m.training and not m.last_stats.with_autograd
-                and m.router.weight.requires_grad and (m.config.aux_loss_coef > 0 or m.config.z_loss_coef > 0)]
+                and (m.config.aux_loss_coef > 0 or m.config.z_loss_coef > 0)]
         if lost:
             warnings.warn(f"moe_aux_loss: {len(lost)} MoE layer(s) computed their aux/z losses without "
                           "autograd (under torch.no_grad or a reentrant activation checkpoint), so the "

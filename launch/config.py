@@ -68,7 +68,8 @@ class TrainingConfig:
     the Triton expert GEMMs included, use TF32 tensor cores."""
     activation_checkpointing: bool = False
     """Recompute each transformer block in the backward instead of keeping its activations
-    (``torch.utils.checkpoint``, non-reentrant; the MoE layer's all-to-alls run again)."""
+    (``torch.utils.checkpoint``, non-reentrant; the MoE layer's all-to-alls run again, and
+    at EP>1 the layer runs ``overlap_chunks + 1`` times: see the README)."""
     compile: bool = False
     """``torch.compile`` each transformer block (Dynamo breaks the graph at the MoE layer's
     host sync, collectives and Triton launches and compiles the rest)."""

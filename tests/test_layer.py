@@ -660,11 +660,14 @@ def _compiled_worker(rank, world_size, backend):
     eager = _run_layer(layer, x, g), _param_grads(layer)
     layer.zero_grad(set_to_none=True)
     torch._dynamo.reset()
-    compiled = _run_layer(torch.compile(layer, backend="aot_eager"), x, g), _param_grads(layer)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled = _run_layer(torch.compile(layer, backend=backend), x, g), _param_grads(layer)
     import gc
 
     gc.collect()
-    return dict(eager=eager, compiled=compiled, unraisable=unraisable)
+    return dict(eager=eager, compiled=compiled, unraisable=unraisable, graphs=backend.frame_count)
 
 
 @pytest.mark.distributed
@@ -674,7 +677,7 @@ def test_torch_compile_of_the_ep_layer_matches_eager(backend, world_size):
     collectives and the Triton launches) gives the eager outputs and gradients at EP=1 and
     EP=2, and nothing raises on the side."""
     for res in run_distributed(_compiled_worker, world_size, backend):
-        assert res["unraisable"] == []
+        assert res["unraisable"] == [] and res["graphs"] > 0
         (got, got_grads), (want, want_grads) = res["compiled"], res["eager"]
         for key in ("y", "dx", "aux", "z", "counts", "dropped"):
             _close(got[key], want[key])
@@ -706,6 +709,22 @@ def test_non_reentrant_activation_checkpoint_matches_plain_run():
             _close(got[key], want[key])
         for key, grad in want_grads.items():
             _close(got_grads[key], grad)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_recomputed_forward_counts_the_load_once(reentrant):
+    """A checkpoint that recomputes the layer in the backward does not count its tokens
+    again for the expert-bias update (nor replace what the forward reported)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(4)
+    layer = MoELayer(_config(top_k=2, expert_bias=True))
+    x = torch.randn(12, H, requires_grad=True)
+    y = checkpoint(lambda t: layer(t).square(), x, use_reentrant=reentrant)  # square saves y: a full recompute
+    stats = layer.last_stats
+    y.sum().backward()
+    assert layer.last_stats is stats
+    assert torch.equal(layer._load_since_update, stats.tokens_per_expert)
 
 
 def test_aux_loss_without_autograd_warns_when_training():
