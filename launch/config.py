@@ -69,7 +69,7 @@ class TrainingConfig:
     activation_checkpointing: bool = False
     """Recompute each transformer block in the backward instead of keeping its activations
     (``torch.utils.checkpoint``, non-reentrant; the MoE layer's all-to-alls run again, and
-    at EP>1 the layer runs ``overlap_chunks + 1`` times: see the README)."""
+    at EP>1 the layer runs ``overlap_chunks + 2`` times: see the README)."""
     compile: bool = False
     """``torch.compile`` each transformer block (Dynamo breaks the graph at the MoE layer's
     host sync, collectives and Triton launches and compiles the rest)."""
