@@ -113,6 +113,16 @@ class _ExpertPipeline(torch.autograd.Function):
     def forward(ctx, expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Exchange,
                 arrived_weights: list[torch.Tensor], dispatched: Optional[list[PendingExchange]], record: bool,
                 gate_up: torch.Tensor, down: torch.Tensor, *rows_and_weights):
+        # The backward replays each chunk's graph with its own backward call, a new graph
+        # task: under an activation checkpoint's saved-tensor hooks every one of them would
+        # recompute the whole checkpointed region. The chunks' graphs keep their tensors.
+        with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            return _ExpertPipeline._forward(ctx, expert_fn, plans, exchange, arrived_weights, dispatched, record,
+                                            gate_up, down, *rows_and_weights)
+
+    @staticmethod
+    def _forward(ctx, expert_fn, plans, exchange, arrived_weights, dispatched, record, gate_up, down,
+                 *rows_and_weights):
         num_chunks = len(plans)
         # GEMMs that overlap an exchange's kernels launch one program per tile: the own
         # rows' (under the dispatch) and, with several chunks, every chunk's.
@@ -200,6 +210,10 @@ class _ExpertPipeline(torch.autograd.Function):
         grad_send_weights = [None if p is None else p.wait() for p in weights_back]
         ctx.graphs = ctx.own_graphs = ctx.weights = ctx.exchange = None  # free the chunks' graphs
         return (None, None, None, None, None, None, *grads, *grad_send, *grad_send_weights)
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _stand_in(t: torch.Tensor, wants_grad: bool) -> torch.Tensor:

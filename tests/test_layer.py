@@ -697,13 +697,16 @@ def _checkpointed_worker(rank, world_size):
     x, g = torch.randn(19, H, generator=gen), torch.randn(19, H, generator=gen)
     plain = _run_layer(layer, x, g), _param_grads(layer)
     layer.zero_grad(set_to_none=True)
+    forwards = []
+    layer.register_forward_pre_hook(lambda module, args: forwards.append(torch._C._current_graph_task_id()))
     checkpointed = _run_layer(lambda t: checkpoint(layer, t, use_reentrant=False), x, g, layer), _param_grads(layer)
-    return dict(plain=plain, checkpointed=checkpointed)
+    return dict(plain=plain, checkpointed=checkpointed, forwards=forwards)
 
 
 @pytest.mark.distributed
 def test_non_reentrant_activation_checkpoint_matches_plain_run():
     for res in run_distributed(_checkpointed_worker, 2):
+        assert len(res["forwards"]) == 2, res["forwards"]  # the forward, then one recompute in the backward
         (got, got_grads), (want, want_grads) = res["checkpointed"], res["plain"]
         for key in ("y", "dx", "aux", "z", "counts"):
             _close(got[key], want[key])

@@ -325,25 +325,32 @@ class DeferredWeightGrads:
         entry is dropped once done, so its saved operands are freed before the next dW runs."""
         queued, self._queued = self._queued, []
         queued.reverse()
-        sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, its dW so far)
+        # (leaf, dtype) -> (the weight first queued for it, its dW so far); saved tensors may
+        # come back as new tensors for the same leaf or cast (under saved-tensor hooks)
+        sums: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         while queued:
             weight, grad_fn = queued.pop()
-            partial = sums.get(id(weight))
-            sums[id(weight)] = (weight, grad_fn(None if partial is None else partial[1]))
+            key = (id(_leaf_of(weight)), weight.dtype)
+            partial = sums.get(key)
+            sums[key] = (weight if partial is None else partial[0],
+                         grad_fn(None if partial is None else partial[1]))
             del grad_fn
         for weight, grad in sums.values():
             leaf = _leaf_of(weight)
-            if self._private and weight is leaf and leaf.grad is None:
+            if self._private and weight.grad_fn is None and leaf.grad is None:
                 leaf.grad = grad  # what AccumulateGrad would store, uncopied
             else:
                 torch.autograd.backward(weight, grad, inputs=[leaf])
 
 
 def _leaf_of(w: torch.Tensor) -> Optional[torch.Tensor]:
-    """``w`` itself if it is a leaf, the leaf it was cast from if it is a dtype cast of one
-    (``.to()``), else None."""
+    """``w`` itself if it is a leaf (the leaf it stands for if it is a saved leaf that
+    saved-tensor hooks gave back as a new tensor), the leaf it was cast from if it is a
+    dtype cast of one (``.to()``), else None."""
     node = w.grad_fn
     if node is None:
+        if w.requires_grad:  # its gradient edge is the leaf's AccumulateGrad
+            return getattr(torch.autograd.graph.get_gradient_edge(w).node, "variable", w)
         return w
     if type(node).__name__.startswith("ToCopyBackward") and len(node.next_functions) == 1:
         return getattr(node.next_functions[0][0], "variable", None)
