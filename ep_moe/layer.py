@@ -536,6 +536,9 @@ class MoELayer(nn.Module):
                             row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
         return sum_slot_rows(y_RH, meta, backend)
 
+    # Eager under torch.compile: host syncs, collectives and side streams make graph breaks
+    # of nearly every line, and Dynamo 2.11 fails (KeyError) tracing its comprehensions.
+    @torch.compiler.disable
     def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> torch.Tensor:
         """EP>1: the tokens in ``overlap_chunks`` chunks; per chunk, each token sent once to
