@@ -7,12 +7,13 @@
 #      cache benchmarks/run_autotune_gpu.sh filled, when run first on this machine) or shipped;
 #   4. copies the results JSON and the logs into $OUT (if set) and prints a summary table.
 # Every step has its own timeout, cut to what is left of a 530 s budget. Run from anywhere:
-#   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 TOKENS=8192 VARIANTS=nccl:1,ce:1,ce:2
+#   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 ROUNDS=3 TOKENS=8192 VARIANTS=nccl:1,ce:1,ce:2
 #                                   # IMPLS=ep_moe,plain,deepspeed EP_SIZES="1 2 4" TESTS="tests/gpu tests/kernels"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ITERS=${ITERS:-10}
 WARMUP=${WARMUP:-3}
+ROUNDS=${ROUNDS:-3}  # every layer timed ROUNDS times, order rotated (bench_ep --rounds)
 TOKENS=${TOKENS:-8192}
 VARIANTS=${VARIANTS:-nccl:1,ce:1,ce:2}
 IMPLS=${IMPLS:-ep_moe,plain,deepspeed}
@@ -52,7 +53,7 @@ BENCH_RC=()
 for P in $EP_SIZES; do
   [ "$P" -le "$NGPU" ] || continue
   timeout "$(left 150)" python3 -m torch.distributed.run --nproc-per-node "$P" benchmarks/bench_ep.py --tokens "$TOKENS" \
-    --iters "$ITERS" --warmup "$WARMUP" --variants "$VARIANTS" --impls "$IMPLS" 2>&1 | tee "$LOGS/bench_ep$P.log"
+    --iters "$ITERS" --warmup "$WARMUP" --rounds "$ROUNDS" --variants "$VARIANTS" --impls "$IMPLS" 2>&1 | tee "$LOGS/bench_ep$P.log"
   BENCH_RC+=("EP=$P:${PIPESTATUS[0]}")
 done
 find benchmarks/results -name 'ep_*_ep*.json' -newer "$STARTED" -exec cp {} "$RESULTS/" \;
