@@ -1,0 +1,35 @@
+"""The EP benchmark's CPU smoke run: ``benchmarks/bench_ep.py`` on gloo with two ranks, the
+tiny shape, ep_moe against the plain layer in rotated rounds. Catches a benchmark broken
+by a change to the layer before a GPU session spends its time on it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.distributed
+def test_bench_ep_runs_validates_and_records_every_round(tmp_path):
+    out = tmp_path / "ep.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)  # the CPU path uses the reference backend
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "benchmarks" / "bench_ep.py"), "--device", "cpu", "--dtype", "float32", "--shapes", "tiny",
+           "--tokens", "256", "--impls", "ep_moe,plain", "--rounds", "3", "--iters", "2", "--warmup", "1",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["ep_size"] == 2 and data["rounds"] == 3
+    rows = {row["impl"]: row for row in data["results"]}
+    assert set(rows) == {"ep_moe", "plain"}
+    for row in rows.values():
+        assert row["valid"] and row["rel_err_y"] < 1e-5 and row["rel_err_dx"] < 1e-5
+        assert len(row["ms_rounds"]) == 3 and len(row["ms_per_rank"]) == 2
+        assert row["ms"] == sorted(row["ms_rounds"])[1] > 0
+    assert rows["ep_moe"]["a2a_ms"] > 0
