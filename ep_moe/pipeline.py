@@ -113,16 +113,6 @@ class _ExpertPipeline(torch.autograd.Function):
     def forward(ctx, expert_fn: ExpertFn, plans: list[ChunkPlan], exchange: Exchange,
                 arrived_weights: list[torch.Tensor], dispatched: Optional[list[PendingExchange]], record: bool,
                 gate_up: torch.Tensor, down: torch.Tensor, *rows_and_weights):
-        # The backward replays each chunk's graph with its own backward call, a new graph
-        # task: under an activation checkpoint's saved-tensor hooks every one of them would
-        # recompute the whole checkpointed region. The chunks' graphs keep their tensors.
-        with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
-            return _ExpertPipeline._forward(ctx, expert_fn, plans, exchange, arrived_weights, dispatched, record,
-                                            gate_up, down, *rows_and_weights)
-
-    @staticmethod
-    def _forward(ctx, expert_fn, plans, exchange, arrived_weights, dispatched, record, gate_up, down,
-                 *rows_and_weights):
         num_chunks = len(plans)
         # GEMMs that overlap an exchange's kernels launch one program per tile: the own
         # rows' (under the dispatch) and, with several chunks, every chunk's.
@@ -133,7 +123,13 @@ class _ExpertPipeline(torch.autograd.Function):
         # Detached stand-ins: each chunk's graph ends at these leaves, whose grads the
         # backward collects and returns.
         weights = [_stand_in(w, record and w.requires_grad) for w in (gate_up, down)]
-        with torch.set_grad_enabled(record):  # one cast (autocast's) for every chunk: their dW sum in place
+        # Each chunk's graph saves its tensors through the enclosing saved-tensor hooks (an
+        # activation checkpoint's, save_on_cpu's), if any; the backward unpacks them itself,
+        # in the outer graph task, so a checkpoint recomputes the region once, not once per
+        # chunk's replayed backward (each its own graph task).
+        saved = [_ChunkSaved.around_outer_hooks() for _ in plans]
+        # one cast (autocast's) for every chunk: their dW sum in place
+        with torch.set_grad_enabled(record), saved[0].recording():
             compute_weights = [w.to(send[0].dtype) for w in weights]
         graphs, own_graphs, rows_out = [], [], []
         for c, plan in enumerate(plans):
@@ -146,19 +142,19 @@ class _ExpertPipeline(torch.autograd.Function):
                 own_rows = _stand_in(own_rows, record and send[c].requires_grad)
                 own_weights = _stand_in(_own_slice(arrived_weights[c], own, "arrived"),
                                         record and send_weights[c].requires_grad)
-                with torch.set_grad_enabled(record), _sharing_sms(exchange.uses_sms):
+                with torch.set_grad_enabled(record), _sharing_sms(exchange.uses_sms), saved[c].recording():
                     own_graph = (expert_fn(own_rows, own_weights, plan.own_part(), *compute_weights), own_rows,
                                  own_weights)
             own_graphs.append(own_graph)
             # a stand-in: without a group the "received" rows are the sent tensors themselves
             rows_SH = _stand_in(rows_in[c].wait(), record and send[c].requires_grad)
             row_weights_S = _stand_in(arrived_weights[c], record and send_weights[c].requires_grad)
-            with torch.set_grad_enabled(record), _sharing_sms(share_sms):
+            with torch.set_grad_enabled(record), _sharing_sms(share_sms), saved[c].recording():
                 out_SH = expert_fn(rows_SH, row_weights_S, plan, *compute_weights)
             graphs.append((out_SH, rows_SH, row_weights_S))
             rows_out.append(exchange.combine(out_SH.detach(), c, "rows"))
         ctx.plans, ctx.exchange, ctx.share_sms, ctx.weights = plans, exchange, share_sms, weights
-        ctx.graphs, ctx.own_graphs = graphs, own_graphs
+        ctx.graphs, ctx.own_graphs, ctx.saved = graphs, own_graphs, saved
         outs = tuple(pending.wait() for pending in rows_out)
         for plan, out, own_graph in zip(plans, outs, own_graphs):
             if own_graph is not None:  # the exchange brought zeros for these rows
@@ -172,6 +168,8 @@ class _ExpertPipeline(torch.autograd.Function):
                                "backward through the same MoE forward (retain_graph=True) is not supported")
         plans, exchange, weights = ctx.plans, ctx.exchange, ctx.weights
         num_chunks = len(plans)
+        if num_chunks:  # before any exchange starts: a checkpoint recomputes the region here
+            ctx.saved[0].unpack()
         # Which sent rows need a gradient: the same on every rank (the activations of the
         # same model), so every rank skips the same exchanges.
         need_rows = ctx.needs_input_grad[_SEND_ARG: _SEND_ARG + num_chunks]
@@ -182,6 +180,7 @@ class _ExpertPipeline(torch.autograd.Function):
         rows_back, weights_back = [], []
         weight_grads = DeferredWeightGrads(weights, private_leaves=True)  # the stand-ins
         for c, (plan, graph, own_graph) in enumerate(zip(plans, ctx.graphs, ctx.own_graphs)):
+            ctx.saved[c].unpack()  # in this (the outer) graph task, before the chunk's own backward call
             if own_graph is not None:  # its gradients are here: no wait for the exchange
                 own_grad = _own_slice(grads_back[c], plan.own, "sent")
                 _backward_into(own_graph, own_grad, weights, weight_grads, exchange.uses_sms)
@@ -208,12 +207,61 @@ class _ExpertPipeline(torch.autograd.Function):
                 _own_slice(grad, plan.own, "sent").copy_(_grad_or_zeros(own_graph[1]))
             grad_send.append(grad)
         grad_send_weights = [None if p is None else p.wait() for p in weights_back]
-        ctx.graphs = ctx.own_graphs = ctx.weights = ctx.exchange = None  # free the chunks' graphs
+        ctx.graphs = ctx.own_graphs = ctx.weights = ctx.exchange = ctx.saved = None  # free the chunks' graphs
         return (None, None, None, None, None, None, *grads, *grad_send, *grad_send_weights)
 
 
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
+class _Saved:
+    __slots__ = ("packed", "value")
+
+    def __init__(self, packed) -> None:
+        self.packed, self.value = packed, None
+
+
+class _ChunkSaved:
+    """The tensors one chunk's graph saves, packed by the saved-tensor hooks that enclose the
+    pipeline (``outer``; None: no hooks, tensors saved as usual) and unpacked by
+    :meth:`unpack`, which the pipeline's backward calls in the outer graph task before it
+    replays the chunk: the replay, a backward call of its own (a new graph task), only reads
+    them. An activation checkpoint thus recomputes its region once (in the outer task), and
+    save_on_cpu offloads the chunks' tensors as it does every other."""
+
+    def __init__(self, outer) -> None:
+        self._outer, self._pending = outer, []
+
+    @classmethod
+    def around_outer_hooks(cls) -> "_ChunkSaved":
+        """Around the saved-tensor hooks in force now. Where this torch cannot name them (a
+        private API, missing before 2.8), the chunks record under those hooks directly:
+        still correct, but a checkpoint then recomputes its region once per chunk's replay."""
+        autograd = torch._C._autograd
+        top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+        if top is None or not getattr(autograd, "_saved_tensors_hooks_is_enabled", lambda: True)():
+            return cls(None)
+        try:
+            return cls(top(False))
+        except TypeError:  # an older signature
+            return cls(None)
+
+    def recording(self):
+        if self._outer is None:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack_saved)
+
+    def _pack(self, t: torch.Tensor) -> _Saved:
+        saved = _Saved(self._outer[0](t))
+        self._pending.append(saved)
+        return saved
+
+    def unpack(self) -> None:
+        for saved in self._pending:
+            saved.value, saved.packed = self._outer[1](saved.packed), None
+        self._pending = []
+
+    def _unpack_saved(self, saved: _Saved) -> torch.Tensor:
+        if saved.value is None:  # read before the backward's unpack (graph introspection): ask the hooks
+            return self._outer[1](saved.packed)
+        return saved.value
 
 
 def _stand_in(t: torch.Tensor, wants_grad: bool) -> torch.Tensor:

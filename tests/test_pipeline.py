@@ -224,3 +224,19 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
     assert accumulated == [False] * 4  # no queue: each GEMM its own dW
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_weights_changed_in_place_after_the_forward_are_caught():
+    """Autograd's check of saved tensors' versions still covers the chunk graphs: a weight
+    modified in place between forward and backward raises instead of giving wrong grads."""
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(6, 4, generator=gen, requires_grad=True)
+    down = torch.randn(4, 6, generator=gen, requires_grad=True)
+    rows = [torch.randn(5, 4, generator=gen, requires_grad=True)]
+    weights = [torch.rand(5, 2, generator=gen, requires_grad=True)]
+    plans = [_plan(5, 0)]
+    (out,) = expert_pipeline(_expert_fn, plans, _local(plans), gate_up, down, rows, weights, _arrived(weights))
+    with torch.no_grad():
+        down.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

@@ -182,8 +182,8 @@ def _setup_context(ctx, inputs, output):
     ctx.dx_mode = dx_mode
 
 
-def _backward_with(bwd, ctx, dy, defer_dw: bool = False):
-    x, w, m_sizes, gather_index, scatter_index, row_weights = ctx.saved_tensors
+def _backward_with(bwd, ctx, dy, defer_dw: bool = False, saved=None):
+    x, w, m_sizes, gather_index, scatter_index, row_weights = ctx.saved_tensors if saved is None else saved
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and not defer_dw
     need_drw = row_weights is not None and ctx.needs_input_grad[5]
     dx, dw, drw = bwd(
@@ -213,15 +213,16 @@ class _EagerGroupedGemm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x, w, m_sizes, gather_index, scatter_index, row_weights = ctx.saved_tensors
+        saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
+        x, w, m_sizes, gather_index, scatter_index, row_weights = saved
         queue = _queue_for(w) if ctx.needs_input_grad[1] else None
         if queue is None:
-            return _backward_with(_bwd_impl, ctx, dy)
+            return _backward_with(_bwd_impl, ctx, dy, saved=saved)
         dy = dy.contiguous()
         config = _configs_from_ints(ctx.config).dw
         queue.add(w, lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
                                                  config, add_to))
-        return _backward_with(_bwd_impl, ctx, dy, defer_dw=True)
+        return _backward_with(_bwd_impl, ctx, dy, defer_dw=True, saved=saved)
 
 
 class _GemmSlotSum(torch.autograd.Function):
@@ -302,7 +303,7 @@ class DeferredWeightGrads:
 
     def __init__(self, weights: list[torch.Tensor], private_leaves: bool = False):
         self._weights, self._private = list(weights), private_leaves
-        self._queued: list[tuple[torch.Tensor, Callable[[Optional[torch.Tensor]], torch.Tensor]]] = []
+        self._queued: list[tuple[torch.Tensor, torch.Tensor, Callable[[Optional[torch.Tensor]], torch.Tensor]]] = []
 
     def owns(self, leaf: torch.Tensor) -> bool:
         """Whether GEMMs multiplying by ``leaf`` (or a cast of it) are deferred here."""
@@ -312,7 +313,11 @@ class DeferredWeightGrads:
         """Queue ``grad_fn(add_to)``, the gradient of ``weight`` (the tensor the GEMM multiplied
         by: one of the leaves or a cast of one): a new tensor for ``add_to=None``, else added
         to ``add_to`` in place and returned."""
-        self._queued.append((weight, grad_fn))
+        leaf = _leaf_of(weight)
+        if leaf is None or not self.owns(leaf):
+            raise ValueError("DeferredWeightGrads.add: the weight is neither one of the queue's leaves nor a "
+                             "dtype cast of one")
+        self._queued.append((leaf, weight, grad_fn))  # the leaf resolved now, while the graph holds it
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -325,20 +330,23 @@ class DeferredWeightGrads:
         entry is dropped once done, so its saved operands are freed before the next dW runs."""
         queued, self._queued = self._queued, []
         queued.reverse()
-        # (leaf, dtype) -> (the weight first queued for it, its dW so far); saved tensors may
-        # come back as new tensors for the same leaf or cast (under saved-tensor hooks)
-        sums: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (leaf, dtype) -> (leaf, the weight first queued for it, its dW so far); saved tensors
+        # may come back as new tensors for the same leaf or cast (under saved-tensor hooks).
+        # The leaves are in self._weights: their ids stay theirs for the whole run.
+        sums: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         while queued:
-            weight, grad_fn = queued.pop()
-            key = (id(_leaf_of(weight)), weight.dtype)
+            leaf, weight, grad_fn = queued.pop()
+            key = (id(leaf), weight.dtype)
             partial = sums.get(key)
-            sums[key] = (weight if partial is None else partial[0],
-                         grad_fn(None if partial is None else partial[1]))
+            sums[key] = (leaf, weight if partial is None else partial[1],
+                         grad_fn(None if partial is None else partial[2]))
             del grad_fn
-        for weight, grad in sums.values():
-            leaf = _leaf_of(weight)
-            if self._private and weight.grad_fn is None and leaf.grad is None:
-                leaf.grad = grad  # what AccumulateGrad would store, uncopied
+        for leaf, weight, grad in sums.values():
+            if weight.grad_fn is None:  # the leaf itself (or a saved alias of it)
+                if self._private and leaf.grad is None:
+                    leaf.grad = grad  # what AccumulateGrad would store, uncopied
+                else:
+                    torch.autograd.backward(leaf, grad, inputs=[leaf])
             else:
                 torch.autograd.backward(weight, grad, inputs=[leaf])
 
