@@ -9,7 +9,8 @@ reference: for each EP group, one EP=1 layer with the same global weights runs e
 member's tokens one rank at a time (same shapes, so the router picks the same experts)
 and accumulates the parameter gradients the group computes together. Every output, input
 gradient, router gradient and expert gradient must be within a relative (Frobenius)
-error of 2e-2. Two scenarios also run under ``torch.compile`` at the largest EP size.
+error of 2e-2. Two scenarios also run under ``torch.compile`` at the largest EP size, and
+two under a non-reentrant activation checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
@@ -47,6 +49,9 @@ SCENARIOS = {
 TRANSPORTS = ("nccl", "copy_engine")
 COMPILED = ("top2", "capacity_chunks2")
 """Scenarios also run under ``torch.compile`` (NCCL) at the largest EP size, as ``"nccl+compile"``."""
+CHECKPOINTED = ("top2", "own_first_chunks2_skewed")
+"""Scenarios also run under a non-reentrant activation checkpoint at the largest EP size, on
+both transports, as ``"<transport>+checkpoint"``."""
 
 
 def _config(**overrides) -> MoEConfig:
@@ -71,10 +76,11 @@ def _scenario(name: str, world_size: int):
     return kwargs, state, inputs, [torch.randn_like(x) for x in inputs]
 
 
-def _run(layer: MoELayer, x: torch.Tensor, g: torch.Tensor) -> dict:
-    """Forward, backward of ``sum(y * g) + aux + z``; output, input grad, counts (on the CPU)."""
+def _run(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, forward=None) -> dict:
+    """Forward (``forward``, default ``layer``), backward of ``sum(y * g) + aux + z``;
+    output, input grad, counts (on the CPU)."""
     x = x.cuda().requires_grad_()
-    y = layer(x)
+    y = (forward or layer)(x)
     stats = layer.last_stats
     ((y.float() * g.cuda().float()).sum() + stats.aux_loss + stats.z_loss).backward()
     return dict(y=y.detach().cpu(), dx=x.grad.cpu(), counts=stats.tokens_per_expert.cpu())
@@ -131,6 +137,12 @@ def _ep_worker(rank: int, world_size: int) -> dict:
                     layer.zero_grad(set_to_none=True)
                     run = _run(compiled, inputs[rank], grads[rank])
                 results[(ep_size, name, "nccl+compile")] = dict(run=run, grads=_param_grads(layer))
+            for transport in TRANSPORTS if name in CHECKPOINTED and ep_size == world_size else ():
+                layer = _layer({**kwargs, "transport": transport}, state, group)
+                layer.zero_grad(set_to_none=True)
+                run = _run(layer, inputs[rank], grads[rank],
+                           forward=lambda t, layer=layer: checkpoint(layer, t, use_reentrant=False))
+                results[(ep_size, name, f"{transport}+checkpoint")] = dict(run=run, grads=_param_grads(layer))
             if rank == 0:
                 results[(ep_size, name, "ref")] = [_ep1_reference(kwargs, state, inputs, grads, ranks)
                                                    for ranks in ep_groups]
@@ -175,6 +187,15 @@ def test_ep_matches_ep1_bf16(ep_results, ep_size, name, transport):
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_ep_matches_ep1_bf16(ep_results, name):
     _check_against_ep1(ep_results, WORLD, name, "nccl+compile")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("name", CHECKPOINTED)
+def test_checkpointed_ep_matches_ep1_bf16(ep_results, name, transport):
+    """The layer recomputed in the backward (its collectives and the pipeline's chunk graphs
+    saved through the checkpoint's hooks) gives EP=1's outputs and gradients."""
+    _check_against_ep1(ep_results, WORLD, name, f"{transport}+checkpoint")
 
 
 def _check_against_ep1(ep_results, ep_size: int, name: str, variant: str) -> None:
