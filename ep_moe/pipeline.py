@@ -211,6 +211,21 @@ class _ExpertPipeline(torch.autograd.Function):
         return (None, None, None, None, None, None, *grads, *grad_send, *grad_send_weights)
 
 
+def _outer_hooks():
+    """The (pack, unpack) saved-tensor hooks in force, or None: none, or this torch cannot
+    name them (a private API, missing before 2.8). Without them the chunks record under
+    the hooks directly: still correct, but a checkpoint then recomputes its region once
+    per chunk's replay."""
+    autograd = torch._C._autograd
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None or not getattr(autograd, "_saved_tensors_hooks_is_enabled", lambda: True)():
+        return None
+    try:
+        return top(False)
+    except TypeError:  # an older signature
+        return None
+
+
 class _Saved:
     __slots__ = ("packed", "value")
 
@@ -231,17 +246,8 @@ class _ChunkSaved:
 
     @classmethod
     def around_outer_hooks(cls) -> "_ChunkSaved":
-        """Around the saved-tensor hooks in force now. Where this torch cannot name them (a
-        private API, missing before 2.8), the chunks record under those hooks directly:
-        still correct, but a checkpoint then recomputes its region once per chunk's replay."""
-        autograd = torch._C._autograd
-        top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
-        if top is None or not getattr(autograd, "_saved_tensors_hooks_is_enabled", lambda: True)():
-            return cls(None)
-        try:
-            return cls(top(False))
-        except TypeError:  # an older signature
-            return cls(None)
+        """Around the saved-tensor hooks in force now (:func:`_outer_hooks`)."""
+        return cls(_outer_hooks())
 
     def recording(self):
         if self._outer is None:
