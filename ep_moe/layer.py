@@ -514,10 +514,10 @@ class MoELayer(nn.Module):
         backend = _resolve_backend(cfg.backend, x)
         if self.ep_size == 1:
             y_TH = self._experts_local(x_TH, router, keep_TK, backend)
-        else:
+            if self.shared_experts is not None:
+                y_TH = y_TH + self.shared_experts(x_TH, backend)
+        else:  # the shared experts run there, while the routed rows travel
             y_TH = self._experts_parallel(x_TH, router, keep_TK, backend)
-        if self.shared_experts is not None:
-            y_TH = y_TH + self.shared_experts(x_TH, backend)
         self._record(router, keep_TK, torch.is_grad_enabled())
         return y_TH.view(x.shape)
 
@@ -586,6 +586,8 @@ class MoELayer(nn.Module):
             send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend, out=staging, gathered=early))
         with torch.no_grad():
             rows_in = [exchange.dispatch(rows, c, "rows") for c, rows in enumerate(send_rows)]
+        # The shared experts' GEMMs go to the GPU now, under the rows' all-to-all.
+        shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)
         plans, send_weights, arrived_weights = [], [], []
         for c, splits in enumerate(all_splits):
             recv_ids_SK, recv_weights_SK = packed_in[c].wait()
@@ -606,7 +608,8 @@ class MoELayer(nn.Module):
         back_rows = expert_pipeline(run_experts, plans, exchange, self.experts.gate_up, self.experts.down,
                                     send_rows, send_weights, arrived_weights, dispatched=rows_in)
         y_chunks = [sum_slot_rows(rows, r.pairs, backend) for rows, r in zip(back_rows, routings)]
-        return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
+        y_TH = y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
+        return y_TH if shared_TH is None else y_TH + shared_TH
 
     def _arrived_plan(self, chunk: int, splits: SplitSizes, counts: list, recv_ids_SK: torch.Tensor) -> ChunkPlan:
         """How this rank's experts take a chunk's arrived rows (``recv_ids_SK``: each row's

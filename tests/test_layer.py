@@ -330,6 +330,8 @@ SCENARIOS = {
     "own_first_capacity": dict(top_k=2, capacity_factor=0.75, own_rows_first=True),
     "skewed_own_first": dict(top_k=2, own_rows_first=True),
     "empty_rank_own_first": dict(top_k=2, own_rows_first=True),
+    # The shared experts run inside the EP path, under the rows' all-to-all.
+    "shared_own_first_overlap2": dict(top_k=2, num_shared_experts=2, own_rows_first=True, overlap_chunks=2),
 }
 
 
