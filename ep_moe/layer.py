@@ -380,6 +380,22 @@ class SharedExperts(nn.Module):
         return self.down(_activate(self.gate_up(x_TH), self.activation, backend))
 
 
+@dataclass
+class _RowsInFlight:
+    """What the EP path's first half hands its second: the routed rows on their way."""
+
+    x_TH: torch.Tensor
+    backend: str
+    counts: list
+    all_splits: list[SplitSizes]
+    routings: list
+    weights: list[torch.Tensor]
+    packed_in: list
+    exchange: object
+    send_rows: list[torch.Tensor]
+    rows_in: list
+
+
 class MoELayer(nn.Module):
     """Expert-parallel Mixture-of-Experts layer, dropless by default.
 
@@ -514,10 +530,13 @@ class MoELayer(nn.Module):
         backend = _resolve_backend(cfg.backend, x)
         if self.ep_size == 1:
             y_TH = self._experts_local(x_TH, router, keep_TK, backend)
-        else:
-            y_TH = self._experts_parallel(x_TH, router, keep_TK, backend)
-        if self.shared_experts is not None:
-            y_TH = y_TH + self.shared_experts(x_TH, backend)
+            shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)
+        else:  # the shared experts' GEMMs go to the GPU while the routed rows travel
+            in_flight = self._dispatch_experts_parallel(x_TH, router, keep_TK, backend)
+            shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)
+            y_TH = self._finish_experts_parallel(in_flight)
+        if shared_TH is not None:
+            y_TH = y_TH + shared_TH
         self._record(router, keep_TK, torch.is_grad_enabled())
         return y_TH.view(x.shape)
 
@@ -536,18 +555,25 @@ class MoELayer(nn.Module):
                             row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
         return sum_slot_rows(y_RH, meta, backend)
 
-    # Eager under torch.compile: host syncs, collectives and side streams make graph breaks
-    # of nearly every line, and Dynamo 2.11 fails (KeyError) tracing its comprehensions.
-    @torch.compiler.disable
     def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> torch.Tensor:
-        """EP>1: the tokens in ``overlap_chunks`` chunks; per chunk, each token sent once to
-        every rank that holds one of its experts, with its local expert ids and top-k
-        weights there (:class:`ep_moe.routing.RankRouting`); each rank runs its experts on
-        the rows it got as an EP=1 layer would (gather into GEMM1, weights in GEMM2's
-        epilogue, the row's slots summed) and sends one row back per row received; the
-        rows that come back are summed per token. Chunks are pipelined
-        (:mod:`ep_moe.pipeline`). One exchange of counts and one host sync for all chunks."""
+        """The routed experts at EP>1, dispatch to combine, with nothing in between."""
+        return self._finish_experts_parallel(self._dispatch_experts_parallel(x_TH, router, keep_TK, backend))
+
+    # Both halves of the EP path run eagerly under torch.compile: host syncs, collectives
+    # and side streams make graph breaks of nearly every line, and Dynamo 2.11 fails
+    # (KeyError) tracing their comprehensions.
+    @torch.compiler.disable
+    def _dispatch_experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput,
+                                   keep_TK: Optional[torch.Tensor], backend: str) -> "_RowsInFlight":
+        """EP>1 up to the rows' dispatch (:meth:`_finish_experts_parallel` does the rest): the
+        tokens in ``overlap_chunks`` chunks; per chunk, each token sent once to every rank
+        that holds one of its experts, with its local expert ids and top-k weights there
+        (:class:`ep_moe.routing.RankRouting`); each rank runs its experts on the rows it got
+        as an EP=1 layer would (gather into GEMM1, weights in GEMM2's epilogue, the row's
+        slots summed) and sends one row back per row received; the rows that come back are
+        summed per token. Chunks are pipelined (:mod:`ep_moe.pipeline`). One exchange of
+        counts and one host sync for all chunks."""
         cfg, group, ep_size, num_local = self.config, self.ep_group, self.ep_size, self.num_local_experts
         sizes = _chunk_sizes(x_TH.shape[0], cfg.overlap_chunks)
         # split, not slices: one concatenation in the backward instead of a zero-filled
@@ -586,7 +612,17 @@ class MoELayer(nn.Module):
             send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend, out=staging, gathered=early))
         with torch.no_grad():
             rows_in = [exchange.dispatch(rows, c, "rows") for c, rows in enumerate(send_rows)]
+        return _RowsInFlight(x_TH, backend, counts, all_splits, routings, weights, packed_in, exchange, send_rows,
+                             rows_in)
+
+    @torch.compiler.disable
+    def _finish_experts_parallel(self, f: "_RowsInFlight") -> torch.Tensor:
+        """EP>1 from the rows' dispatch on: the receiver's routing, the expert pipeline and
+        the per-token sum of the rows that come back ([T, H])."""
+        cfg, x_TH, backend = self.config, f.x_TH, f.backend
         plans, send_weights, arrived_weights = [], [], []
+        all_splits, counts, routings = f.all_splits, f.counts, f.routings
+        packed_in, weights = f.packed_in, f.weights
         for c, splits in enumerate(all_splits):
             recv_ids_SK, recv_weights_SK = packed_in[c].wait()
             send_weights.append(weights[c][:sum(splits.send)])
@@ -603,8 +639,8 @@ class MoELayer(nn.Module):
                               gather_index=local.token_index_R, backend=backend, configs=configs[rows],
                               row_weights=weights_SK.flatten().index_select(0, local.slot_index_R), slot_sum=local)
 
-        back_rows = expert_pipeline(run_experts, plans, exchange, self.experts.gate_up, self.experts.down,
-                                    send_rows, send_weights, arrived_weights, dispatched=rows_in)
+        back_rows = expert_pipeline(run_experts, plans, f.exchange, self.experts.gate_up, self.experts.down,
+                                    f.send_rows, send_weights, arrived_weights, dispatched=f.rows_in)
         y_chunks = [sum_slot_rows(rows, r.pairs, backend) for rows, r in zip(back_rows, routings)]
         return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
 

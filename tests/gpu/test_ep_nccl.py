@@ -45,6 +45,7 @@ SCENARIOS = {
     "capacity_chunks2": dict(top_k=3, capacity_factor=0.75, overlap_chunks=2),
     "own_first": dict(top_k=4, own_rows_first=True),
     "own_first_chunks2_skewed": dict(top_k=2, own_rows_first=True, overlap_chunks=2),
+    "shared_chunks2": dict(top_k=2, num_shared_experts=1, overlap_chunks=2),
 }
 TRANSPORTS = ("nccl", "copy_engine")
 COMPILED = ("top2", "capacity_chunks2")
