@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -76,8 +77,10 @@ def parse_args() -> argparse.Namespace:
                         help="ep_moe variants at EP>1, comma-separated TRANSPORT:CHUNKS[:own] "
                              "(MoEConfig transport 'nccl' or 'ce', overlap_chunks, own_rows_first); "
                              "EP=1 runs nccl:1 only")
-    parser.add_argument("--compile", action="store_true",
-                        help="also time each ep_moe layer under torch.compile (named <layer>+compile)")
+    parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                        help="also time each ep_moe layer under torch.compile (named <layer>+compile), "
+                             "optionally with a torch.compile mode such as reduce-overhead (CUDA graphs; "
+                             "named <layer>+compile-<mode>)")
     parser.add_argument("--autotune", action="store_true",
                         help="run ep_moe.autotune.warmup for each shape first (may tune on rank 0)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
@@ -245,10 +248,10 @@ def sharing_modules(layer: MoELayer, variant: Variant) -> MoELayer:
 
 
 def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtype, impls: list[str],
-                 variants: list[Variant], deepspeed, compiled: bool = False) -> tuple[MoELayer, dict]:
+                 variants: list[Variant], deepspeed, compile_mode: Optional[str] = None) -> tuple[MoELayer, dict]:
     """ep_moe's layer, and {name: (forward, params)} of the plain layer and of the other
-    layers in ``impls`` (ep_moe once per variant, and with ``compiled`` once more under
-    ``torch.compile``), all with ep_moe's weights."""
+    layers in ``impls`` (ep_moe once per variant, and with ``compile_mode`` once more under
+    ``torch.compile`` in that mode), all with ep_moe's weights."""
     torch.manual_seed(0)  # same router on every rank; expert weights depend on global ids only
     config = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                        num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0,
@@ -262,11 +265,12 @@ def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtyp
     if "deepspeed" in impls and deepspeed is not None:
         layers["deepspeed"] = deepspeed_moe_like(ours)
     forwards = {name: (lambda x, m=m: m(x)[0]) if name == "deepspeed" else m for name, m in layers.items()}
-    if compiled:
+    if compile_mode is not None:
         torch._dynamo.reset()  # each shape compiles afresh, far from Dynamo's recompile limit
+        suffix = "+compile" if compile_mode == "default" else f"+compile-{compile_mode}"
         for name in [n for n in layers if n.startswith("ep_moe")]:
-            layers[f"{name}+compile"] = layers[name]
-            forwards[f"{name}+compile"] = torch.compile(layers[name])
+            layers[name + suffix] = layers[name]
+            forwards[name + suffix] = torch.compile(layers[name], mode=compile_mode)
     return ours, {name: (forwards[name], list(m.parameters())) for name, m in layers.items()}
 
 
