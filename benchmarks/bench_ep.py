@@ -9,7 +9,8 @@ layer (router to combine, dX and every weight gradient) of:
 
 - ``ep_moe``: :class:`ep_moe.MoELayer` (Triton grouped GEMM on CUDA, reference on CPU);
   at EP>1 one layer per ``--variants`` entry TRANSPORT:C[:own] (``MoEConfig.transport``
-  ``nccl`` or ``ce``, the copy engines; tokens in C pipelined chunks, all-to-all
+  ``nccl`` or ``ce``, the copy engines, or ``ag``, ``MoEConfig.dispatch="all_gather"``
+  with C=1; tokens in C pipelined chunks, all-to-all
   overlapped with the GEMMs; ``own``: ``MoEConfig.own_rows_first``), named ``ep_moe``
   for ``nccl:1`` and ``ep_moe_<transport>_c<C>[_own]`` otherwise; with ``--compile``
   each once more under ``torch.compile`` (``<name>+compile``);
@@ -75,7 +76,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--impls", default="ep_moe,plain,deepspeed", help="which layers to time")
     parser.add_argument("--variants", default="nccl:1",
                         help="ep_moe variants at EP>1, comma-separated TRANSPORT:CHUNKS[:own] "
-                             "(MoEConfig transport 'nccl' or 'ce', overlap_chunks, own_rows_first); "
+                             "(MoEConfig transport 'nccl' or 'ce' (copy engines), or 'ag' for "
+                             "dispatch='all_gather' (ag:1 only); overlap_chunks, own_rows_first); "
                              "EP=1 runs nccl:1 only")
     parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                         help="also time each ep_moe layer under torch.compile (named <layer>+compile), "
@@ -213,7 +215,9 @@ def time_all_to_all(layer: MoELayer, x: torch.Tensor, per_slot: bool, args, devi
 
 Variant = tuple[str, int, bool]
 """(transport, chunks, own rows first) of an ep_moe layer."""
-TRANSPORTS = {"nccl": "nccl", "ce": "copy_engine"}
+TRANSPORTS = {"nccl": dict(transport="nccl"), "ce": dict(transport="copy_engine"), "ag": dict(dispatch="all_gather")}
+"""``--variants`` transport names: the MoEConfig settings each stands for ("ag": the
+all-gather dispatch, which takes 1 chunk and no own rows)."""
 
 
 def parse_variants(spec: str) -> list[Variant]:
@@ -222,9 +226,10 @@ def parse_variants(spec: str) -> list[Variant]:
     for item in spec.split(","):
         parts = item.split(":")
         transport, chunks, own = parts[0], parts[1] if len(parts) > 1 else "", parts[2:]
-        if transport not in TRANSPORTS or not chunks.isdigit() or own not in ([], ["own"]):
+        if transport not in TRANSPORTS or not chunks.isdigit() or own not in ([], ["own"]) \
+                or (transport == "ag" and (chunks != "1" or own)):
             raise SystemExit(f"--variants {item!r}: use TRANSPORT:CHUNKS or TRANSPORT:CHUNKS:own, "
-                             f"TRANSPORT one of {list(TRANSPORTS)}")
+                             f"TRANSPORT one of {list(TRANSPORTS)} ('ag' only as ag:1)")
         variants.append((transport, int(chunks), bool(own)))
     return variants
 
@@ -240,8 +245,7 @@ def sharing_modules(layer: MoELayer, variant: Variant) -> MoELayer:
     """A layer with other transport and overlap settings that shares ``layer``'s modules
     (same parameters)."""
     transport, chunks, own = variant
-    config = dataclasses.replace(layer.config, transport=TRANSPORTS[transport], overlap_chunks=chunks,
-                                 own_rows_first=own)
+    config = dataclasses.replace(layer.config, **TRANSPORTS[transport], overlap_chunks=chunks, own_rows_first=own)
     variant = MoELayer(config, layer.ep_group, device="meta")
     variant.router, variant.experts, variant.shared_experts = layer.router, layer.experts, layer.shared_experts
     return variant

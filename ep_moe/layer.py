@@ -46,6 +46,7 @@ from ep_moe.dispatch import (
     start_dispatch_packed,
     start_gather_counts,
 )
+from ep_moe.gathered import all_gather_rows, check_equal_tokens, gathered_routing, reduce_scatter_rows, row_bound
 from ep_moe.kernels.activation import swiglu
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm, grouped_gemm_slot_sum
@@ -144,6 +145,19 @@ class MoEConfig:
     which needs no SM, so its transfers can run under the GPU-filling GEMMs when
     ``overlap_chunks > 1``. Measured on 4x H200 it is still slower than NCCL in the layer
     (README, "Expert parallelism"): opt in to experiment."""
+    dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"
+    """EP>1: how tokens reach the experts. ``"all_to_all"``: each token goes to the ranks of
+    its experts (uneven ``all_to_all_single``), one host sync per call for the split
+    sizes. ``"all_gather"``: every rank receives every token of the EP group and the
+    partial outputs come back summed (:mod:`ep_moe.gathered`): no host sync, more bytes
+    where tokens reach few of the ranks. Needs the same token count on every rank, with
+    ``overlap_chunks=1``, ``own_rows_first=False`` and ``transport="nccl"``."""
+    all_gather_row_bound: Optional[float] = None
+    """``dispatch="all_gather"``: the most routed rows a rank computes, as a multiple of
+    T*K (its share on average); None: the worst case ``P*T*min(K, E/P)``, never exceeded,
+    which sizes the expert activations for it (P times the average at K <= E/P). Slots
+    past a set bound are dropped (their expert's last ones first) and counted in
+    ``last_stats.num_dropped``."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -170,6 +184,16 @@ class MoEConfig:
                              "(1: no overlap)")
         if self.transport not in ("nccl", "copy_engine"):
             raise ValueError(f"MoEConfig.transport={self.transport!r}: use 'nccl' or 'copy_engine'")
+        if self.dispatch not in ("all_to_all", "all_gather"):
+            raise ValueError(f"MoEConfig.dispatch={self.dispatch!r}: use 'all_to_all' or 'all_gather'")
+        if self.dispatch == "all_gather":
+            for name, default in (("overlap_chunks", 1), ("own_rows_first", False), ("transport", "nccl")):
+                if getattr(self, name) != default:
+                    raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r} does not apply to "
+                                     f"dispatch='all_gather'; leave it at {default!r} or use dispatch='all_to_all'")
+        if self.all_gather_row_bound is not None and not self.all_gather_row_bound > 0:
+            raise ValueError(f"MoEConfig.all_gather_row_bound={self.all_gather_row_bound!r}: must be > 0, "
+                             "or None for the worst case")
         if not isinstance(self.own_rows_first, bool):
             raise ValueError(f"MoEConfig.own_rows_first={self.own_rows_first!r}: must be True or False")
         if not self.init_std > 0:
@@ -212,7 +236,9 @@ class MoEStats:
     """[E] int64: slots of this rank's tokens the router assigned to each global expert
     (before capacity drops), detached."""
     num_dropped: torch.Tensor
-    """0-dim int64: slots dropped by the capacity (always 0 when dropless)."""
+    """0-dim int64: slots of this rank's tokens dropped by the capacity, plus, at
+    ``dispatch="all_gather"`` with a row bound, slots of this rank's experts past it
+    (always 0 when dropless)."""
     with_autograd: bool = True
     """Whether the forward ran with autograd on, so that the losses carry gradients (False
     under ``torch.no_grad``, and in the first forward of a reentrant activation checkpoint)."""
@@ -316,20 +342,22 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, m_siz
                scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
                backend: str = "torch",
                configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None),
-               slot_sum: Optional[RoutingMetadata] = None) -> torch.Tensor:
+               slot_sum: Optional[RoutingMetadata] = None, bounded_rows: bool = False) -> torch.Tensor:
     """The math of :meth:`GroupedExperts.forward` with the weights passed in. ``slot_sum``:
     the output rows summed per token over ``slot_sum``'s slots ([T, H];
     :func:`~ep_moe.kernels.permute.sum_slot_rows`), fused with the down projection on the
-    Triton backend (:func:`~ep_moe.kernels.ops.grouped_gemm_slot_sum`; no scatter then)."""
+    Triton backend (:func:`~ep_moe.kernels.ops.grouped_gemm_slot_sum`; no scatter then).
+    ``bounded_rows``: the rows are a bound, ``m_sizes`` counts fewer (see
+    :func:`~ep_moe.kernels.ops.grouped_gemm`)."""
     # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
     h_RF = grouped_gemm(x, gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
-                        configs=configs[0], backend=backend)
+                        configs=configs[0], backend=backend, bounded_rows=bounded_rows)
     a_RI = _activate(h_RF, activation, backend)
     if slot_sum is not None and backend == "triton":
         return grouped_gemm_slot_sum(a_RI, down.to(x.dtype), m_sizes_e, row_weights, slot_sum.token_index_R,
-                                     slot_sum.row_of_slot_N, slot_sum.top_k, configs[1])
+                                     slot_sum.row_of_slot_N, slot_sum.top_k, configs[1], bounded_rows)
     y_RH = grouped_gemm(a_RI, down.to(x.dtype), m_sizes_e, scatter_index=scatter_index,
-                        row_weights=row_weights, configs=configs[1], backend=backend)
+                        row_weights=row_weights, configs=configs[1], backend=backend, bounded_rows=bounded_rows)
     return y_RH if slot_sum is None else sum_slot_rows(y_RH, slot_sum, backend)
 
 
@@ -444,6 +472,7 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = None
         self.last_stats: Optional[MoEStats] = None
+        self._token_counts_seen: set[int] = set()  # checked equal over the EP group (dispatch="all_gather")
         self.reset_parameters()
 
     @torch.no_grad()
@@ -507,12 +536,14 @@ class MoELayer(nn.Module):
            drops when configured.
         3. EP>1: exchange per-rank counts, one host sync for the split sizes; each token
            goes once to every rank that holds one of its experts (``all_to_all_single``,
-           uneven splits), with its local expert ids and top-k weights there.
+           uneven splits), with its local expert ids and top-k weights there. With
+           ``dispatch="all_gather"`` instead: every rank gets every token of the group
+           (no host sync; :mod:`ep_moe.gathered`).
         4. Experts (on the arrived rows at EP>1): GEMM1 (gate_up) with gather on load;
            activation; GEMM2 (down) with the top-k weights multiplied in (fp32), scattered
            to slot order at EP=1; each row's slots summed.
-        5. EP>1: reverse all-to-all of one row per row received, summed per token; plus
-           the shared experts.
+        5. EP>1: reverse all-to-all of one row per row received, summed per token (or
+           the partial sums reduce-scattered); plus the shared experts.
         """
         self._check_input(x)
         cfg = self.config
@@ -528,8 +559,12 @@ class MoELayer(nn.Module):
             keep_TK = capacity_keep_mask(router.topk_ids_TK, router.topk_scores_TK, num_experts=cfg.num_experts,
                                          capacity=capacity, drop_policy=cfg.drop_policy)
         backend = _resolve_backend(cfg.backend, x)
+        bound_dropped = None
         if self.ep_size == 1:
             y_TH = self._experts_local(x_TH, router, keep_TK, backend)
+            shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)
+        elif cfg.dispatch == "all_gather":
+            y_TH, bound_dropped = self._experts_gathered(x_TH, router, keep_TK, backend)
             shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)
         else:  # the shared experts' GEMMs go to the GPU while the routed rows travel
             in_flight = self._dispatch_experts_parallel(x_TH, router, keep_TK, backend)
@@ -537,7 +572,7 @@ class MoELayer(nn.Module):
             y_TH = self._finish_experts_parallel(in_flight)
         if shared_TH is not None:
             y_TH = y_TH + shared_TH
-        self._record(router, keep_TK, torch.is_grad_enabled())
+        self._record(router, keep_TK, torch.is_grad_enabled(), bound_dropped)
         return y_TH.view(x.shape)
 
     def _experts_local(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
@@ -554,6 +589,31 @@ class MoELayer(nn.Module):
         y_RH = self.experts(x_TH, meta.counts_E, gather_index=meta.token_index_R,
                             row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
         return sum_slot_rows(y_RH, meta, backend)
+
+    def _experts_gathered(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
+                          backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """EP>1 by all-gather (:mod:`ep_moe.gathered`): every token of the group through this
+        rank's experts where it chose them, the partial sums reduce-scattered back. Returns
+        ([T, H], slots dropped past the row bound)."""
+        cfg, group, num_local = self.config, self.ep_group, self.num_local_experts
+        num_tokens, top_k = router.topk_ids_TK.shape
+        check_equal_tokens(num_tokens, group, x_TH.device, self._token_counts_seen)
+        ids_TK = router.topk_ids_TK.to(torch.int32)
+        if keep_TK is not None:
+            ids_TK = ids_TK.masked_fill(~keep_TK, -1)
+        # the expert ids (as bits) and the top-k weights in one message
+        packed = all_gather_rows(torch.cat([ids_TK.view(torch.float32), router.topk_weights_TK.float()], 1), group)
+        ids_GK = packed[:, :top_k].contiguous().view(torch.int32)
+        weights_N = packed[:, top_k:].reshape(-1).to(router.topk_weights_TK.dtype)
+        x_GH = all_gather_rows(x_TH, group)
+        max_rows = row_bound(cfg.all_gather_row_bound, num_tokens, top_k, self.ep_size, num_local)
+        slots, num_dropped = gathered_routing(ids_GK, self.ep_rank * num_local, num_local, max_rows)
+        partial_GH = expert_mlp(
+            x_GH, self.experts.gate_up, self.experts.down, slots.counts_E, activation=cfg.activation,
+            gather_index=slots.token_index_R, row_weights=weights_N.index_select(0, slots.slot_index_R),
+            backend=backend, configs=self._configs(backend, max_rows, x_TH.device), slot_sum=slots,
+            bounded_rows=True)
+        return reduce_scatter_rows(partial_GH, group), num_dropped
 
     def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> torch.Tensor:
@@ -688,12 +748,15 @@ class MoELayer(nn.Module):
         return CopyEngineExchange(workspace, row_matrices(counts), row_bytes)
 
     @torch.no_grad()
-    def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor], with_autograd: bool) -> None:
+    def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor], with_autograd: bool,
+                bound_dropped: Optional[torch.Tensor] = None) -> None:
         if _in_backward():  # an activation checkpoint recomputing this forward: counted already
             return
         counts_E = router.counts_E.detach()
         num_dropped = (torch.zeros((), dtype=torch.int64, device=counts_E.device) if keep_TK is None
                        else keep_TK.numel() - keep_TK.sum())
+        if bound_dropped is not None:
+            num_dropped = num_dropped + bound_dropped
         self.last_stats = MoEStats(
             aux_loss=router.aux_loss, z_loss=router.z_loss, tokens_per_expert=counts_E,
             num_dropped=num_dropped, with_autograd=with_autograd,

@@ -13,6 +13,7 @@ import ep_moe.layer as layer_mod
 from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.layer import expert_load, moe_aux_loss, update_expert_biases
+from ep_moe.routing import route
 from ep_moe.parallel import (
     build_ep_groups,
     ep_layout,
@@ -279,6 +280,11 @@ def test_ep_layout_expert_then_data():
     (dict(top_k=2, overlap_chunks=0), r"overlap_chunks=0: must be an int >= 1"),
     (dict(top_k=2, transport="nvshmem"), r"transport='nvshmem': use 'nccl' or 'copy_engine'"),
     (dict(top_k=2, own_rows_first="yes"), r"own_rows_first='yes': must be True or False"),
+    (dict(top_k=2, dispatch="broadcast"), r"dispatch='broadcast': use 'all_to_all' or 'all_gather'"),
+    (dict(top_k=2, dispatch="all_gather", overlap_chunks=2),
+     r"overlap_chunks=2 does not apply to dispatch='all_gather'; leave it at 1 or use dispatch='all_to_all'"),
+    (dict(top_k=2, dispatch="all_gather", transport="copy_engine"), r"transport='copy_engine' does not apply"),
+    (dict(top_k=2, dispatch="all_gather", all_gather_row_bound=0.0), r"all_gather_row_bound=0.0: must be > 0"),
 ])
 def test_config_errors(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -332,6 +338,13 @@ SCENARIOS = {
     "empty_rank_own_first": dict(top_k=2, own_rows_first=True),
     # The shared experts run inside the EP path, under the rows' all-to-all.
     "shared_own_first_overlap2": dict(top_k=2, num_shared_experts=2, own_rows_first=True, overlap_chunks=2),
+    # The all-gather dispatch (ep_moe.gathered): no host sync; rows bounded on the host.
+    "all_gather_top3": dict(top_k=3, dispatch="all_gather"),
+    "skewed_all_gather": dict(top_k=2, dispatch="all_gather"),
+    "all_gather_capacity_shared_triton": dict(top_k=2, capacity_factor=0.75, num_shared_experts=1,
+                                              backend="triton", dispatch="all_gather"),
+    # a bound below the worst case at EP=4 (72 of 96 rows) that this routing stays under
+    "all_gather_bound_untripped": dict(top_k=2, dispatch="all_gather", all_gather_row_bound=3.0),
 }
 
 
@@ -439,6 +452,17 @@ def _extras_world4(rank):
         except ValueError as err:
             errors.append(str(err))
     out["errors"] = errors
+
+    # The all-gather dispatch with a bound this routing exceeds: slots dropped and counted;
+    # and with unequal token counts, one clear error on every rank.
+    bounded = MoELayer(_config(top_k=2, dispatch="all_gather", all_gather_row_bound=1.0), dist.group.WORLD)
+    bounded.load_state_dict(state)
+    out["bounded_run"] = _run_layer(bounded, inputs[rank], grads[rank])
+    out["bounded_rows"] = [p.grad.clone() for p in bounded.parameters()]
+    try:
+        bounded(inputs[rank][: 1 + (rank == 1)])
+    except ValueError as err:
+        out["unequal_tokens_error"] = str(err)
 
     # The copy engines need CUDA and NCCL: asked for on gloo, a clear error on every rank
     # (none hangs), and the group still works afterwards.
@@ -620,6 +644,43 @@ def test_group_errors(ep4_results):
     assert re.search(r"num_experts=6 is not divisible by the ep_group size 4; use an EP size that divides",
                      errors[0])
     assert re.search(r"ep_group has 4 ranks but MoEConfig.ep_size=2; pass a group of 2 ranks", errors[1])
+
+
+@pytest.mark.distributed
+def test_all_gather_bound_drops_and_counts(ep4_results):
+    """Row bound 1.0 at EP=4, T=12, K=2: each rank computes at most 24 routed rows (its
+    share on average; the worst case is 96). A rank
+    whose experts drew more drops the excess (counted there); tokens whose experts all sit
+    on ranks within the bound get the dropless EP=1 output."""
+    _, state, inputs, _ = _scenario("top2", 4)
+    (ref_runs, _), owned = _ep1_reference("top2", 4), E // 4
+    layer = MoELayer(_config(top_k=2))
+    layer.load_state_dict(state)
+    ids = [route(x.reshape(-1, H), layer.router.weight, top_k=2).topk_ids_TK for x in inputs]
+    rows_per_rank = torch.bincount(torch.cat(ids).flatten() // owned, minlength=4)
+    max_rows = math.ceil(1.0 * 12 * 2)
+    over = rows_per_rank > max_rows
+    assert over.any() and not over.all(), rows_per_rank  # the scenario trips the bound somewhere
+    dropped = [int(res["bounded_run"]["dropped"]) for res in ep4_results]
+    assert dropped == (rows_per_rank - max_rows).clamp(min=0).tolist()
+    changed = []  # tokens whose output lost a dropped slot
+    for res, ref, ids_TK in zip(ep4_results, ref_runs, ids):
+        y, want = res["bounded_run"]["y"].reshape(-1, H), ref["y"].reshape(-1, H)
+        clean = ~over[ids_TK // owned].any(dim=1)
+        assert clean.any() and not clean.all()
+        _close(y[clean], want[clean])
+        changed.append(int(((y[~clean] - want[~clean]).abs().amax(dim=1) > 1e-4).sum()))
+        assert torch.isfinite(res["bounded_run"]["dx"]).all()
+        assert all(torch.isfinite(g).all() for g in res["bounded_rows"])
+    assert 0 < sum(changed) <= sum(dropped)
+
+
+@pytest.mark.distributed
+def test_all_gather_needs_equal_token_counts(ep4_results):
+    for res in ep4_results:
+        assert re.search(r"dispatch='all_gather' needs the same number of tokens on every rank of the EP group, "
+                         r"got \[4, 8, 4, 4\]; pad the batches to one size or use dispatch='all_to_all'",
+                         res["unequal_tokens_error"])
 
 
 @pytest.mark.distributed

@@ -70,6 +70,7 @@ def _fwd_impl(
     row_weights: Optional[torch.Tensor],
     config: list[int],
     dx_mode: str,
+    bounded_rows: bool,
 ) -> torch.Tensor:
     out = x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
     launch_rows(
@@ -83,7 +84,7 @@ _grouped_gemm_fwd = torch.library.custom_op("ep_moe::grouped_gemm_fwd", mutates_
 
 
 @_grouped_gemm_fwd.register_fake
-def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode):
+def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows):
     return x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
 
 
@@ -97,6 +98,7 @@ def _bwd_impl(
     row_weights: Optional[torch.Tensor],
     config: list[int],
     dx_mode: str,
+    bounded_rows: bool,
     need_dx: bool,
     need_dw: bool,
     need_drw: bool,
@@ -106,7 +108,7 @@ def _bwd_impl(
     dx, dw, drw = x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if need_dx or need_drw:
         dx, drw_f32 = _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                  configs.dx, dx_mode, need_drw)
+                                  configs.dx, dx_mode, need_drw, bounded_rows)
         if need_drw:
             drw = drw_f32.to(row_weights.dtype)
     if need_dw:
@@ -119,7 +121,7 @@ _grouped_gemm_bwd = torch.library.custom_op("ep_moe::grouped_gemm_bwd", mutates_
 
 @_grouped_gemm_bwd.register_fake
 def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
-                           dx_mode, need_dx, need_dw, need_drw):
+                           dx_mode, bounded_rows, need_dx, need_dw, need_drw):
     dx = x.new_empty(x.shape) if (need_dx or need_drw) else x.new_empty(0)
     dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
     drw = row_weights.new_empty(row_weights.shape) if need_drw else x.new_empty(0)
@@ -139,26 +141,41 @@ def _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, co
 
 
 def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
-                dx_mode, need_drw):
+                dx_mode, need_drw, bounded_rows=False):
     """dX through the row kernel. Rows of a gathered x: ``dx_mode`` "unique" (each row read
     at most once) stores straight through the index; "sort" sums repeated rows without
-    float atomics (sorted by destination, then a segment sum); "atomic" adds in fp32."""
+    float atomics (sorted by destination, then a segment sum); "atomic" adds in fp32.
+    ``bounded_rows``: rows past ``m_sizes.sum()`` (not computed) add nothing, and their
+    row-weight gradients are 0."""
     common = dict(transpose_w=False, load_idx=scatter_index, scale=row_weights,
                   scale_by_load_row=True, dot_with=x if need_drw else None, dot_idx=gather_index)
+    num_rows = _routed_rows(x, gather_index)
+    past = (torch.arange(num_rows, device=x.device) >= m_sizes.sum()) if bounded_rows else None
+    dx, drw = _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, past)
+    if past is not None and drw is not None:
+        drw.masked_fill_(past, 0.0)
+    return dx, drw
+
+
+def _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, past):
+    """:func:`_grad_input`'s dX and fp32 row-weight gradient (rows ``past`` the counts,
+    when given, left out of dX)."""
     if gather_index is None:
-        dx = torch.empty_like(x)
+        dx = torch.empty_like(x) if past is None else torch.zeros_like(x)
         drw = launch_rows(dy, w, dx, m_sizes, config, **common)
         return dx, drw
     num_rows = gather_index.shape[0]
     if dx_mode == "unique":
-        covered = num_rows == x.shape[0]  # a permutation writes every row; else unread rows are 0
+        covered = num_rows == x.shape[0] and past is None  # a permutation writes every row; else unread rows are 0
         dx = torch.empty_like(x) if covered else torch.zeros_like(x)
         drw = launch_rows(dy, w, dx, m_sizes, config, store_idx=gather_index, **common)
         return dx, drw
     if dx_mode == "sort":
         # Rows sorted by destination (stable), and each destination's first row: no host
         # sync (bincount would read the max index), so this also runs in a CUDA graph.
-        sorted_dest, order = torch.sort(gather_index, stable=True)
+        # Rows past the counts sort after every destination, outside every segment.
+        dest = gather_index if past is None else gather_index.masked_fill(past, x.shape[0])
+        sorted_dest, order = torch.sort(dest, stable=True)
         position = torch.empty_like(order)
         position[order] = torch.arange(num_rows, device=order.device, dtype=order.dtype)
         rows_by_dest = x.new_empty((num_rows, x.shape[1]))
@@ -170,16 +187,19 @@ def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, con
         return dx, drw
     rows = torch.empty((num_rows, x.shape[1]), device=x.device, dtype=torch.float32)
     drw = launch_rows(dy, w, rows, m_sizes, config, **common)
+    if past is not None:
+        rows.masked_fill_(past[:, None], 0.0)
     dx = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
     dx.index_add_(0, gather_index.long(), rows)
     return dx.to(x.dtype), drw
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode = inputs
+    x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows = inputs
     ctx.save_for_backward(x, w, m_sizes, gather_index, scatter_index, row_weights)
     ctx.config = config
     ctx.dx_mode = dx_mode
+    ctx.bounded_rows = bounded_rows
 
 
 def _backward_with(bwd, ctx, dy, defer_dw: bool = False, saved=None):
@@ -188,10 +208,10 @@ def _backward_with(bwd, ctx, dy, defer_dw: bool = False, saved=None):
     need_drw = row_weights is not None and ctx.needs_input_grad[5]
     dx, dw, drw = bwd(
         dy.contiguous(), x, w, m_sizes, gather_index, scatter_index, row_weights,
-        ctx.config, ctx.dx_mode, need_dx, need_dw, need_drw,
+        ctx.config, ctx.dx_mode, ctx.bounded_rows, need_dx, need_dw, need_drw,
     )
     return (dx if need_dx else None, dw if need_dw else None, None, None, None,
-            drw if need_drw else None, None, None)
+            drw if need_drw else None, None, None, None)
 
 
 def _backward(ctx, dy):
@@ -229,12 +249,12 @@ class _GemmSlotSum(torch.autograd.Function):
     """:func:`grouped_gemm_slot_sum`'s forward and backward (Triton)."""
 
     @staticmethod
-    def forward(ctx, a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, config):
+    def forward(ctx, a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, config, bounded_rows):
         configs = _configs_from_ints(config)
         rows = a.new_empty((a.shape[0], w.shape[1]))
         launch_rows(a, w, rows, m_sizes, configs.forward, transpose_w=True, scale=row_weights)
         ctx.save_for_backward(a, w, m_sizes, row_weights, token_index)
-        ctx.configs = configs
+        ctx.configs, ctx.bounded_rows = configs, bounded_rows
         return launch_sum_slot_rows(rows, row_of_slot, top_k)
 
     @staticmethod
@@ -248,6 +268,8 @@ class _GemmSlotSum(torch.autograd.Function):
             da = torch.empty_like(a)
             drw = launch_rows(dy, w, da, m_sizes, ctx.configs.dx, transpose_w=False, load_idx=token_index,
                               scale=row_weights, per_routed_row=True, dot_with=a if need_drw else None)
+            if ctx.bounded_rows and need_drw:  # rows past the counts were not computed
+                drw.masked_fill_(torch.arange(drw.shape[0], device=drw.device) >= m_sizes.sum(), 0.0)
         if need_dw:
             config = ctx.configs.dw
 
@@ -263,13 +285,13 @@ class _GemmSlotSum(torch.autograd.Function):
             else:
                 queue.add(w, grad_weight)
         return (da if need_da else None, dw, None, drw.to(row_weights.dtype) if need_drw else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 @torch.compiler.disable  # eager only: its autograd.Function is not a custom op
 def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, row_weights: torch.Tensor,
                           token_index: torch.Tensor, row_of_slot: torch.Tensor, top_k: int,
-                          configs: Optional[GemmConfigs] = None) -> torch.Tensor:
+                          configs: Optional[GemmConfigs] = None, bounded_rows: bool = False) -> torch.Tensor:
     """Routed rows through their experts, weighted, then summed per token over its slots
     (Triton; the EP receiver's down projection and slot sum):
     ``out[t] = sum_k row_weights[r] * a[r] @ w[e(r)]^T`` for ``r = row_of_slot[t*K + k]``
@@ -281,11 +303,12 @@ def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tenso
     :func:`ep_moe.kernels.permute.sum_slot_rows`, but the backward reads the [T, N]
     gradient through ``token_index`` (dA in the kernel's loads, the dW operand in its one
     weighting pass) instead of first gathering it to [M, N]. Its dW joins an open
-    :func:`defer_weight_grads` queue like the grouped GEMM's. Arguments are trusted (the
-    layer builds them)."""
+    :func:`defer_weight_grads` queue like the grouped GEMM's. ``bounded_rows`` as for
+    :func:`grouped_gemm` (rows past ``m_sizes.sum()``: no slot may name them). Arguments
+    are trusted (the layer builds them)."""
     configs = configs or GemmConfigs.defaults(a.element_size(), smem_limit_for(a.device))
     return _GemmSlotSum.apply(a, w, _as_int32(m_sizes), row_weights.contiguous(), _as_int32(token_index),
-                              _as_int32(row_of_slot), top_k, _configs_to_ints(configs))
+                              _as_int32(row_of_slot), top_k, _configs_to_ints(configs), bounded_rows)
 
 
 class DeferredWeightGrads:
@@ -414,7 +437,7 @@ def _check_index(name: str, idx: Optional[torch.Tensor], length: int, device: to
         raise ValueError(f"{name} is on {idx.device} but x is on {device}; move it with .to(x.device)")
 
 
-def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bool) -> None:
+def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bool, bounded_rows: bool) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
     if w.dim() != 3:
@@ -444,6 +467,9 @@ def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bo
             raise ValueError(f"row_weights must be a float tensor, got {row_weights.dtype}")
         if row_weights.device != x.device:
             raise ValueError(f"row_weights is on {row_weights.device} but x is on {x.device}")
+    if bounded_rows and scatter_index is not None:
+        raise ValueError("bounded_rows=True does not take a scatter_index (a permutation of every row); "
+                         "sum the rows with row_of_slot instead (ep_moe.kernels.permute.sum_slot_rows)")
     if torch.compiler.is_compiling() or (not debug and x.device.type != "cpu"):
         return
     # Value checks: free on the CPU; on a GPU each costs a host sync, so only in debug mode.
@@ -451,10 +477,11 @@ def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bo
     total = int(m_sizes.sum())
     if bool((m_sizes < 0).any()):
         raise ValueError("m_sizes has negative counts")
-    if total != rows:
+    if total > rows or (total < rows and not bounded_rows):
         raise ValueError(f"m_sizes sums to {total} but there are {rows} routed rows "
                          f"({'gather_index entries' if gather_index is not None else 'rows of x'}); "
-                         "counts must cover every row exactly once")
+                         "counts must cover every row exactly once (or, with bounded_rows=True, "
+                         "at most every row)")
     if gather_index is not None and rows and not bool(((gather_index >= 0) & (gather_index < x.shape[0])).all()):
         raise ValueError(f"gather_index has entries outside [0, {x.shape[0]}) (the rows of x)")
     if scatter_index is not None and rows:
@@ -477,6 +504,7 @@ def grouped_gemm(
     unique_gather: bool = False,
     backend: Backend = "auto",
     debug: Optional[bool] = None,
+    bounded_rows: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM over experts with fused permutation, autograd-aware.
 
@@ -484,7 +512,8 @@ def grouped_gemm(
         x: [rows, K] input. Without ``gather_index`` its rows are the routed problem,
             expert 0's rows first; with it, any table the index reads from (e.g. [T, H]).
         w: [E, N, K] expert weights (``out_features`` before ``in_features``).
-        m_sizes: [E] int32/int64 row counts per expert on x's device, summing to M.
+        m_sizes: [E] int32/int64 row counts per expert on x's device, summing to M
+            (at most M with ``bounded_rows``).
         gather_index: optional [M] ints: routed row r reads ``x[gather_index[r]]``. Rows of
             x read several times get their gradients summed.
         scatter_index: optional [M] permutation: routed row r is written to output row
@@ -503,12 +532,17 @@ def grouped_gemm(
             the Triton interpreter, the reference elsewhere.
         debug: check index ranges and ``m_sizes`` on the GPU (host syncs); default from
             ``EP_MOE_DEBUG``. These checks always run for CPU tensors.
+        bounded_rows: M is a bound, known on the host, of a row count known only on the
+            device: ``m_sizes`` may sum to fewer than M rows (no ``scatter_index`` then).
+            Rows past the sum are not computed: their outputs are undefined (zeros in
+            the reference) and they get no gradient (dX, dW and the row weights' gradient
+            leave them out). Their ``gather_index`` entries must still be rows of x.
 
     Returns:
         [M, N] tensor of x's dtype: rows of expert e are ``x_e @ w[e]^T``.
     """
     debug = _debug_enabled(debug)
-    _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug)
+    _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug, bounded_rows)
     if unique_gather and gather_index is not None and (debug or x.device.type == "cpu") \
             and not torch.compiler.is_compiling() and torch.unique(gather_index).numel() != gather_index.numel():
         raise ValueError("unique_gather=True but gather_index reads some rows of x more than once; "
@@ -526,5 +560,5 @@ def grouped_gemm(
         x, w, _as_int32(m_sizes), _as_int32(gather_index), _as_int32(scatter_index),
         None if row_weights is None else row_weights.contiguous(),  # the kernels index it with stride 1
         _configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
-        "unique" if unique_gather else ("sort" if deterministic else "atomic"),
+        "unique" if unique_gather else ("sort" if deterministic else "atomic"), bounded_rows,
     )

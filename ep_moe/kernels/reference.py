@@ -34,9 +34,11 @@ def grouped_gemm_reference(
     sizes = [int(s) for s in m_sizes.tolist()]  # host sync: per-expert split sizes
     pieces = [
         seg @ w_e.to(compute_dtype).t()
-        for seg, w_e in zip(torch.split(rows_MK, sizes), w.unbind(0))
+        for seg, w_e in zip(torch.split(rows_MK[:sum(sizes)], sizes), w.unbind(0))
     ]
-    out_MN = torch.cat(pieces) if pieces else rows_MK.new_zeros(0, w.shape[1])
+    # rows past the counts (grouped_gemm's bounded_rows) come out as zeros
+    pieces.append(rows_MK.new_zeros(rows_MK.shape[0] - sum(sizes), w.shape[1]))
+    out_MN = torch.cat(pieces)
     if scatter_index is not None:
         out_MN = torch.zeros_like(out_MN).index_copy(0, scatter_index.long(), out_MN)
     if row_weights is not None:

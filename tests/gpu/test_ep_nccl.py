@@ -47,7 +47,30 @@ SCENARIOS = {
     "own_first_chunks2_skewed": dict(top_k=2, own_rows_first=True, overlap_chunks=2),
     "shared_chunks2": dict(top_k=2, num_shared_experts=1, overlap_chunks=2),
 }
-TRANSPORTS = ("nccl", "copy_engine")
+TRANSPORTS = ("nccl", "copy_engine", "all_gather")
+"""How the rows travel: the all-to-all on NCCL or on the copy engines, or the all-gather
+dispatch (``MoEConfig.dispatch="all_gather"``, no host sync; chunks and own rows do not
+apply, and it needs equal token counts, so not with an empty rank)."""
+
+
+def _variant(kwargs: dict, transport: str) -> dict:
+    """``kwargs`` on ``transport`` (one of TRANSPORTS)."""
+    if transport == "all_gather":
+        return {**{k: v for k, v in kwargs.items() if k not in ("overlap_chunks", "own_rows_first")},
+                "dispatch": "all_gather"}
+    return {**kwargs, "transport": transport}
+
+
+def _runs_on(name: str, transport: str) -> bool:
+    return not (transport == "all_gather" and name.startswith("empty_rank"))
+
+
+def _equal_counts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The first T rows of every rank's tensor: the all-gather dispatch's inputs (its EP=1
+    reference is run on the same)."""
+    return [t[:T] for t in tensors]
+
+
 COMPILED = ("top2", "capacity_chunks2")
 """Scenarios also run under ``torch.compile`` (NCCL) at the largest EP size, as ``"nccl+compile"``."""
 CHECKPOINTED = ("top2", "own_first_chunks2_skewed")
@@ -125,11 +148,13 @@ def _ep_worker(rank: int, world_size: int) -> dict:
         group, ep_groups = _nccl_groups(world_size, ep_size)
         for name in SCENARIOS:
             kwargs, state, inputs, grads = _scenario(name, world_size)
-            for transport in TRANSPORTS:
-                layer = _layer({**kwargs, "transport": transport}, state, group)
+            for transport in [t for t in TRANSPORTS if _runs_on(name, t)]:
+                layer = _layer(_variant(kwargs, transport), state, group)
+                x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport == "all_gather"
+                        else (inputs[rank], grads[rank]))
                 for _ in range(2):  # twice: the second reuses the copy engines' workspace
                     layer.zero_grad(set_to_none=True)
-                    run = _run(layer, inputs[rank], grads[rank])
+                    run = _run(layer, x, g)
                 results[(ep_size, name, transport)] = dict(run=run, grads=_param_grads(layer))
             if name in COMPILED and ep_size == world_size:
                 layer = _layer(kwargs, state, group)
@@ -139,14 +164,19 @@ def _ep_worker(rank: int, world_size: int) -> dict:
                     run = _run(compiled, inputs[rank], grads[rank])
                 results[(ep_size, name, "nccl+compile")] = dict(run=run, grads=_param_grads(layer))
             for transport in TRANSPORTS if name in CHECKPOINTED and ep_size == world_size else ():
-                layer = _layer({**kwargs, "transport": transport}, state, group)
+                layer = _layer(_variant(kwargs, transport), state, group)
                 layer.zero_grad(set_to_none=True)
-                run = _run(layer, inputs[rank], grads[rank],
+                x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport == "all_gather"
+                        else (inputs[rank], grads[rank]))
+                run = _run(layer, x, g,
                            forward=lambda t, layer=layer: checkpoint(layer, t, use_reentrant=False))
                 results[(ep_size, name, f"{transport}+checkpoint")] = dict(run=run, grads=_param_grads(layer))
             if rank == 0:
                 results[(ep_size, name, "ref")] = [_ep1_reference(kwargs, state, inputs, grads, ranks)
                                                    for ranks in ep_groups]
+                results[(ep_size, name, "ref_equal")] = [
+                    _ep1_reference(kwargs, state, _equal_counts(inputs), _equal_counts(grads), ranks)
+                    for ranks in ep_groups]
     return results
 
 
@@ -204,7 +234,9 @@ def _check_against_ep1(ep_results, ep_size: int, name: str, variant: str) -> Non
     against rank 0's EP=1 runs of the same tokens."""
     if ep_size > WORLD:
         pytest.skip(f"EP={ep_size} needs {ep_size} GPUs, found {NUM_GPUS}")
-    refs = ep_results[0][(ep_size, name, "ref")]
+    if not _runs_on(name, variant.split("+")[0]):
+        pytest.skip(f"{variant} needs the same token count on every rank")
+    refs = ep_results[0][(ep_size, name, "ref_equal" if variant.startswith("all_gather") else "ref")]
     ep_groups, _ = ep_layout(WORLD, ep_size)
     for ranks, ref in zip(ep_groups, refs):
         summed = {}
@@ -261,10 +293,12 @@ def _back_to_back_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     config = MoEConfig(hidden_size=1024, intermediate_size=512, num_experts=8, top_k=2, backend="triton")
     results = {}
-    for transport in TRANSPORTS:
-        layer = MoELayer(dataclasses.replace(config, transport=transport), group, device="cuda",
-                         dtype=torch.bfloat16)
-        x = torch.randn(4096 + 512 * rank, 1024, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    variants = {t: _variant({}, t) for t in TRANSPORTS}
+    variants["all_gather_bound"] = dict(dispatch="all_gather", all_gather_row_bound=1.5)
+    for transport, kwargs in variants.items():
+        layer = MoELayer(dataclasses.replace(config, **kwargs), group, device="cuda", dtype=torch.bfloat16)
+        rows = 4096 + (0 if transport.startswith("all_gather") else 512 * rank)  # all-gather: equal counts
+        x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16).requires_grad_()
         outputs = []
         for step in range(12):
             x.grad = None
@@ -288,3 +322,32 @@ def test_steps_queued_back_to_back_are_exact():
             for y, dx in later:
                 assert y.shape == y0.shape
                 assert torch.equal(y, y0) and torch.equal(dx, dx0), f"{transport}: a later step differs"
+
+
+def _sync_free_worker(rank: int, world_size: int) -> dict:
+    """The all-gather dispatch's forward and backward under ``set_sync_debug_mode("error")``
+    (a host sync raises), after a first call (whose token-count check syncs once)."""
+    torch.cuda.set_device(rank)
+    group = dist.new_group(list(range(world_size)), backend="nccl", timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    config = MoEConfig(hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, backend="triton",
+                       dispatch="all_gather", capacity_factor=1.25, all_gather_row_bound=1.5)
+    layer = MoELayer(config, group, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()  # first call: checks the token counts (a sync), compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = layer(x)
+        y.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return dict(finite=bool(torch.isfinite(y.float()).all() and torch.isfinite(x.grad.float()).all()))
+
+
+@pytest.mark.distributed
+def test_all_gather_dispatch_never_syncs():
+    if NUM_GPUS < 2:
+        pytest.skip(f"needs 2 or more GPUs, found {NUM_GPUS}")
+    assert all(r["finite"] for r in run_distributed(_sync_free_worker, WORLD, timeout_s=300))

@@ -176,6 +176,66 @@ def test_gathered_rows_never_read_get_zero_grad():
     assert (dx[read].abs().sum(1) > 0).all()
 
 
+@pytest.fixture
+def nan_filled_empty():
+    """torch.empty fills with NaN (deterministic mode), so rows a kernel leaves unwritten
+    show up in whatever reads them."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("mode", ["sort", "atomic", "unique", "rows"])
+def test_bounded_rows_past_the_counts_are_left_out(mode, nan_filled_empty):
+    """``bounded_rows``: M = 32 rows of which m_sizes counts 25; the 7 past them are not
+    computed and get no gradient, so everything equals the 25-row problem's, and their
+    row-weight gradients are 0. Their gather entries name rows that the counted rows read
+    too, so a dX row that leaked would change dx."""
+    sizes, extra = [5, 0, 17, 3], 7
+    counted, num_rows = sum(sizes), sum(sizes) + extra
+    m_sizes = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    x_rows = {"sort": 20, "atomic": 20, "unique": 40, "rows": num_rows}[mode]
+    x = torch.randn(x_rows, 45, device=DEVICE, requires_grad=True)
+    w = torch.randn(4, 37, 45, device=DEVICE, requires_grad=True)
+    rw = torch.rand(num_rows, device=DEVICE, requires_grad=True)
+    g = None
+    if mode in ("sort", "atomic"):
+        g = torch.randint(0, x_rows, (num_rows,), device=DEVICE)
+        g[counted:] = g[:extra]
+    elif mode == "unique":
+        g = torch.randperm(x_rows, device=DEVICE)[:num_rows]
+    kwargs = dict(gather_index=g, configs=CONFIGS, backend="triton", deterministic=mode != "atomic",
+                  unique_gather=mode == "unique")
+    y = grouped_gemm(x, w, m_sizes, row_weights=rw, bounded_rows=True, **kwargs)
+    dy = torch.randn_like(y)
+    dx, dw, drw = torch.autograd.grad(y[:counted], (x, w, rw), dy[:counted])
+
+    x_ref = x if g is not None else x[:counted]
+    ref_kwargs = {**kwargs, "gather_index": None if g is None else g[:counted]}
+    y_ref = grouped_gemm(x_ref, w, m_sizes, row_weights=rw[:counted], **ref_kwargs)
+    dx_ref, dw_ref, drw_ref = torch.autograd.grad(y_ref, (x, w, rw), dy[:counted])
+    assert torch.equal(y[:counted], y_ref)
+    assert torch.equal(drw[counted:], torch.zeros(extra, device=DEVICE))
+    for got, ref in ((dx, dx_ref), (dw, dw_ref), (drw, drw_ref)):
+        assert torch.isfinite(got).all()
+        assert rel_err(got, ref) < TOL[torch.float32]
+
+
+def test_bounded_rows_in_the_reference_are_zeros():
+    sizes = [3, 0, 4]
+    x, w = torch.randn(9, 8), torch.randn(3, 5, 8)
+    y = grouped_gemm_reference(x, w, torch.tensor(sizes))
+    assert torch.equal(y[7:], torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r"m_sizes sums to 7 but there are 9 routed rows .*bounded_rows=True"):
+        grouped_gemm(x, w, torch.tensor(sizes), backend="torch")
+    with pytest.raises(ValueError, match=r"m_sizes sums to 10 but there are 9 routed rows"):
+        grouped_gemm(x, w, torch.tensor([3, 3, 4]), backend="torch", bounded_rows=True)
+    with pytest.raises(ValueError, match="bounded_rows=True does not take a scatter_index"):
+        grouped_gemm(x, w, torch.tensor(sizes), scatter_index=torch.arange(9), bounded_rows=True)
+
+
 def test_strided_row_weights_match_contiguous_ones():
     """Row weights that are a strided view (a column of a [M, 2] tensor) weight the right rows."""
     x, w, m_sizes, g, s, rw = make_problem("ragged", torch.float32, gather=True, scatter=True, weights=True)

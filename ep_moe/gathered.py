@@ -1,0 +1,126 @@
+"""The all-gather dispatch (``MoEConfig.dispatch="all_gather"``): EP without a host sync.
+
+Every rank of the EP group receives every token of the group (``all_gather_into_tensor``),
+routes the slots that chose its own experts through the grouped GEMMs, sums each token's
+local slots, and the partial outputs travel back summed (``reduce_scatter_tensor``). The
+backward mirrors it: reduce-scatter of the gathered inputs' gradients, all-gather of the
+output gradient.
+
+Why: the all-to-all dispatch (:mod:`ep_moe.dispatch`) needs every rank's split sizes on
+the host, one sync per layer call, which drains the GPU's queue before the host can issue
+the rest of the layer; on small experts (qwen3-sized) the host then sets the pace
+(``benchmarks/PERFORMANCE_LOG.md``, session 10). Here every size is known on the host
+from T alone: nothing waits for the device, so the host runs ahead as it does at EP=1.
+The price is bandwidth: a rank receives all ``(P-1)*T`` foreign tokens, where the
+all-to-all sends only those that picked one of its experts (for mixtral's 8 experts,
+top-2, about 0.79 of them at EP=2 and 0.46 at EP=4; for 128 experts, top-8, nearly all).
+
+Sizes. The routed rows of a rank vary with the routing; on the host the layer only knows
+a bound: at most ``P*T*min(K, E/P)`` slots can choose this rank's experts (every token of
+the group), or ``MoEConfig.all_gather_row_bound * T * K`` when set. The buffers are sized
+by that bound and the grouped GEMMs' tile loops by the counts on the device
+(``grouped_gemm(bounded_rows=True)``: the rows past the count are neither computed nor
+given gradients); rows past a set bound are dropped, the last experts' last slots first,
+and counted.
+
+Every rank must pass the same number of tokens (a fixed micro-batch): checked with one
+host-side all-gather the first time the layer sees a token count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ep_moe.routing import RoutingMetadata, sort_slots
+
+
+def _gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _RowCollective(torch.autograd.Function):
+    """All-gather of rows (rank-major) whose backward sums each rank's rows' gradients over
+    the group (reduce-scatter), or, with ``gather`` False, that reduce-scatter whose
+    backward is the all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, gather: bool) -> torch.Tensor:
+        ctx.group, ctx.gather = group, gather
+        return (_gather if gather else _reduce_scatter)(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (_reduce_scatter if ctx.gather else _gather)(grad, ctx.group), None, None
+
+
+def all_gather_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``[P*T, ...]``: every rank's ``x`` ([T, ...], the same T everywhere) in rank order;
+    differentiable (gradients summed over the group)."""
+    return _RowCollective.apply(x, group, True)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``[T, ...]``: the sum over the group of every rank's rows ``x[p*T:(p+1)*T]`` for this
+    rank p, from ``x`` [P*T, ...]; differentiable."""
+    return _RowCollective.apply(x, group, False)
+
+
+def check_equal_tokens(num_tokens: int, group: ProcessGroup, device: torch.device, seen: set[int]) -> None:
+    """Raise unless every rank of ``group`` has ``num_tokens`` tokens: a host-side
+    all-gather (a sync), only the first time a count is met (``seen`` remembers it).
+    Collective on that call."""
+    if num_tokens in seen:
+        return
+    mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    counts = every.tolist()
+    if len(set(counts)) != 1:
+        raise ValueError(f"MoEConfig.dispatch='all_gather' needs the same number of tokens on every rank of the "
+                         f"EP group, got {counts}; pad the batches to one size or use dispatch='all_to_all'")
+    seen.add(num_tokens)
+
+
+def row_bound(bound: Optional[float], num_tokens: int, top_k: int, ep_size: int, num_local: int) -> int:
+    """Routed rows a rank computes at most: ``P*T*min(K, e)`` (every slot that can choose
+    its e experts), or ``ceil(bound * T * K)`` rows when ``bound`` is set, if fewer."""
+    worst = ep_size * num_tokens * min(top_k, num_local)
+    return worst if bound is None else min(worst, math.ceil(bound * num_tokens * top_k))
+
+
+def gathered_routing(ids_GK: torch.Tensor, first_expert: int, num_local: int,
+                     max_rows: int) -> tuple[RoutingMetadata, torch.Tensor]:
+    """Route the gathered tokens' slots (``ids_GK`` [P*T, K] global expert ids, -1 for a
+    slot the capacity dropped) to experts ``first_expert ..`` + ``num_local`` in
+    ``max_rows`` rows, without a host sync. Returns the routing (counts per local expert
+    with the rows past the bound left out; each row's slot and token, rows past the count
+    reading token 0; each slot's row, -1 for another rank's expert or a dropped slot) and
+    the number of slots dropped past the bound (0-dim int64)."""
+    num_tokens, top_k = ids_GK.shape
+    local_GK = ids_GK - first_expert
+    mine_GK = (local_GK >= 0) & (local_GK < num_local) & (ids_GK >= 0)
+    meta = sort_slots(local_GK.clamp(0, num_local - 1), num_local, mine_GK)
+    ends = torch.cumsum(meta.counts_E, 0)
+    kept_ends = ends.clamp(max=max_rows)
+    token_index = meta.token_index_R[:max_rows]
+    counted = torch.arange(token_index.shape[0], device=ids_GK.device) < kept_ends[-1]
+    slots = RoutingMetadata(
+        counts_E=torch.diff(kept_ends, prepend=kept_ends.new_zeros(1)),
+        slot_index_R=meta.slot_index_R[:max_rows],
+        token_index_R=token_index * counted,
+        row_of_slot_N=meta.row_of_slot_N.masked_fill(meta.row_of_slot_N >= max_rows, -1),
+        num_tokens=num_tokens, top_k=top_k)
+    return slots, ends[-1] - kept_ends[-1]
