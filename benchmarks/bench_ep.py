@@ -83,6 +83,10 @@ def parse_args() -> argparse.Namespace:
                         help="also time each ep_moe layer under torch.compile (named <layer>+compile), "
                              "optionally with a torch.compile mode such as reduce-overhead (CUDA graphs; "
                              "named <layer>+compile-<mode>)")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time each host-sync-free ep_moe layer (EP=1, or the 'ag' variant) captured "
+                             "whole, forward and backward, in CUDA graphs (torch.cuda.make_graphed_callables; "
+                             "named <layer>+graph)")
     parser.add_argument("--autotune", action="store_true",
                         help="run ep_moe.autotune.warmup for each shape first (may tune on rank 0)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
@@ -278,6 +282,21 @@ def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtyp
     return ours, {name: (forwards[name], list(m.parameters())) for name, m in layers.items()}
 
 
+def graphed_layers(ours: MoELayer, variants: list[Variant], x: torch.Tensor) -> dict:
+    """{name+graph: (forward, params)}: the variants that never sync with the host (every
+    one at EP=1, the all-gather dispatch at EP>1), each a layer sharing ``ours``'s modules
+    captured forward and backward in CUDA graphs, for inputs like ``x``."""
+    graphed = {}
+    for variant in variants:
+        if ours.ep_size > 1 and variant[0] != "ag":
+            continue
+        layer = sharing_modules(ours, variant)
+        sample = x.detach().clone().requires_grad_()
+        graphed[variant_name(variant) + "+graph"] = (torch.cuda.make_graphed_callables(layer, (sample,)),
+                                                     list(layer.parameters()))
+    return graphed
+
+
 def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch.dtype, deepspeed) -> list[dict]:
     """Validate and time every layer on one shape; one result row per timed layer."""
     ep_size = dist.get_world_size()
@@ -292,6 +311,8 @@ def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch
     gen = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())  # each rank its own tokens
     x = torch.randn(args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
     dy = torch.randn(args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
+    if args.graph and device.type == "cuda":
+        layers.update(graphed_layers(ours, variants if ep_size > 1 else [("nccl", 1, False)], x))
 
     # Validate before timing: every layer against the plain one, largest error over ranks.
     errors = {"plain": (0.0, 0.0)}
