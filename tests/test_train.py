@@ -112,6 +112,17 @@ def test_resume_reshards_experts(full_run, tmp_path):
     assert _by_step(resumed, "loss") == pytest.approx(want, abs=1e-4)
 
 
+def test_all_gather_dispatch_continues_the_run(full_run, tmp_path):
+    """The step-10 checkpoint continued with ``moe.dispatch='all_gather'`` (no host sync;
+    every rank gets every token) gives the all-to-all run's losses up to float rounding."""
+    out, records = full_run
+    shutil.copytree(out / "ckpt" / "step_00000010", tmp_path / "ckpt" / "step_00000010")
+    resumed = _train(tmp_path, "--ep-size", "2", "--resume", "latest", "--set", "moe.dispatch='all_gather'")
+    for field in ("loss", "val_loss"):
+        want = {s: v for s, v in _by_step(records, field).items() if s > CKPT_EVERY}
+        assert _by_step(resumed, field) == pytest.approx(want, abs=1e-4), field
+
+
 def test_activation_checkpointing_keeps_the_run_exact(full_run, tmp_path):
     """Recomputing every block in the backward (the MoE all-to-alls included) continues the
     run from its step-10 checkpoint with exactly its losses, gradient norms and loads."""
