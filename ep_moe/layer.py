@@ -459,6 +459,12 @@ class MoELayer(nn.Module):
                              f"ep_group size {self.ep_size}; use an EP size that divides num_experts")
         self.ep_rank = 0 if self.ep_group is None else dist.get_rank(self.ep_group)
         self.num_local_experts = config.num_experts // self.ep_size
+        worst = self.ep_size * min(config.top_k, self.num_local_experts) / config.top_k
+        if config.dispatch == "all_gather" and config.all_gather_row_bound is None and worst >= 4:
+            warnings.warn(f"MoEConfig.dispatch='all_gather' at EP={self.ep_size} sizes the expert activations for "
+                          f"the worst case, {worst:g}x the average routed rows; set all_gather_row_bound (e.g. 2.0: "
+                          "slots past it are dropped and counted in last_stats.num_dropped) to cap the memory",
+                          stacklevel=2)
         factory = dict(device=device, dtype=dtype)
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False, **factory)
         self.experts = GroupedExperts(config, self.num_local_experts,

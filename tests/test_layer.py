@@ -2,6 +2,7 @@
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -464,6 +465,13 @@ def _extras_world4(rank):
     except ValueError as err:
         out["unequal_tokens_error"] = str(err)
 
+    # The all-gather dispatch's default buffers at EP=4, top-2 of 8: 4x the average rows.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MoELayer(_config(top_k=2, dispatch="all_gather"), dist.group.WORLD)
+        MoELayer(_config(top_k=2, dispatch="all_gather", all_gather_row_bound=2.0), dist.group.WORLD)
+    out["worst_case_warnings"] = [str(w.message) for w in caught]
+
     # The copy engines need CUDA and NCCL: asked for on gloo, a clear error on every rank
     # (none hangs), and the group still works afterwards.
     try:
@@ -673,6 +681,17 @@ def test_all_gather_bound_drops_and_counts(ep4_results):
         assert torch.isfinite(res["bounded_run"]["dx"]).all()
         assert all(torch.isfinite(g).all() for g in res["bounded_rows"])
     assert 0 < sum(changed) <= sum(dropped)
+
+
+@pytest.mark.distributed
+def test_all_gather_warns_of_worst_case_buffers_unless_bounded(ep4_results):
+    for res in ep4_results:
+        assert len(res["worst_case_warnings"]) == 1
+        assert re.search(r"dispatch='all_gather' at EP=4 sizes the expert activations for the worst case, 4x "
+                         r"the average routed rows; set all_gather_row_bound", res["worst_case_warnings"][0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MoELayer(_config(top_k=2, dispatch="all_gather"))  # EP=1: the all-gather does not apply
 
 
 @pytest.mark.distributed
