@@ -7,7 +7,9 @@ saved with ``torch.save`` (tensors, dicts, lists). ``fn`` must be a module-level
 so the spawned processes can import it. An exception on any rank fails the caller with
 the tracebacks of every rank that failed, earliest first (the first is the cause; the
 others are usually peers that lost their connection); a collective stuck for
-``timeout_s`` fails instead of hanging.
+``timeout_s`` fails instead of hanging. ``skip_teardown=True``: the workers exit without
+``destroy_process_group``, for functions that captured NCCL collectives in CUDA graphs,
+whose communicators cannot be destroyed (pytorch/pytorch#115388: it waits forever).
 """
 
 from __future__ import annotations
@@ -26,18 +28,27 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 
-def _worker(rank: int, fn: Callable, world_size: int, tmp: str, timeout_s: float, args: tuple) -> None:
+def _worker(rank: int, fn: Callable, world_size: int, tmp: str, timeout_s: float, skip_teardown: bool,
+            args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    ok = False
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(tmp, f"result_{rank}.pt"))
+        ok = True
     except BaseException:
-        with open(os.path.join(tmp, f"error_{rank}.txt"), "w") as f:
+        path = os.path.join(tmp, f"error_{rank}.txt")
+        with open(path + ".part", "w") as f:  # renamed when complete: the parent may read at any time
             f.write(f"{time.monotonic():.6f}\n-- rank {rank}:\n{traceback.format_exc()}")
-        raise
+        os.replace(path + ".part", path)
+        if not skip_teardown:
+            raise
     finally:
-        dist.destroy_process_group()
+        if not skip_teardown:
+            dist.destroy_process_group()
+    if skip_teardown:  # no destructors either: they would destroy the communicators too
+        os._exit(0 if ok else 1)
 
 
 def _read(path: str) -> str:
@@ -45,12 +56,13 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
+                    skip_teardown: bool = False) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, run in parallel."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.start_processes(_worker, args=(fn, world_size, tmp, timeout_s, args), nprocs=world_size,
-                               join=True, start_method="spawn")
+            mp.start_processes(_worker, args=(fn, world_size, tmp, timeout_s, skip_teardown, args),
+                               nprocs=world_size, join=True, start_method="spawn")
         except ProcessException as exc:
             reports = [_read(path).split("\n", 1) for path in glob.glob(os.path.join(tmp, "error_*.txt"))]
             details = "\n".join(text for _, text in sorted(reports, key=lambda r: float(r[0])))
