@@ -3,11 +3,12 @@
 #   1. installs the wheels in .whl/ (deepspeed and the dependencies the image lacks) into /tmp/site;
 #   2. runs the GPU tests (tests/gpu, tests/kernels; -x; over 8 workers when pytest-xdist is there);
 #   3. runs benchmarks/bench_ep.py at EP = 1, 2, 4 (as many as there are GPUs) on all four shapes,
-#      with the ep_moe variants in $VARIANTS at EP>1, kernel configs from $EP_MOE_CACHE_DIR (a
+#      with the ep_moe variants in $VARIANTS at EP>1 (and, with GRAPH=1, the sync-free ones
+#      captured in CUDA graphs: bench_ep --graph), kernel configs from $EP_MOE_CACHE_DIR (a
 #      cache benchmarks/run_autotune_gpu.sh filled, when run first on this machine) or shipped;
 #   4. copies the results JSON and the logs into $OUT (if set) and prints a summary table.
 # Every step has its own timeout, cut to what is left of a 530 s budget. Run from anywhere:
-#   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 ROUNDS=3 TOKENS=8192 VARIANTS=nccl:1,ce:1,ce:2
+#   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 ROUNDS=3 TOKENS=8192 VARIANTS=nccl:1,ag:1 GRAPH=1
 #                                   # IMPLS=ep_moe,plain,deepspeed EP_SIZES="1 2 4" TESTS="tests/gpu tests/kernels"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,8 @@ ITERS=${ITERS:-10}
 WARMUP=${WARMUP:-3}
 ROUNDS=${ROUNDS:-3}  # every layer timed ROUNDS times, order rotated (bench_ep --rounds)
 TOKENS=${TOKENS:-8192}
-VARIANTS=${VARIANTS:-nccl:1,ce:1,ce:2}
+VARIANTS=${VARIANTS:-nccl:1,ag:1}  # all-to-all and all-gather dispatch (ce: copy engines, measured slower)
+GRAPH=${GRAPH:-1}
 IMPLS=${IMPLS:-ep_moe,plain,deepspeed}
 EP_SIZES=${EP_SIZES:-1 2 4}
 TESTS=${TESTS:-tests/gpu tests/kernels}
@@ -53,7 +55,8 @@ BENCH_RC=()
 for P in $EP_SIZES; do
   [ "$P" -le "$NGPU" ] || continue
   timeout "$(left 150)" python3 -m torch.distributed.run --nproc-per-node "$P" benchmarks/bench_ep.py --tokens "$TOKENS" \
-    --iters "$ITERS" --warmup "$WARMUP" --rounds "$ROUNDS" --variants "$VARIANTS" --impls "$IMPLS" 2>&1 | tee "$LOGS/bench_ep$P.log"
+    --iters "$ITERS" --warmup "$WARMUP" --rounds "$ROUNDS" --variants "$VARIANTS" --impls "$IMPLS" \
+    $([ "$GRAPH" = 1 ] && echo --graph) 2>&1 | tee "$LOGS/bench_ep$P.log"
   BENCH_RC+=("EP=$P:${PIPESTATUS[0]}")
 done
 find benchmarks/results -name 'ep_*_ep*.json' -newer "$STARTED" -exec cp {} "$RESULTS/" \;
