@@ -596,6 +596,7 @@ class MoELayer(nn.Module):
                             row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
         return sum_slot_rows(y_RH, meta, backend)
 
+    @torch.compiler.disable  # collectives in autograd Functions, a first-call host read: eager, as the a2a path
     def _experts_gathered(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         """EP>1 by all-gather (:mod:`ep_moe.gathered`): every token of the group through this

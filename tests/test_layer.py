@@ -728,7 +728,7 @@ def test_ep_code_path_without_group_matches_ep1_path(kwargs):
         _close(got[1][key], grad)
 
 
-def _compiled_worker(rank, world_size, backend):
+def _compiled_worker(rank, world_size, backend, dispatch="all_to_all"):
     """Eager and ``torch.compile``d runs of the same EP layer on this rank's tokens, and the
     exceptions Python reported as unraisable (e.g. from a ``__del__``) meanwhile."""
     import sys
@@ -736,7 +736,7 @@ def _compiled_worker(rank, world_size, backend):
     unraisable = []
     sys.unraisablehook = lambda report: unraisable.append(f"{report.exc_type.__name__}: {report.exc_value}")
     torch.manual_seed(11)
-    layer = MoELayer(_config(top_k=2, backend=backend), dist.group.WORLD)
+    layer = MoELayer(_config(top_k=2, backend=backend, dispatch=dispatch), dist.group.WORLD)
     gen = torch.Generator().manual_seed(100 + rank)
     x, g = torch.randn(2, 7, H, generator=gen), torch.randn(2, 7, H, generator=gen)
     eager = _run_layer(layer, x, g), _param_grads(layer)
@@ -753,15 +753,16 @@ def _compiled_worker(rank, world_size, backend):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("backend,world_size", [("torch", 2), ("triton", 1), ("triton", 2)])
-def test_torch_compile_of_the_ep_layer_matches_eager(backend, world_size):
+@pytest.mark.parametrize("backend,world_size,dispatch", [("torch", 2, "all_to_all"), ("triton", 1, "all_to_all"),
+                                                          ("triton", 2, "all_to_all"), ("torch", 2, "all_gather")])
+def test_torch_compile_of_the_ep_layer_matches_eager(backend, world_size, dispatch):
     """A model compiled with ``torch.compile`` (graph breaks at the host sync, the
     collectives and the Triton launches) gives the eager outputs and gradients at EP=1 and
     EP=2, and nothing raises on the side."""
     # Dynamo 2.11 failed tracing the EP exchange (not reproducible on newer torch): it stays eager
-    for half in (MoELayer._dispatch_experts_parallel, MoELayer._finish_experts_parallel):
+    for half in (MoELayer._dispatch_experts_parallel, MoELayer._finish_experts_parallel, MoELayer._experts_gathered):
         assert getattr(half, "_torchdynamo_disable", False)
-    for res in run_distributed(_compiled_worker, world_size, backend):
+    for res in run_distributed(_compiled_worker, world_size, backend, dispatch):
         assert res["unraisable"] == [] and res["graphs"] > 0
         (got, got_grads), (want, want_grads) = res["compiled"], res["eager"]
         for key in ("y", "dx", "aux", "z", "counts", "dropped"):
