@@ -618,7 +618,8 @@ class MoELayer(nn.Module):
         partial_GH = expert_mlp(
             x_GH, self.experts.gate_up, self.experts.down, slots.counts_E, activation=cfg.activation,
             gather_index=slots.token_index_R, row_weights=weights_N.index_select(0, slots.slot_index_R),
-            backend=backend, configs=self._configs(backend, max_rows, x_TH.device), slot_sum=slots,
+            # configs for the rows a rank computes on average (what tuning targets), not the bound
+            backend=backend, configs=self._configs(backend, num_tokens * top_k, x_TH.device), slot_sum=slots,
             bounded_rows=True)
         return reduce_scatter_rows(partial_GH, group), num_dropped
 
