@@ -8,7 +8,8 @@ tokens (CUDA-event medians) with what the caching allocator did meanwhile (new a
 segments, out-of-memory retries, reserved peak), the slots this rank's experts serve (load imbalance), then
 one profiled step of the EP=P layer split, from the CUDA kernel timeline, into compute
 kernels (union), communication kernels not overlapped by compute, and idle GPU time
-(host syncs and launch gaps). Optional: ``--top N`` GPU ops by time, ``--cprofile N``
+(host syncs and launch gaps). ``--dispatch all_gather`` profiles the all-gather dispatch.
+Optional: ``--top N`` GPU ops by time (of one EP=1 step, then one EP=P step), ``--cprofile N``
 Python functions by host time, ``--sync-check`` every host sync of one step with where it
 happens, ``--trace DIR`` each rank's host + GPU timeline (gzipped Chrome trace), with ``--gaps N``
 the largest GPU idle gaps and which host op launched the kernel after each. Parameter gradients are cleared before each
@@ -18,6 +19,7 @@ step, as ``bench_ep.py`` does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import cProfile
 import gzip
 import json
@@ -190,6 +192,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=1)
     parser.add_argument("--transport", default="nccl")
     parser.add_argument("--own", action="store_true", help="MoEConfig.own_rows_first")
+    parser.add_argument("--dispatch", default="all_to_all", choices=("all_to_all", "all_gather"),
+                        help="MoEConfig.dispatch of the EP layer")
     parser.add_argument("--top", type=int, default=0, help="rank 0 lists this many GPU ops by time")
     parser.add_argument("--cprofile", type=int, default=0,
                         help="rank 0 lists this many Python functions by own and by cumulative host time "
@@ -208,8 +212,9 @@ def main() -> None:
                            num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0,
                            backend="triton", overlap_chunks=args.chunks, transport=args.transport,
                            own_rows_first=args.own)
+        ep_config = dataclasses.replace(config, dispatch=args.dispatch)
         torch.manual_seed(0)
-        ep_layer = MoELayer(config, dist.group.WORLD, device="cuda", dtype=torch.bfloat16)
+        ep_layer = MoELayer(ep_config, dist.group.WORLD, device="cuda", dtype=torch.bfloat16)
         torch.manual_seed(0)
         one_layer = MoELayer(config, None, device="cuda", dtype=torch.bfloat16)
         gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
@@ -235,9 +240,15 @@ def main() -> None:
         def ep_step():
             x.grad = ep_layer.experts.gate_up.grad = ep_layer.experts.down.grad = None
             ep_layer(x).backward(dy)
+        if rank == 0 and args.top:
+            def one_step():
+                x.grad = one_layer.experts.gate_up.grad = one_layer.experts.down.grad = None
+                one_layer(x).backward(dy)
+            print(f"--- {name} rank 0 GPU ops, one step at EP=1")
+            kernel_breakdown(one_step, args.top)
         if rank == 0:
-            print(f"--- {name} rank 0 GPU ops, one step (transport {args.transport}, chunks {args.chunks}, "
-                  f"own rows first {args.own})")
+            print(f"--- {name} rank 0 GPU ops, one step (dispatch {args.dispatch}, transport {args.transport}, "
+                  f"chunks {args.chunks}, own rows first {args.own})")
         row.update(kernel_breakdown(ep_step, args.top if rank == 0 else 0))
         if args.cprofile:
             host_profile(ep_step, args.cprofile if rank == 0 else 0)
@@ -252,7 +263,7 @@ def main() -> None:
         rows = [None] * world
         dist.all_gather_object(rows, row)
         if rank == 0:
-            print(f"--- {name} (EP={world}, chunks={args.chunks}, transport {args.transport}, "
+            print(f"--- {name} (EP={world}, dispatch {args.dispatch}, chunks={args.chunks}, transport {args.transport}, "
                   f"own rows first {args.own})", flush=True)
             for r in rows:
                 print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"

@@ -244,10 +244,13 @@ class MoEStats:
     under ``torch.no_grad``, and in the first forward of a reentrant activation checkpoint)."""
 
 
-def _activate(h_RF: torch.Tensor, activation: Activation, backend: str) -> torch.Tensor:
+def _activate(h_RF: torch.Tensor, activation: Activation, backend: str,
+              num_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The expert activation; ``num_rows`` (device count): only the first rows are in use
+    (the rest are neither computed nor given a gradient on the Triton SwiGLU path)."""
     if activation == "swiglu":
         if backend == "triton":
-            return swiglu(h_RF)  # one fused pass forward and backward
+            return swiglu(h_RF, num_rows)  # one fused pass forward and backward
         gate_RI, up_RI = h_RF.chunk(2, dim=-1)
         return F.silu(gate_RI) * up_RI
     if activation == "gelu":
@@ -352,7 +355,7 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, m_siz
     # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
     h_RF = grouped_gemm(x, gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
                         configs=configs[0], backend=backend, bounded_rows=bounded_rows)
-    a_RI = _activate(h_RF, activation, backend)
+    a_RI = _activate(h_RF, activation, backend, m_sizes_e.sum() if bounded_rows else None)
     if slot_sum is not None and backend == "triton":
         return grouped_gemm_slot_sum(a_RI, down.to(x.dtype), m_sizes_e, row_weights, slot_sum.token_index_R,
                                      slot_sum.row_of_slot_N, slot_sum.top_k, configs[1], bounded_rows)

@@ -84,6 +84,18 @@ def launch_grid(device: torch.device, max_tiles: int) -> tuple[tuple[int], int]:
     return (max(1, min(programs, max_tiles)),), programs
 
 
+def row_block_programs(row_blocks: int, col_blocks: int, device: torch.device, limited: bool) -> int:
+    """Programs along the rows of a (row blocks x column blocks) elementwise launch: one per
+    row block, or, when the rows in use are a device count below the grid's bound
+    (``limited``), 64 per SM in all, striding the row blocks, so the blocks past the count
+    cost no launch. (H200, bf16, count = 1/4 of the bound: SwiGLU within 3% of a launch
+    over the counted rows alone, the row gather within 11%; a full grid whose programs past
+    the count do nothing: 16% and 28% above it; 16 per SM: 5% and 15%.)"""
+    if not limited:
+        return max(1, row_blocks)
+    return max(1, min(row_blocks, 64 * num_programs_for(device) // max(1, col_blocks)))
+
+
 @functools.lru_cache(maxsize=None)
 def smem_limit_for(device: torch.device) -> int:
     """Shared memory one program may use on ``device`` (unbounded in the interpreter)."""

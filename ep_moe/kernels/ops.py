@@ -112,7 +112,8 @@ def _bwd_impl(
         if need_drw:
             drw = drw_f32.to(row_weights.dtype)
     if need_dw:
-        dw = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, configs.dw)
+        dw = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, configs.dw,
+                          bounded_rows=bounded_rows)
     return dx, dw, drw
 
 
@@ -129,13 +130,15 @@ def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_w
 
 
 def _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config: KernelConfig,
-                 add_to: Optional[torch.Tensor] = None):
+                 add_to: Optional[torch.Tensor] = None, bounded_rows: bool = False):
     """dW through the dW kernel, on expert-ordered rows gathered (and weighted) first; with
-    ``add_to``, added to that tensor in place (and returned) instead of a new one."""
+    ``add_to``, added to that tensor in place (and returned) instead of a new one.
+    ``bounded_rows``: only the counted rows are gathered (the dW kernel reads no others)."""
     dw = torch.empty_like(w) if add_to is None else add_to
+    limit = m_sizes.sum() if bounded_rows else None
     weighted = scatter_index is not None or row_weights is not None
-    dy_rows = launch_gather_rows(dy, scatter_index, row_weights) if weighted else dy
-    x_rows = launch_gather_rows(x, gather_index) if gather_index is not None else x
+    dy_rows = launch_gather_rows(dy, scatter_index, row_weights, limit=limit) if weighted else dy
+    x_rows = launch_gather_rows(x, gather_index, limit=limit) if gather_index is not None else x
     launch_dw(dy_rows, x_rows, dw, m_sizes, config, accumulate=add_to is not None)
     return dw
 
@@ -240,8 +243,9 @@ class _EagerGroupedGemm(torch.autograd.Function):
             return _backward_with(_bwd_impl, ctx, dy, saved=saved)
         dy = dy.contiguous()
         config = _configs_from_ints(ctx.config).dw
+        bounded_rows = ctx.bounded_rows
         queue.add(w, lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                                 config, add_to))
+                                                 config, add_to, bounded_rows))
         return _backward_with(_bwd_impl, ctx, dy, defer_dw=True, saved=saved)
 
 
@@ -271,11 +275,12 @@ class _GemmSlotSum(torch.autograd.Function):
             if ctx.bounded_rows and need_drw:  # rows past the counts were not computed
                 drw.masked_fill_(torch.arange(drw.shape[0], device=drw.device) >= m_sizes.sum(), 0.0)
         if need_dw:
-            config = ctx.configs.dw
+            config, bounded_rows = ctx.configs.dw, ctx.bounded_rows
 
             def grad_weight(add_to: Optional[torch.Tensor]) -> torch.Tensor:
                 out = torch.empty_like(w) if add_to is None else add_to
-                weighted = launch_gather_rows(dy, token_index, row_weights, scale_by_out_row=True)
+                weighted = launch_gather_rows(dy, token_index, row_weights, scale_by_out_row=True,
+                                              limit=m_sizes.sum() if bounded_rows else None)
                 launch_dw(weighted, a, out, m_sizes, config, accumulate=add_to is not None)
                 return out
 

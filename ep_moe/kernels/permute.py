@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from ep_moe.kernels.grouped_gemm import row_block_programs
+
 if TYPE_CHECKING:
     from ep_moe.routing import RoutingMetadata
 
@@ -30,24 +32,27 @@ if TYPE_CHECKING:
 # out[r] = src[idx[r]] * scale[idx[r]] (or scale[r] with SCALE_BY_OUT_ROW; in fp32, optional),
 # in one pass; with LIMIT only rows r < *limit_ptr (a count still on the device; the grid
 # covers num_rows >= it).
-# Tiling: one program per (BLOCK_R rows, BLOCK_C columns).
+# Tiling: (BLOCK_R rows, BLOCK_C columns) blocks; program (i, j) takes row blocks i, i + grid
+# rows, ... below the row count (one each unless LIMIT: row_block_programs) of column block j.
 @triton.jit
 def _gather_rows_kernel(src_ptr, idx_ptr, scale_ptr, limit_ptr, out_ptr, num_rows, C, stride_sm, stride_om,
                         SCALE: tl.constexpr, SCALE_BY_OUT_ROW: tl.constexpr, LIMIT: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    r_ok = offs_r < num_rows
+    row_end = num_rows
     if LIMIT:
-        r_ok = r_ok & (offs_r < tl.load(limit_ptr))
-    mask = r_ok[:, None] & (offs_c < C)[None, :]
-    src_rows = tl.load(idx_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
-    vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_c[None, :], mask=mask, other=0.0)
-    if SCALE:
-        scale_rows = offs_r if SCALE_BY_OUT_ROW else src_rows
-        vals = vals.to(tl.float32) * tl.load(scale_ptr + scale_rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
-             vals.to(out_ptr.dtype.element_ty), mask=mask)
+        row_end = tl.minimum(tl.load(limit_ptr).to(tl.int32), num_rows)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    for row_block in range(tl.program_id(0), tl.cdiv(row_end, BLOCK_R), tl.num_programs(0)):
+        offs_r = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < row_end
+        mask = r_ok[:, None] & (offs_c < C)[None, :]
+        src_rows = tl.load(idx_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
+        vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_c[None, :], mask=mask, other=0.0)
+        if SCALE:
+            scale_rows = offs_r if SCALE_BY_OUT_ROW else src_rows
+            vals = vals.to(tl.float32) * tl.load(scale_ptr + scale_rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_om + offs_c[None, :],
+                 vals.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # out[t] = sum over k < TOP_K of src[rows[t*TOP_K + k]], rows < 0 skipped, in slot order
@@ -91,7 +96,9 @@ def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
     if num_rows == 0 or cols == 0:
         return out
     block_c, block_r = _column_block(cols), 16
-    _gather_rows_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c))](
+    col_blocks = triton.cdiv(cols, block_c)
+    row_programs = row_block_programs(triton.cdiv(num_rows, block_r), col_blocks, src.device, limit is not None)
+    _gather_rows_kernel[(row_programs, col_blocks)](
         src, idx, scale if scale is not None else idx, limit if limit is not None else idx, out, num_rows, cols,
         src.stride(0), out.stride(0), SCALE=scale is not None, SCALE_BY_OUT_ROW=scale_by_out_row,
         LIMIT=limit is not None,

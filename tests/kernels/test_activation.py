@@ -1,10 +1,13 @@
 """Fused SwiGLU against autograd of ``silu(gate) * up`` in float64."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ep_moe.kernels.activation import swiglu
+from ep_moe.kernels.activation import _launch, swiglu
+from ep_moe.kernels.grouped_gemm import row_block_programs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -32,3 +35,37 @@ def test_swiglu_matches_autograd(rows, inter, dtype):
 def test_swiglu_rejects_odd_width():
     with pytest.raises(ValueError, match="\\[rows, 2I\\]"):
         swiglu(torch.randn(4, 7))
+
+
+@pytest.mark.parametrize("used_share", [0.0, 1e-9, 0.7, 1.0])
+def test_swiglu_with_a_device_row_count(used_share):
+    """num_rows (device count, as the grouped GEMM's bounded_rows): the first rows forward and
+    backward as without it, the rest neither written nor read. There are more row blocks
+    than the limited grid's programs, so the programs stride."""
+    inter = 16  # one column block
+    rows = 16 * row_block_programs(1 << 30, 1, DEVICE, limited=True) + 300  # more row blocks than programs
+    used = math.ceil(used_share * rows)
+    h = torch.randn(rows, 2 * inter, device=DEVICE).requires_grad_()
+    count = torch.tensor(used, device=DEVICE)
+    a = swiglu(h, count)
+    da = torch.randn_like(a)
+    (dh,) = torch.autograd.grad(a, h, da)
+    h_used = h[:used].detach().requires_grad_()
+    a_ref = swiglu(h_used)
+    (dh_ref,) = torch.autograd.grad(a_ref, h_used, da[:used])
+    assert torch.equal(a[:used], a_ref) and torch.equal(dh[:used], dh_ref)
+    # past the count: the output keeps what was there, and NaN inputs there are never read
+    h_nan = h.detach().clone()
+    h_nan[used:] = float("nan")
+    out = torch.full((rows, inter), -7.0, device=DEVICE)
+    _launch(h_nan, None, out, count)
+    assert torch.equal(out[:used], a_ref) and bool((out[used:] == -7.0).all())
+    grad = torch.full_like(h_nan, -7.0)
+    _launch(h_nan, da.detach().clone().index_fill_(0, torch.arange(used, rows, device=DEVICE), float("nan")),
+            grad, count)
+    assert torch.equal(grad[:used], dh[:used]) and bool((grad[used:] == -7.0).all())
+
+
+def test_swiglu_rejects_a_bad_row_count():
+    with pytest.raises(ValueError, match="num_rows must be a one-element integer tensor.*m_sizes.sum"):
+        swiglu(torch.randn(4, 8, device=DEVICE), torch.tensor([1.0, 2.0], device=DEVICE))

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_moe.kernels.permute import gather_tokens, launch_sum_slot_rows, permute_tokens, sum_slot_rows
+from ep_moe.kernels.grouped_gemm import row_block_programs
+from ep_moe.kernels.permute import (gather_tokens, launch_gather_rows, launch_sum_slot_rows, permute_tokens,
+                                    sum_slot_rows)
 from ep_moe.routing import build_routing_metadata, sort_slots
 
 ON_GPU = torch.cuda.is_available()
@@ -139,3 +141,20 @@ def test_tokens_gathered_before_the_row_count_is_known(backend):
     assert torch.equal(x1.grad, x2.grad)
     with pytest.raises(ValueError, match=r"permute_tokens: gathered is \(\d+, 40\) torch.float32; pass a contiguous"):
         permute_tokens(x1, meta, backend, gathered=early[:kept - 1])
+
+
+@pytest.mark.parametrize("used", [0, 5, 1 << 20])
+def test_gather_rows_with_a_device_row_count(used):
+    """launch_gather_rows(limit=): the first rows gathered (and scaled), the rest of out
+    untouched; more row blocks than the limited grid's programs, so the programs stride."""
+    gen = torch.Generator().manual_seed(11)
+    cols = 24  # one column block
+    rows = 16 * row_block_programs(1 << 30, 1, DEVICE, limited=True) + 300  # more row blocks than programs
+    used = min(used, rows)
+    src = torch.randn(300, cols, generator=gen).to(DEVICE)
+    idx = torch.randint(0, 300, (rows,), generator=gen).to(DEVICE, torch.int32)
+    scale = torch.rand(rows, generator=gen).to(DEVICE)
+    out = torch.full((rows, cols), -7.0, device=DEVICE)
+    launch_gather_rows(src, idx, scale, out=out, limit=torch.tensor(used, device=DEVICE), scale_by_out_row=True)
+    want = src[idx[:used].long()] * scale[:used, None]
+    assert torch.allclose(out[:used], want, rtol=1e-6, atol=0) and bool((out[used:] == -7.0).all())
