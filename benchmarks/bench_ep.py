@@ -77,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variants", default="nccl:1",
                         help="ep_moe variants at EP>1, comma-separated TRANSPORT:CHUNKS[:own] "
                              "(MoEConfig transport 'nccl' or 'ce' (copy engines), or 'ag' for "
-                             "dispatch='all_gather' (ag:1 only); overlap_chunks, own_rows_first); "
+                             "dispatch='all_gather', no own); overlap_chunks, own_rows_first); "
                              "EP=1 runs nccl:1 only")
     parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                         help="also time each ep_moe layer under torch.compile (named <layer>+compile), "
@@ -221,7 +221,7 @@ Variant = tuple[str, int, bool]
 """(transport, chunks, own rows first) of an ep_moe layer."""
 TRANSPORTS = {"nccl": dict(transport="nccl"), "ce": dict(transport="copy_engine"), "ag": dict(dispatch="all_gather")}
 """``--variants`` transport names: the MoEConfig settings each stands for ("ag": the
-all-gather dispatch, which takes 1 chunk and no own rows)."""
+all-gather dispatch, which takes no own rows)."""
 
 
 def parse_variants(spec: str) -> list[Variant]:
@@ -231,9 +231,9 @@ def parse_variants(spec: str) -> list[Variant]:
         parts = item.split(":")
         transport, chunks, own = parts[0], parts[1] if len(parts) > 1 else "", parts[2:]
         if transport not in TRANSPORTS or not chunks.isdigit() or own not in ([], ["own"]) \
-                or (transport == "ag" and (chunks != "1" or own)):
+                or (transport == "ag" and own):
             raise SystemExit(f"--variants {item!r}: use TRANSPORT:CHUNKS or TRANSPORT:CHUNKS:own, "
-                             f"TRANSPORT one of {list(TRANSPORTS)} ('ag' only as ag:1)")
+                             f"TRANSPORT one of {list(TRANSPORTS)} ('ag' without own)")
         variants.append((transport, int(chunks), bool(own)))
     return variants
 

@@ -3,8 +3,9 @@
 Every rank of the EP group receives every token of the group (``all_gather_into_tensor``),
 routes the slots that chose its own experts through the grouped GEMMs, sums each token's
 local slots, and the partial outputs travel back summed (``reduce_scatter_tensor``). The
-backward mirrors it: reduce-scatter of the gathered inputs' gradients, all-gather of the
-output gradient.
+backward mirrors it: all-gather of the output gradient, reduce-scatter of the gathered
+inputs' gradients. The layer runs these collectives through the expert pipeline
+(:mod:`ep_moe.pipeline`, with :class:`GatherExchange`), in ``overlap_chunks`` chunks.
 
 Why: the all-to-all dispatch (:mod:`ep_moe.dispatch`) needs every rank's split sizes on
 the host, one sync per layer call, which drains the GPU's queue before the host can issue
@@ -36,46 +37,44 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ep_moe.dispatch import PendingExchange
 from ep_moe.routing import RoutingMetadata, sort_slots
 
 
-def _gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
+class GatherExchange:
+    """The all-gather dispatch's collectives as an :class:`ep_moe.pipeline.Exchange`, so the
+    expert pipeline schedules them as it does the all-to-alls (the backward's input
+    gradients travel back under the dW GEMMs): ``dispatch`` all-gathers rows (every
+    rank's ``[T, ...]`` into ``[P*T, ...]``, rank-major), ``combine`` reduce-scatters them
+    (this rank's ``[T, ...]`` share of the group's sum). Both start asynchronously (NCCL:
+    on its stream; the current stream waits in ``PendingExchange.wait``)."""
 
+    uses_sms = True
+    """NCCL's collectives run as kernels: GEMMs that overlap them leave them SMs."""
 
-def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-    return out
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group, self.size = group, dist.get_world_size(group)
 
+    def begin(self) -> None:
+        """Start a session (a forward or a backward): nothing to do here."""
 
-class _RowCollective(torch.autograd.Function):
-    """All-gather of rows (rank-major) whose backward sums each rank's rows' gradients over
-    the group (reduce-scatter), or, with ``gather`` False, that reduce-scatter whose
-    backward is the all-gather."""
+    def staging(self, chunk: int, kind: str, rows: int, row_shape: tuple, dtype: torch.dtype) -> None:
+        """Where a dispatch's rows could be written to save a copy: nowhere here (None)."""
+        return None
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, gather: bool) -> torch.Tensor:
-        ctx.group, ctx.gather = group, gather
-        return (_gather if gather else _reduce_scatter)(x, group)
+    def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
+        """Start the all-gather of ``x`` [T, ...] (the same T on every rank)."""
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        # detached: not differentiable here (the pipeline wires the gradients), and gloo's
+        # work would otherwise modify views of an autograd input in place
+        return PendingExchange(out, dist.all_gather_into_tensor(out, x.detach().contiguous(), group=self.group,
+                                                                async_op=True))
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return (_reduce_scatter if ctx.gather else _gather)(grad, ctx.group), None, None
-
-
-def all_gather_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """``[P*T, ...]``: every rank's ``x`` ([T, ...], the same T everywhere) in rank order;
-    differentiable (gradients summed over the group)."""
-    return _RowCollective.apply(x, group, True)
-
-
-def reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """``[T, ...]``: the sum over the group of every rank's rows ``x[p*T:(p+1)*T]`` for this
-    rank p, from ``x`` [P*T, ...]; differentiable."""
-    return _RowCollective.apply(x, group, False)
+    def combine(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
+        """Start the reduce-scatter of ``x`` [P*T, ...]."""
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        return PendingExchange(out, dist.reduce_scatter_tensor(out, x.detach().contiguous(), group=self.group,
+                                                               async_op=True))
 
 
 def check_equal_tokens(num_tokens: int, group: ProcessGroup, device: torch.device, seen: set[int]) -> None:

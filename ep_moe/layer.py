@@ -46,7 +46,7 @@ from ep_moe.dispatch import (
     start_dispatch_packed,
     start_gather_counts,
 )
-from ep_moe.gathered import all_gather_rows, check_equal_tokens, gathered_routing, reduce_scatter_rows, row_bound
+from ep_moe.gathered import GatherExchange, check_equal_tokens, gathered_routing, row_bound
 from ep_moe.kernels.activation import swiglu
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm, grouped_gemm_slot_sum
@@ -151,7 +151,8 @@ class MoEConfig:
     sizes. ``"all_gather"``: every rank receives every token of the EP group and the
     partial outputs come back summed (:mod:`ep_moe.gathered`): no host sync, more bytes
     where tokens reach few of the ranks. Needs the same token count on every rank, with
-    ``overlap_chunks=1``, ``own_rows_first=False`` and ``transport="nccl"``."""
+    ``own_rows_first=False`` and ``transport="nccl"``; ``overlap_chunks`` chunks the tokens
+    as for the all-to-all."""
     all_gather_row_bound: Optional[float] = None
     """``dispatch="all_gather"``: the most routed rows a rank computes, as a multiple of
     T*K (its share on average); None: the worst case ``P*T*min(K, E/P)``, never exceeded,
@@ -187,7 +188,7 @@ class MoEConfig:
         if self.dispatch not in ("all_to_all", "all_gather"):
             raise ValueError(f"MoEConfig.dispatch={self.dispatch!r}: use 'all_to_all' or 'all_gather'")
         if self.dispatch == "all_gather":
-            for name, default in (("overlap_chunks", 1), ("own_rows_first", False), ("transport", "nccl")):
+            for name, default in (("own_rows_first", False), ("transport", "nccl")):
                 if getattr(self, name) != default:
                     raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r} does not apply to "
                                      f"dispatch='all_gather'; leave it at {default!r} or use dispatch='all_to_all'")
@@ -599,32 +600,52 @@ class MoELayer(nn.Module):
                             row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
         return sum_slot_rows(y_RH, meta, backend)
 
-    @torch.compiler.disable  # collectives in autograd Functions, a first-call host read: eager, as the a2a path
+    @torch.compiler.disable  # async collectives, a first-call host read: eager, as the a2a path
     def _experts_gathered(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         """EP>1 by all-gather (:mod:`ep_moe.gathered`): every token of the group through this
-        rank's experts where it chose them, the partial sums reduce-scattered back. Returns
-        ([T, H], slots dropped past the row bound)."""
-        cfg, group, num_local = self.config, self.ep_group, self.num_local_experts
+        rank's experts where it chose them, the partial sums reduce-scattered back, in
+        ``overlap_chunks`` chunks through the expert pipeline (:mod:`ep_moe.pipeline`: the
+        backward's input gradients travel back under the dW GEMMs). Returns ([T, H], slots
+        dropped past the row bound)."""
+        cfg, num_local = self.config, self.num_local_experts
         num_tokens, top_k = router.topk_ids_TK.shape
-        check_equal_tokens(num_tokens, group, x_TH.device, self._token_counts_seen)
+        check_equal_tokens(num_tokens, self.ep_group, x_TH.device, self._token_counts_seen)
         ids_TK = router.topk_ids_TK.to(torch.int32)
         if keep_TK is not None:
             ids_TK = ids_TK.masked_fill(~keep_TK, -1)
-        # the expert ids (as bits) and the top-k weights in one message
-        packed = all_gather_rows(torch.cat([ids_TK.view(torch.float32), router.topk_weights_TK.float()], 1), group)
-        ids_GK = packed[:, :top_k].contiguous().view(torch.int32)
-        weights_N = packed[:, top_k:].reshape(-1).to(router.topk_weights_TK.dtype)
-        x_GH = all_gather_rows(x_TH, group)
-        max_rows = row_bound(cfg.all_gather_row_bound, num_tokens, top_k, self.ep_size, num_local)
-        slots, num_dropped = gathered_routing(ids_GK, self.ep_rank * num_local, num_local, max_rows)
-        partial_GH = expert_mlp(
-            x_GH, self.experts.gate_up, self.experts.down, slots.counts_E, activation=cfg.activation,
-            gather_index=slots.token_index_R, row_weights=weights_N.index_select(0, slots.slot_index_R),
-            # configs for the rows a rank computes on average (what tuning targets), not the bound
-            backend=backend, configs=self._configs(backend, num_tokens * top_k, x_TH.device), slot_sum=slots,
-            bounded_rows=True)
-        return reduce_scatter_rows(partial_GH, group), num_dropped
+        sizes = _chunk_sizes(num_tokens, cfg.overlap_chunks)  # the same on every rank (same T)
+        exchange = GatherExchange(self.ep_group)
+        x_chunks, weight_chunks = x_TH.split(sizes), router.topk_weights_TK.split(sizes)
+        # per chunk, the expert ids (as bits) and the top-k weights in one message (their
+        # gradients go back through the pipeline), then the tokens, which travel while the
+        # gathered slots are routed
+        packed = [exchange.dispatch(torch.cat([i.view(torch.float32), w.detach().float()], 1), c, "ids")
+                  for c, (i, w) in enumerate(zip(ids_TK.split(sizes), weight_chunks))]
+        dispatched = [exchange.dispatch(x, c, "rows") for c, x in enumerate(x_chunks)]
+        plans, arrived_weights, num_dropped = [], [], None
+        for size, pending in zip(sizes, packed):
+            packed_GK = pending.wait()
+            arrived_weights.append(packed_GK[:, top_k:].to(router.topk_weights_TK.dtype))
+            max_rows = row_bound(cfg.all_gather_row_bound, size, top_k, self.ep_size, num_local)
+            slots, dropped = gathered_routing(packed_GK[:, :top_k].contiguous().view(torch.int32),
+                                              self.ep_rank * num_local, num_local, max_rows)
+            plans.append(ChunkPlan(None, slots))
+            num_dropped = dropped if num_dropped is None else num_dropped + dropped
+        # configs for the rows a rank computes on average (what tuning targets), not the bound
+        configs = self._configs(backend, sizes[0] * top_k, x_TH.device)
+
+        def experts(rows_GH: torch.Tensor, weights_GK: torch.Tensor, plan: ChunkPlan,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+            slots = plan.local
+            return expert_mlp(rows_GH, gate_up, down, slots.counts_E, activation=cfg.activation,
+                              gather_index=slots.token_index_R,
+                              row_weights=weights_GK.reshape(-1).index_select(0, slots.slot_index_R),
+                              backend=backend, configs=configs, slot_sum=slots, bounded_rows=True)
+
+        outs = expert_pipeline(experts, plans, exchange, self.experts.gate_up, self.experts.down, list(x_chunks),
+                               list(weight_chunks), arrived_weights, dispatched)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)), num_dropped
 
     def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> torch.Tensor:

@@ -74,8 +74,9 @@ class OwnRows:
 class ChunkPlan:
     """Where one chunk's rows go and how the local experts take them."""
 
-    splits: SplitSizes
-    """Rows sent to / received from each rank."""
+    splits: Optional[SplitSizes]
+    """Rows sent to / received from each rank (None for the all-gather dispatch, where
+    every rank receives every rank's rows)."""
     local: RoutingMetadata
     """Routing of the arrived rows to this rank's experts (rows as tokens); with ``own``,
     the slots of the own rows are left out (those arrived rows produce zeros)."""
@@ -88,8 +89,9 @@ class ChunkPlan:
 
 
 class Exchange(Protocol):
-    """The all-to-alls of one layer call: :class:`ep_moe.dispatch.NcclExchange` or
-    :class:`ep_moe.copy_engine.CopyEngineExchange`."""
+    """The collectives of one layer call: the all-to-alls of
+    :class:`ep_moe.dispatch.NcclExchange` or :class:`ep_moe.copy_engine.CopyEngineExchange`,
+    or the all-gather / reduce-scatter of :class:`ep_moe.gathered.GatherExchange`."""
 
     uses_sms: bool
     """Whether the exchange's transfers run as kernels that need SMs (NCCL)."""

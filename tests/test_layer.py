@@ -282,8 +282,8 @@ def test_ep_layout_expert_then_data():
     (dict(top_k=2, transport="nvshmem"), r"transport='nvshmem': use 'nccl' or 'copy_engine'"),
     (dict(top_k=2, own_rows_first="yes"), r"own_rows_first='yes': must be True or False"),
     (dict(top_k=2, dispatch="broadcast"), r"dispatch='broadcast': use 'all_to_all' or 'all_gather'"),
-    (dict(top_k=2, dispatch="all_gather", overlap_chunks=2),
-     r"overlap_chunks=2 does not apply to dispatch='all_gather'; leave it at 1 or use dispatch='all_to_all'"),
+    (dict(top_k=2, dispatch="all_gather", own_rows_first=True),
+     r"own_rows_first=True does not apply to dispatch='all_gather'; leave it at False or use dispatch='all_to_all'"),
     (dict(top_k=2, dispatch="all_gather", transport="copy_engine"), r"transport='copy_engine' does not apply"),
     (dict(top_k=2, dispatch="all_gather", all_gather_row_bound=0.0), r"all_gather_row_bound=0.0: must be > 0"),
 ])
@@ -346,6 +346,9 @@ SCENARIOS = {
                                               backend="triton", dispatch="all_gather"),
     # a bound below the worst case at EP=4 (72 of 96 rows) that this routing stays under
     "all_gather_bound_untripped": dict(top_k=2, dispatch="all_gather", all_gather_row_bound=3.0),
+    # chunked: each chunk's all-gather, experts and reduce-scatter pipelined
+    "all_gather_overlap2_triton": dict(top_k=2, backend="triton", dispatch="all_gather", overlap_chunks=2),
+    "all_gather_more_chunks_than_tokens": dict(top_k=3, dispatch="all_gather", overlap_chunks=16),
 }
 
 
