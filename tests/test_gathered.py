@@ -1,10 +1,12 @@
-"""The all-gather dispatch's routing (ep_moe.gathered) on its own; the layer's use of it is
-tested against EP=1 in test_layer.py (gloo) and tests/gpu (NCCL)."""
+"""The all-gather dispatch's routing and collectives (ep_moe.gathered) on their own; the
+layer's use of them is tested against EP=1 in test_layer.py (gloo) and tests/gpu (NCCL)."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from ep_moe.gathered import gathered_routing, row_bound
+from dist_utils import run_distributed
+from ep_moe.gathered import GatherExchange, gathered_routing, row_bound
 
 
 def test_row_bound_is_the_worst_case_or_the_cap():
@@ -54,3 +56,29 @@ def test_gathered_routing_drops_past_the_bound_and_counts_them():
     assert torch.equal(slots.slot_index_R, kept)
     assert torch.equal(slots.row_of_slot_N[kept], torch.arange(cap))
     assert (slots.row_of_slot_N[full.slot_index_R[cap:count]] == -1).all()
+
+
+def _exchange_worker(rank: int, world_size: int) -> dict:
+    exchange = GatherExchange(dist.group.WORLD)
+    exchange.begin()
+    rows = torch.arange(6.0).view(3, 2) + 10 * rank  # [T=3, 2], rank-specific
+    rows.requires_grad_()  # an autograd input: the exchange sends its data only
+    gathered = exchange.dispatch(rows, 0, "rows")
+    partial = torch.arange(3.0 * world_size).view(-1, 1).repeat(1, 2) * (rank + 1)  # [P*T, 2]
+    summed = exchange.combine(partial, 0, "rows")
+    return dict(gathered=gathered.wait(), summed=summed.wait(),
+                staging=exchange.staging(0, "rows", 3, (2,), torch.float32))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gather_exchange_all_gathers_and_reduce_scatters_rows(world_size):
+    results = run_distributed(_exchange_worker, world_size)
+    every = torch.cat([torch.arange(6.0).view(3, 2) + 10 * r for r in range(world_size)])
+    scale = sum(r + 1 for r in range(world_size))
+    for rank, res in enumerate(results):
+        assert torch.equal(res["gathered"], every)  # rank-major [P*T, 2]
+        assert not res["gathered"].requires_grad
+        want = torch.arange(3.0 * rank, 3.0 * rank + 3).view(-1, 1).repeat(1, 2) * scale
+        assert torch.equal(res["summed"], want)  # this rank's T rows, summed over the group
+        assert res["staging"] is None

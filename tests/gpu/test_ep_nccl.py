@@ -49,15 +49,14 @@ SCENARIOS = {
 }
 TRANSPORTS = ("nccl", "copy_engine", "all_gather")
 """How the rows travel: the all-to-all on NCCL or on the copy engines, or the all-gather
-dispatch (``MoEConfig.dispatch="all_gather"``, no host sync; chunks and own rows do not
-apply, and it needs equal token counts, so not with an empty rank)."""
+dispatch (``MoEConfig.dispatch="all_gather"``, no host sync; own rows do not apply, and it
+needs equal token counts, so not with an empty rank; chunks do)."""
 
 
 def _variant(kwargs: dict, transport: str) -> dict:
     """``kwargs`` on ``transport`` (one of TRANSPORTS)."""
     if transport == "all_gather":
-        return {**{k: v for k, v in kwargs.items() if k not in ("overlap_chunks", "own_rows_first")},
-                "dispatch": "all_gather"}
+        return {**{k: v for k, v in kwargs.items() if k != "own_rows_first"}, "dispatch": "all_gather"}
     return {**kwargs, "transport": transport}
 
 
