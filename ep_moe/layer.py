@@ -129,8 +129,11 @@ class MoEConfig:
     (None: whatever the group has, 1 without a group)."""
     overlap_chunks: int = 1
     """EP>1: split each rank's tokens into this many chunks and overlap one chunk's
-    all-to-all with another's expert GEMMs (:mod:`ep_moe.pipeline`); 1 runs dispatch,
-    experts and combine in sequence. Every rank of the EP group must use the same value."""
+    all-to-all (or all-gather and reduce-scatter) with another's expert GEMMs
+    (:mod:`ep_moe.pipeline`); 1 runs dispatch, experts and combine in sequence (and still
+    sends the backward's input gradients under the dW GEMMs). More than 1 measured slower
+    on one NVLink node with either dispatch. Every rank of the EP group must use the same
+    value."""
     own_rows_first: bool = False
     """EP>1: run the experts first on the rows a rank routes to its own experts (about
     1/P of its rows, which need no all-to-all), while the all-to-all carries the rest;
