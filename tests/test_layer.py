@@ -775,7 +775,7 @@ def test_torch_compile_of_the_ep_layer_matches_eager(backend, world_size, dispat
             _close(got_grads[key], grad)
 
 
-def _checkpointed_worker(rank, world_size, hooks_api):
+def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
     """The EP layer plain and under a non-reentrant activation checkpoint (its forward
     recomputed in the backward, collectives included): outputs and every gradient. Without
     ``hooks_api``, as on a torch that cannot name the saved-tensor hooks in force."""
@@ -786,7 +786,7 @@ def _checkpointed_worker(rank, world_size, hooks_api):
     if not hooks_api:
         ep_moe.pipeline._outer_hooks = lambda: None
     torch.manual_seed(12)
-    layer = MoELayer(_config(top_k=2, overlap_chunks=2), dist.group.WORLD)
+    layer = MoELayer(_config(top_k=2, overlap_chunks=2, dispatch=dispatch), dist.group.WORLD)
     gen = torch.Generator().manual_seed(200 + rank)
     x, g = torch.randn(19, H, generator=gen), torch.randn(19, H, generator=gen)
     plain = _run_layer(layer, x, g), _param_grads(layer)
@@ -798,9 +798,10 @@ def _checkpointed_worker(rank, world_size, hooks_api):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
 @pytest.mark.parametrize("hooks_api", [True, False])
-def test_non_reentrant_activation_checkpoint_matches_plain_run(hooks_api):
-    for res in run_distributed(_checkpointed_worker, 2, hooks_api):
+def test_non_reentrant_activation_checkpoint_matches_plain_run(hooks_api, dispatch):
+    for res in run_distributed(_checkpointed_worker, 2, hooks_api, dispatch):
         # the forward, then one recompute in the backward; without the hooks API one per
         # chunk's replay (2 chunks) and one for the rest of the graph
         assert len(res["forwards"]) == (2 if hooks_api else 4), res["forwards"]
