@@ -9,7 +9,8 @@ segments, out-of-memory retries, reserved peak), the slots this rank's experts s
 one profiled step of the EP=P layer split, from the CUDA kernel timeline, into compute
 kernels (union), communication kernels not overlapped by compute, and idle GPU time
 (host syncs and launch gaps). ``--dispatch all_gather`` profiles the all-gather dispatch.
-Optional: ``--top N`` GPU ops by time (of one EP=1 step, then one EP=P step), ``--cprofile N``
+Optional: ``--top N`` GPU ops by time (of one EP=1 step, then one EP=P step; ``--launches S``
+also each kernel whose name contains S, in launch order), ``--cprofile N``
 Python functions by host time, ``--sync-check`` every host sync of one step with where it
 happens, ``--trace DIR`` each rank's host + GPU timeline (gzipped Chrome trace), with ``--gaps N``
 the largest GPU idle gaps and which host op launched the kernel after each. Parameter gradients are cleared before each
@@ -51,7 +52,10 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-def kernel_breakdown(step, top: int = 0) -> dict:
+def kernel_breakdown(step, top: int = 0, launches: str = "") -> dict:
+    """One profiled ``step``: its GPU time split into compute, communication (and the part
+    of it no compute overlaps) and idle; prints the ``top`` ops by time and, in launch
+    order, each kernel whose name contains ``launches`` with its duration."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -69,6 +73,9 @@ def kernel_breakdown(step, top: int = 0) -> dict:
             entry[1] += 1
         for name, (ms, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
             print(f"    {ms:8.3f} ms {calls:4d}x  {name}", flush=True)
+    if launches:
+        print("    " + " ".join(f"{(e - s) / 1e3:.3f}" for s, e, n in sorted(kernels) if launches in n)
+              + f" ms: each '{launches}' kernel in launch order", flush=True)
     comm = [(s, e) for s, e, n in kernels if "nccl" in n.lower()]
     compute = [(s, e) for s, e, n in kernels if "nccl" not in n.lower()]
     gemm = [(s, e) for s, e, n in kernels if "grouped" in n]
@@ -195,6 +202,8 @@ def main() -> None:
     parser.add_argument("--dispatch", default="all_to_all", choices=("all_to_all", "all_gather"),
                         help="MoEConfig.dispatch of the EP layer")
     parser.add_argument("--top", type=int, default=0, help="rank 0 lists this many GPU ops by time")
+    parser.add_argument("--launches", default="", help="with --top: rank 0 also lists, in launch order, the "
+                        "duration of each kernel whose name contains this (e.g. _grouped)")
     parser.add_argument("--cprofile", type=int, default=0,
                         help="rank 0 lists this many Python functions by own and by cumulative host time "
                              "(cProfile over 10 steps)")
@@ -245,11 +254,11 @@ def main() -> None:
                 x.grad = one_layer.experts.gate_up.grad = one_layer.experts.down.grad = None
                 one_layer(x).backward(dy)
             print(f"--- {name} rank 0 GPU ops, one step at EP=1")
-            kernel_breakdown(one_step, args.top)
+            kernel_breakdown(one_step, args.top, args.launches)
         if rank == 0:
             print(f"--- {name} rank 0 GPU ops, one step (dispatch {args.dispatch}, transport {args.transport}, "
                   f"chunks {args.chunks}, own rows first {args.own})")
-        row.update(kernel_breakdown(ep_step, args.top if rank == 0 else 0))
+        row.update(kernel_breakdown(ep_step, args.top if rank == 0 else 0, args.launches if rank == 0 else ""))
         if args.cprofile:
             host_profile(ep_step, args.cprofile if rank == 0 else 0)
         if args.sync_check and rank == 0:
