@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, fixed_median_ms, save_results  # noqa: E402
 
 from ep_moe.copy_engine import CopyEngineExchange, SymmetricWorkspace  # noqa: E402
-from ep_moe.dispatch import SplitSizes, start_dispatch  # noqa: E402
+from ep_moe.dispatch import SplitSizes, all_gather_single, start_dispatch  # noqa: E402
 from ep_moe.kernels.config import GemmConfigs  # noqa: E402
 from ep_moe.kernels.grouped_gemm import launch_dw, one_program_per_tile, smem_limit_for  # noqa: E402
 from ep_moe.layer import expert_mlp  # noqa: E402
@@ -73,7 +73,7 @@ def bench_shape(shape, args, groups) -> dict:
     _, counts_P2 = rank_counts(ids_TK, None, local_experts, world)
     send_counts = counts_P2[:, 0].contiguous()
     matrix_t = torch.empty(world, world, dtype=send_counts.dtype, device="cuda")
-    dist.all_gather_into_tensor(matrix_t, send_counts, group=group)
+    all_gather_single(matrix_t, send_counts, group=group)
     matrix = matrix_t.tolist()
     splits = SplitSizes(send=matrix[rank], recv=[matrix[q][rank] for q in range(world)])
     dtype = torch.bfloat16

@@ -1,6 +1,6 @@
-"""The all-gather dispatch's collectives alone: ``all_gather_into_tensor`` of [T, H] rows
-per rank and ``reduce_scatter_tensor`` back, at the layer's sizes, under whatever NCCL_*
-settings the environment gives (each setting needs a fresh process: NCCL reads them once).
+"""The all-gather dispatch's collectives alone: an all-gather of [T, H] rows per rank and
+the reduce-scatter back, at the layer's sizes, under whatever NCCL_* settings the
+environment gives (each setting needs a fresh process: NCCL reads them once).
 
     torchrun --nproc-per-node 4 benchmarks/bench_collectives.py [--hidden 2048,2880,4096,7168]
     NCCL_MIN_CTAS=32 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --tag ctas32
@@ -18,6 +18,8 @@ import statistics
 
 import torch
 import torch.distributed as dist
+
+from ep_moe.dispatch import all_gather_single, reduce_scatter_single  # the names of the torch at hand
 
 
 def time_ms(fn, iters: int, warmup: int = 5) -> float:
@@ -53,8 +55,8 @@ def main() -> None:
         mine = torch.randn(args.tokens, hidden, device="cuda", dtype=torch.bfloat16)
         every = torch.empty(size * args.tokens, hidden, device="cuda", dtype=torch.bfloat16)
         arriving_gb = (size - 1) * mine.numel() * mine.element_size() / 1e9
-        gather_ms = time_ms(lambda: dist.all_gather_into_tensor(every, mine), args.iters)
-        scatter_ms = time_ms(lambda: dist.reduce_scatter_tensor(mine, every), args.iters)
+        gather_ms = time_ms(lambda: all_gather_single(every, mine), args.iters)
+        scatter_ms = time_ms(lambda: reduce_scatter_single(mine, every), args.iters)
         if rank == 0:
             print(f"{args.tag:24s} H={hidden:5d} all_gather {gather_ms:.3f} ms {arriving_gb / gather_ms * 1e3:4.0f} GB/s"
                   f"  reduce_scatter {scatter_ms:.3f} ms {arriving_gb / scatter_ms * 1e3:4.0f} GB/s", flush=True)

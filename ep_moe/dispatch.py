@@ -52,8 +52,10 @@ class SplitSizes:
         return sum(self.recv)
 
 
-# all_gather_into_tensor became all_gather_single in newer PyTorch (the old name warns there)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# all_gather_into_tensor / reduce_scatter_tensor became all_gather_single /
+# reduce_scatter_single in newer PyTorch (the old names warn there); same arguments
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class PendingCounts:
@@ -105,9 +107,9 @@ def start_gather_counts(counts_CPX: torch.Tensor, group: Optional[ProcessGroup])
     counts_CPX = counts_CPX.contiguous()
     every = counts_CPX.new_empty((size * counts_CPX.shape[0],) + tuple(counts_CPX.shape[1:]))
     if counts_CPX.device.type != "cuda":
-        _all_gather_single(every, counts_CPX, group=group)  # concatenated along dim 0
+        all_gather_single(every, counts_CPX, group=group)  # concatenated along dim 0
         return PendingCounts(every, shape)
-    work = _all_gather_single(every, counts_CPX, group=group, async_op=True)
+    work = all_gather_single(every, counts_CPX, group=group, async_op=True)
     if counts_CPX.device not in _copy_streams:
         _copy_streams[counts_CPX.device] = torch.cuda.Stream(counts_CPX.device)
     stream = _copy_streams[counts_CPX.device]

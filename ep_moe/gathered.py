@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ep_moe.dispatch import PendingExchange
+from ep_moe.dispatch import PendingExchange, all_gather_single, reduce_scatter_single
 from ep_moe.routing import RoutingMetadata, sort_slots
 
 
@@ -67,14 +67,13 @@ class GatherExchange:
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         # detached: not differentiable here (the pipeline wires the gradients), and gloo's
         # work would otherwise modify views of an autograd input in place
-        return PendingExchange(out, dist.all_gather_into_tensor(out, x.detach().contiguous(), group=self.group,
-                                                                async_op=True))
+        return PendingExchange(out, all_gather_single(out, x.detach().contiguous(), group=self.group, async_op=True))
 
     def combine(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
         """Start the reduce-scatter of ``x`` [P*T, ...]."""
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-        return PendingExchange(out, dist.reduce_scatter_tensor(out, x.detach().contiguous(), group=self.group,
-                                                               async_op=True))
+        return PendingExchange(out, reduce_scatter_single(out, x.detach().contiguous(), group=self.group,
+                                                           async_op=True))
 
 
 def check_equal_tokens(num_tokens: int, group: ProcessGroup, device: torch.device, seen: set[int]) -> None:
@@ -85,7 +84,7 @@ def check_equal_tokens(num_tokens: int, group: ProcessGroup, device: torch.devic
         return
     mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
     every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    all_gather_single(every, mine, group=group)
     counts = every.tolist()
     if len(set(counts)) != 1:
         raise ValueError(f"MoEConfig.dispatch='all_gather' needs the same number of tokens on every rank of the "

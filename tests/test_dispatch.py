@@ -36,7 +36,7 @@ def test_no_collective_without_group(monkeypatch):
         raise AssertionError("a collective ran at EP=1")
 
     monkeypatch.setattr(dist, "all_to_all_single", fail)
-    monkeypatch.setattr(dispatch, "_all_gather_single", fail)
+    monkeypatch.setattr(dispatch, "all_gather_single", fail)
     counts = torch.tensor([[[3, 5]]])
     assert gather_counts(counts, None) == [counts.tolist()] and group_size(None) == 1
     rows, splits = torch.randn(3, 4), SplitSizes(send=[3], recv=[3])
