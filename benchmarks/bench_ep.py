@@ -219,9 +219,11 @@ def time_all_to_all(layer: MoELayer, x: torch.Tensor, per_slot: bool, args, devi
 
 Variant = tuple[str, int, bool]
 """(transport, chunks, own rows first) of an ep_moe layer."""
-TRANSPORTS = {"nccl": dict(transport="nccl"), "ce": dict(transport="copy_engine"), "ag": dict(dispatch="all_gather")}
+TRANSPORTS = {"nccl": dict(transport="nccl"), "ce": dict(transport="copy_engine"), "ag": dict(dispatch="all_gather"),
+              "agce": dict(dispatch="all_gather", transport="copy_engine")}
 """``--variants`` transport names: the MoEConfig settings each stands for ("ag": the
-all-gather dispatch, which takes no own rows)."""
+all-gather dispatch, which takes no own rows; "agce": with its rows on the copy engines,
+which CUDA graphs cannot capture)."""
 
 
 def parse_variants(spec: str) -> list[Variant]:
@@ -231,9 +233,9 @@ def parse_variants(spec: str) -> list[Variant]:
         parts = item.split(":")
         transport, chunks, own = parts[0], parts[1] if len(parts) > 1 else "", parts[2:]
         if transport not in TRANSPORTS or not chunks.isdigit() or own not in ([], ["own"]) \
-                or (transport == "ag" and own):
+                or (transport.startswith("ag") and own):
             raise SystemExit(f"--variants {item!r}: use TRANSPORT:CHUNKS or TRANSPORT:CHUNKS:own, "
-                             f"TRANSPORT one of {list(TRANSPORTS)} ('ag' without own)")
+                             f"TRANSPORT one of {list(TRANSPORTS)} ('ag' and 'agce' without own)")
         variants.append((transport, int(chunks), bool(own)))
     return variants
 

@@ -55,6 +55,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ep_moe.dispatch import PendingExchange
+from ep_moe.gathered import GatherExchange
+from ep_moe.kernels.arrival import Landing
 
 DISPATCH, COMBINE = "dispatch", "combine"
 """Directions: rows to the experts' ranks (``matrix[q][p]`` rows from q to p), and back
@@ -166,6 +168,9 @@ class SymmetricWorkspace:
         self._memops = _StreamMemOps()
         self._buffers: list[torch.Tensor] = []  # every rank's buffer, flat uint8, mapped here
         self._allocation = None
+        self.landed = torch.zeros(1, dtype=torch.int32, device=device)
+        """This rank's landing flag (:class:`CopyEngineGather`): raised on the workspace's
+        stream after each source of a gather has landed; only ever grows."""
 
     @classmethod
     def for_group(cls, group: ProcessGroup, device: torch.device) -> "SymmetricWorkspace":
@@ -193,6 +198,7 @@ class SymmetricWorkspace:
         self._allocation = (buffer, handle)
         self._buffers = [handle.get_buffer(q, (_FLAGS + capacity,), torch.uint8) for q in range(self.size)]
         buffer[:_FLAGS].zero_()
+        self.landed.zero_()
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone raises one
         self.capacity, self.epoch = capacity, 0
@@ -231,6 +237,10 @@ class SymmetricWorkspace:
             if peer != self.rank:
                 self._memops.write(self.stream, self._flag(peer, 1, self.rank), epoch)
 
+    def signal_landed(self, value: int) -> None:
+        """On the workspace's stream: raise this rank's landing flag to ``value``."""
+        self._memops.write(self.stream, self.landed.data_ptr(), value)
+
     def wait_done(self, epoch: int) -> None:
         """On the current stream: wait until every peer pulled exchange ``epoch``."""
         compute = torch.cuda.current_stream(self.device)
@@ -238,12 +248,12 @@ class SymmetricWorkspace:
             if peer != self.rank:
                 self._memops.wait(compute, self._flag(self.rank, 1, peer), epoch)
 
-    def finish(self, out: torch.Tensor) -> PendingExchange:
+    def finish(self, out: torch.Tensor, landing: Optional[Landing] = None) -> PendingExchange:
         """``out``, filled on the workspace's stream, as an exchange the current stream can wait for."""
         out.record_stream(self.stream)
         done = torch.cuda.Event()
         done.record(self.stream)
-        return PendingExchange(out, event=done)
+        return PendingExchange(out, event=done, landing=landing)
 
 
 def segment_layout(matrix: list[list[int]], me: int) -> list[tuple[int, int, int]]:
@@ -327,3 +337,63 @@ class CopyEngineExchange:
                 landed += count
         ws.signal_done(ws.epoch)
         return ws.finish(out)
+
+
+class CopyEngineGather(GatherExchange):
+    """The all-gather dispatch (:class:`~ep_moe.gathered.GatherExchange`) with the rows'
+    all-gathers on the copy engines, landing source by source while the experts' GEMM
+    already runs.
+
+    A dispatch of rows stages this rank's [T, H] in its workspace and copies them into its
+    own slot of the output (both on the current stream, so the own rows are there before any
+    reader), then pulls the peers' rows on the copy engines in landing order, the next rank
+    first, raising the workspace's landing flag after each (``epoch * P + w`` for the w-th
+    source). The exchange comes back with its :class:`~ep_moe.kernels.arrival.Landing`: the
+    grouped GEMM that reads the rows first (the up projection in the forward, the down
+    projection's dX in the backward) waits tile by tile for its source instead of the whole
+    transfer (:mod:`ep_moe.kernels.arrival`); everything after waits for the transfer
+    (``PendingExchange.wait``). The expert ids and top-k weights (small, needed at once by
+    the routing) and the reduce-scatters stay on NCCL.
+
+    Every rank must make the same sequence of :meth:`begin`, :meth:`dispatch` and
+    :meth:`combine` calls with the same chunk sizes ``rows_per_chunk``."""
+
+    def __init__(self, group: ProcessGroup, workspace: SymmetricWorkspace, rows_per_chunk: list[int],
+                 row_bytes: int) -> None:
+        super().__init__(group)
+        self.workspace, self.rank = workspace, workspace.rank
+        self.offsets, end = [], 0
+        for rows in rows_per_chunk:
+            self.offsets.append(end)
+            end = _round_up(end + rows * row_bytes, _ALIGN)
+        workspace.reserve(end)
+
+    def begin(self) -> None:
+        """Start a session: the current stream waits until every peer has pulled what this
+        rank staged before, so it may stage again."""
+        self.workspace.wait_done(self.workspace.epoch)
+
+    def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
+        """All-gather ``x`` [T, ...]: rows on the copy engines (landing source by source),
+        anything else (``kind`` other than ``"rows"``) on NCCL."""
+        if kind != "rows":
+            return super().dispatch(x, chunk, kind)
+        ws, me, size = self.workspace, self.rank, self.size
+        rows, row_shape = x.shape[0], tuple(x.shape[1:])
+        x = x.detach()
+        ws.view(me, self.offsets[chunk], rows, row_shape, x.dtype).copy_(x)
+        out = x.new_empty((size * rows, *row_shape))
+        out[me * rows: (me + 1) * rows].copy_(x)
+        ws.epoch += 1
+        epoch = ws.epoch
+        ws.follow_compute()  # staged, and `out` allocated
+        ws.signal_ready(epoch)
+        with ws.copying():
+            for w in range(1, size):
+                source = (me + w) % size
+                ws.wait_ready(source, epoch)
+                out[source * rows: (source + 1) * rows].copy_(
+                    ws.view(source, self.offsets[chunk], rows, row_shape, x.dtype))
+                ws.signal_landed(epoch * size + w)
+        ws.signal_done(epoch)
+        return ws.finish(out, Landing(ws.landed, epoch * size, size))

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ep_moe.kernels.arrival import Landing
+
 
 def group_size(group: Optional[ProcessGroup]) -> int:
     """Ranks in ``group``; 1 for ``None``."""
@@ -141,11 +143,22 @@ def row_matrices(counts: list) -> list[list[list[int]]]:
 class PendingExchange:
     """An all-to-all in flight: :meth:`wait` returns its output once the current stream
     may use it (NCCL or copy engines: a stream wait, the host does not block; gloo:
-    blocks). ``work``: the collective's handle; ``event``: recorded after its copies."""
+    blocks). ``work``: the collective's handle; ``event``: recorded after its copies;
+    ``landing``: how its rows land source by source, for GEMMs that read them while they
+    land (:mod:`ep_moe.kernels.arrival`; then :meth:`landing_rows` gives the output before
+    the wait)."""
 
     def __init__(self, out: torch.Tensor, work: Optional[dist.Work] = None,
-                 event: Optional[torch.cuda.Event] = None) -> None:
+                 event: Optional[torch.cuda.Event] = None, landing: Optional[Landing] = None) -> None:
         self._out, self._work, self._event = out, work, event
+        self.landing = landing
+
+    def landing_rows(self) -> torch.Tensor:
+        """The output while it lands: only GEMMs that wait for its sources
+        (:func:`ep_moe.kernels.arrival.rows_arriving`) may read it before :meth:`wait`."""
+        if self.landing is None:
+            raise RuntimeError("this exchange's rows do not land source by source; use wait()")
+        return self._out
 
     @torch.compiler.disable  # a stream wait: eager under torch.compile
     def wait(self) -> torch.Tensor:

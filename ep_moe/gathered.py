@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ep_moe.dispatch import PendingExchange, all_gather_single, reduce_scatter_single
-from ep_moe.routing import RoutingMetadata, sort_slots
+from ep_moe.routing import RoutingMetadata, count_ids, sort_slots
 
 
 class GatherExchange:
@@ -99,26 +99,40 @@ def row_bound(bound: Optional[float], num_tokens: int, top_k: int, ep_size: int,
     return worst if bound is None else min(worst, math.ceil(bound * num_tokens * top_k))
 
 
-def gathered_routing(ids_GK: torch.Tensor, first_expert: int, num_local: int,
-                     max_rows: int) -> tuple[RoutingMetadata, torch.Tensor]:
+def gathered_routing(ids_GK: torch.Tensor, first_expert: int, num_local: int, max_rows: int,
+                     num_sources: int = 1, first_source: int = 0) -> tuple[RoutingMetadata, torch.Tensor]:
     """Route the gathered tokens' slots (``ids_GK`` [P*T, K] global expert ids, -1 for a
     slot the capacity dropped) to experts ``first_expert ..`` + ``num_local`` in
     ``max_rows`` rows, without a host sync. Returns the routing (counts per local expert
     with the rows past the bound left out; each row's slot and token, rows past the count
     reading token 0; each slot's row, -1 for another rank's expert or a dropped slot) and
-    the number of slots dropped past the bound (0-dim int64)."""
+    the number of slots dropped past the bound (0-dim int64).
+
+    The gathered tokens come from ``num_sources`` ranks, T each, rank-major. Each expert's
+    rows are sorted by source in landing order, ``first_source`` (this rank) first, then the
+    next ranks, wrapping around, and ``source_ends_ES`` of the routing counts, per expert,
+    its rows from the first w+1 sources in that order (what a GEMM reading the rows while
+    they land needs: :mod:`ep_moe.kernels.arrival`)."""
     num_tokens, top_k = ids_GK.shape
     local_GK = ids_GK - first_expert
     mine_GK = (local_GK >= 0) & (local_GK < num_local) & (ids_GK >= 0)
-    meta = sort_slots(local_GK.clamp(0, num_local - 1), num_local, mine_GK)
+    slots_per_source = num_tokens // num_sources * top_k
+    local_GK = local_GK.clamp(0, num_local - 1)
+    meta = sort_slots(local_GK, num_local, mine_GK, first_slot=first_source * slots_per_source)
     ends = torch.cumsum(meta.counts_E, 0)
     kept_ends = ends.clamp(max=max_rows)
+    kept_counts = torch.diff(kept_ends, prepend=kept_ends.new_zeros(1))
     token_index = meta.token_index_R[:max_rows]
     counted = torch.arange(token_index.shape[0], device=ids_GK.device) < kept_ends[-1]
+    # rows of each (expert, source in landing order) pair; the bound drops each expert's last rows
+    landing_N = (torch.arange(ids_GK.numel(), device=ids_GK.device) // slots_per_source - first_source) % num_sources
+    pair_N = torch.where(mine_GK.flatten(), local_GK.flatten() * num_sources + landing_N, num_local * num_sources)
+    per_pair = count_ids(pair_N, num_local * num_sources + 1)[:-1].view(num_local, num_sources)
+    source_ends = torch.minimum(per_pair.cumsum(1), kept_counts[:, None]).to(torch.int32)
     slots = RoutingMetadata(
-        counts_E=torch.diff(kept_ends, prepend=kept_ends.new_zeros(1)),
+        counts_E=kept_counts,
         slot_index_R=meta.slot_index_R[:max_rows],
         token_index_R=token_index * counted,
         row_of_slot_N=meta.row_of_slot_N.masked_fill(meta.row_of_slot_N >= max_rows, -1),
-        num_tokens=num_tokens, top_k=top_k)
+        num_tokens=num_tokens, top_k=top_k, source_ends_ES=source_ends)
     return slots, ends[-1] - kept_ends[-1]

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.copy_engine import CopyEngineExchange, SymmetricWorkspace, copy_engine_supported
+from ep_moe.copy_engine import CopyEngineExchange, CopyEngineGather, SymmetricWorkspace, copy_engine_supported
 from ep_moe.dispatch import (
     NcclExchange,
     SplitSizes,
@@ -154,8 +154,10 @@ class MoEConfig:
     sizes. ``"all_gather"``: every rank receives every token of the EP group and the
     partial outputs come back summed (:mod:`ep_moe.gathered`): no host sync, more bytes
     where tokens reach few of the ranks. Needs the same token count on every rank, with
-    ``own_rows_first=False`` and ``transport="nccl"``; ``overlap_chunks`` chunks the tokens
-    as for the all-to-all."""
+    ``own_rows_first=False``; ``overlap_chunks`` chunks the tokens as for the all-to-all.
+    With ``transport="copy_engine"`` the tokens (and the backward's output gradients)
+    travel on the copy engines and the experts' first GEMM starts on the rank's own rows
+    while the others land (:class:`ep_moe.copy_engine.CopyEngineGather`)."""
     all_gather_row_bound: Optional[float] = None
     """``dispatch="all_gather"``: the most routed rows a rank computes, as a multiple of
     T*K (its share on average); None: the worst case ``P*T*min(K, E/P)``, never exceeded,
@@ -190,11 +192,9 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.transport={self.transport!r}: use 'nccl' or 'copy_engine'")
         if self.dispatch not in ("all_to_all", "all_gather"):
             raise ValueError(f"MoEConfig.dispatch={self.dispatch!r}: use 'all_to_all' or 'all_gather'")
-        if self.dispatch == "all_gather":
-            for name, default in (("own_rows_first", False), ("transport", "nccl")):
-                if getattr(self, name) != default:
-                    raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r} does not apply to "
-                                     f"dispatch='all_gather'; leave it at {default!r} or use dispatch='all_to_all'")
+        if self.dispatch == "all_gather" and self.own_rows_first:
+            raise ValueError("MoEConfig.own_rows_first=True does not apply to dispatch='all_gather'; "
+                             "leave it at False or use dispatch='all_to_all'")
         if self.all_gather_row_bound is not None and not self.all_gather_row_bound > 0:
             raise ValueError(f"MoEConfig.all_gather_row_bound={self.all_gather_row_bound!r}: must be > 0, "
                              "or None for the worst case")
@@ -618,7 +618,7 @@ class MoELayer(nn.Module):
         if keep_TK is not None:
             ids_TK = ids_TK.masked_fill(~keep_TK, -1)
         sizes = _chunk_sizes(num_tokens, cfg.overlap_chunks)  # the same on every rank (same T)
-        exchange = GatherExchange(self.ep_group)
+        exchange = self._gather_exchange(sizes, x_TH)
         x_chunks, weight_chunks = x_TH.split(sizes), router.topk_weights_TK.split(sizes)
         # per chunk, the expert ids (as bits) and the top-k weights in one message (their
         # gradients go back through the pipeline), then the tokens, which travel while the
@@ -632,7 +632,8 @@ class MoELayer(nn.Module):
             arrived_weights.append(packed_GK[:, top_k:].to(router.topk_weights_TK.dtype))
             max_rows = row_bound(cfg.all_gather_row_bound, size, top_k, self.ep_size, num_local)
             slots, dropped = gathered_routing(packed_GK[:, :top_k].contiguous().view(torch.int32),
-                                              self.ep_rank * num_local, num_local, max_rows)
+                                              self.ep_rank * num_local, num_local, max_rows,
+                                              num_sources=self.ep_size, first_source=self.ep_rank)
             plans.append(ChunkPlan(None, slots))
             num_dropped = dropped if num_dropped is None else num_dropped + dropped
         # configs for the rows a rank computes on average (what tuning targets), not the bound
@@ -649,6 +650,21 @@ class MoELayer(nn.Module):
         outs = expert_pipeline(experts, plans, exchange, self.experts.gate_up, self.experts.down, list(x_chunks),
                                list(weight_chunks), arrived_weights, dispatched)
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), num_dropped
+
+    def _gather_exchange(self, sizes: list[int], x_TH: torch.Tensor) -> GatherExchange:
+        """The all-gather dispatch's collectives on ``MoEConfig.transport``, session begun."""
+        group = self.ep_group
+        if self.config.transport == "nccl":
+            exchange = GatherExchange(group)
+        else:
+            _check_copy_engine(group)
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("MoEConfig.transport='copy_engine' cannot be captured in a CUDA graph (its "
+                                   "flags count exchanges on the host); use transport='nccl' for graphs")
+            exchange = CopyEngineGather(group, SymmetricWorkspace.for_group(group, x_TH.device), sizes,
+                                        x_TH.shape[1] * x_TH.element_size())
+        exchange.begin()
+        return exchange
 
     def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> torch.Tensor:
@@ -773,10 +789,7 @@ class MoELayer(nn.Module):
         group = self.ep_group
         if self.config.transport == "nccl":
             return NcclExchange(group, splits)
-        supported, reason = copy_engine_supported(group)  # collective on first use
-        if not supported:
-            raise RuntimeError(f"MoEConfig.transport='copy_engine' cannot run here: {reason}; "
-                               "use transport='nccl'")
+        _check_copy_engine(group)
         workspace = SymmetricWorkspace.for_group(group, x_TH.device)
         row_bytes = {"rows": x_TH.shape[1] * x_TH.element_size(),
                      "weights": weights_TK.shape[1] * weights_TK.element_size()}
@@ -818,6 +831,13 @@ class MoELayer(nn.Module):
         load_E = load_E.to(self.expert_bias.dtype)
         self.expert_bias += self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
         self._load_since_update.zero_()
+
+
+def _check_copy_engine(group: ProcessGroup) -> None:
+    """Raise unless the copy-engine transport can run on ``group`` (collective on first use)."""
+    supported, reason = copy_engine_supported(group)
+    if not supported:
+        raise RuntimeError(f"MoEConfig.transport='copy_engine' cannot run here: {reason}; use transport='nccl'")
 
 
 def _own_rows_of(arrived: torch.Tensor, own: OwnRows) -> torch.Tensor:

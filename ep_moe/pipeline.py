@@ -51,6 +51,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from ep_moe.dispatch import PendingExchange, SplitSizes
+from ep_moe.kernels.arrival import RowArrival, rows_arriving
 from ep_moe.kernels.grouped_gemm import one_program_per_tile
 from ep_moe.kernels.ops import DeferredWeightGrads, defer_weight_grads
 from ep_moe.routing import RoutingMetadata
@@ -149,10 +150,13 @@ class _ExpertPipeline(torch.autograd.Function):
                                  own_weights)
             own_graphs.append(own_graph)
             # a stand-in: without a group the "received" rows are the sent tensors themselves
-            rows_SH = _stand_in(rows_in[c].wait(), record and send[c].requires_grad)
+            rows, arrival = _rows_of(rows_in[c], plan)
+            rows_SH = _stand_in(rows, record and send[c].requires_grad)
             row_weights_S = _stand_in(arrived_weights[c], record and send_weights[c].requires_grad)
-            with torch.set_grad_enabled(record), _sharing_sms(share_sms), saved[c].recording():
+            with torch.set_grad_enabled(record), _sharing_sms(share_sms), saved[c].recording(), \
+                    rows_arriving(rows_SH, arrival, must_be_read=True):
                 out_SH = expert_fn(rows_SH, row_weights_S, plan, *compute_weights)
+            rows_in[c].wait()  # whatever reads the rows next waits for all of them
             graphs.append((out_SH, rows_SH, row_weights_S))
             rows_out.append(exchange.combine(out_SH.detach(), c, "rows"))
         ctx.plans, ctx.exchange, ctx.share_sms, ctx.weights = plans, exchange, share_sms, weights
@@ -187,7 +191,7 @@ class _ExpertPipeline(torch.autograd.Function):
                 own_grad = _own_slice(grads_back[c], plan.own, "sent")
                 _backward_into(own_graph, own_grad, weights, weight_grads, exchange.uses_sms)
             out_SH, rows_SH, row_weights_S = graph
-            _backward_into(graph, grads_in[c], weights, weight_grads, ctx.share_sms)
+            _backward_into(graph, grads_in[c], weights, weight_grads, ctx.share_sms, plan)
             rows_back.append(exchange.combine(_grad_or_zeros(rows_SH), c, "rows") if need_rows[c] else None)
             weights_back.append(None)
             if need_weights[c]:  # back to the senders, under the dW GEMMs
@@ -284,16 +288,31 @@ def _own_slice(t: torch.Tensor, own: OwnRows, order: str) -> torch.Tensor:
     return t[start: start + own.num_rows]
 
 
+def _rows_of(pending: PendingExchange, plan: ChunkPlan) -> tuple[torch.Tensor, Optional[RowArrival]]:
+    """The rows of an exchange for the chunk's experts: at once, with how they land, when
+    they land source by source (the experts' first GEMM waits for them tile by tile), else
+    after the stream waits for the exchange."""
+    if pending.landing is None:
+        return pending.wait(), None
+    return pending.landing_rows(), RowArrival(pending.landing, plan.local.source_ends_ES)
+
+
 def _backward_into(graph: tuple, grad: "torch.Tensor | PendingExchange", weights: list[torch.Tensor],
-                   weight_grads: DeferredWeightGrads, share_sms: bool) -> None:
+                   weight_grads: DeferredWeightGrads, share_sms: bool, plan: Optional[ChunkPlan] = None) -> None:
     """Backward of one recorded expert graph ``(out, rows, row_weights)`` with ``grad`` (or
-    what a pending exchange brings), its weight gradients queued in ``weight_grads``."""
+    what a pending exchange brings, for ``plan``'s rows), its weight gradients queued in
+    ``weight_grads``."""
     out, rows, row_weights = graph
     inputs = [t for t in (rows, row_weights, *weights) if t.requires_grad]
-    if not inputs:
-        return
-    with defer_weight_grads(weight_grads), _sharing_sms(share_sms):
-        torch.autograd.backward(out, grad.wait() if isinstance(grad, PendingExchange) else grad, inputs=inputs)
+    pending = grad if isinstance(grad, PendingExchange) else None
+    arrival = None
+    if pending is not None:
+        grad, arrival = _rows_of(pending, plan)
+    if inputs:
+        with defer_weight_grads(weight_grads), _sharing_sms(share_sms), rows_arriving(grad, arrival):
+            torch.autograd.backward(out, grad, inputs=inputs)
+    if pending is not None:
+        pending.wait()  # the deferred dW GEMMs read the gradient rows too
 
 
 def _sharing_sms(share: bool):

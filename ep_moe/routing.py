@@ -70,6 +70,9 @@ class RoutingMetadata:
     """T."""
     top_k: int
     """K."""
+    source_ends_ES: Optional[torch.Tensor] = None
+    """All-gather dispatch only (:func:`ep_moe.gathered.gathered_routing`): [E, P] int32,
+    each expert's rows from the first w+1 source ranks in landing order."""
 
     @property
     def num_slots(self) -> int:
@@ -209,17 +212,24 @@ def build_routing_metadata(
     return meta.first_rows(int(meta.counts_E.sum()) if num_kept is None else num_kept)  # sync unless given
 
 
-def sort_slots(topk_ids_TK: torch.Tensor, num_experts: int, keep_TK: Optional[torch.Tensor] = None
-               ) -> RoutingMetadata:
+def sort_slots(topk_ids_TK: torch.Tensor, num_experts: int, keep_TK: Optional[torch.Tensor] = None,
+               first_slot: int = 0) -> RoutingMetadata:
     """:func:`build_routing_metadata` before the cut, with no host sync: all N slots are
     rows, the dropped ones last (their ``row_of_slot_N`` is already -1). Only the first
     ``counts_E.sum()`` rows are routed: cut with :meth:`RoutingMetadata.first_rows` once
-    that count is on the host (until then, the metadata is only good for gathers)."""
+    that count is on the host (until then, the metadata is only good for gathers).
+    ``first_slot``: each expert's rows in slot order from that slot on, wrapping around
+    (the all-gather dispatch puts the rank's own tokens first)."""
     num_tokens, top_k = topk_ids_TK.shape
     ids_N = topk_ids_TK.flatten()
     if keep_TK is not None:
         ids_N = torch.where(keep_TK.flatten(), ids_N, num_experts)
-    slot_index_N = torch.argsort(ids_N, stable=True)
+    if first_slot % max(1, ids_N.shape[0]):  # one key per slot: expert, then rotated slot
+        num_slots = ids_N.shape[0]
+        rotated_N = torch.arange(num_slots, device=ids_N.device).sub_(first_slot).remainder_(num_slots)
+        slot_index_N = torch.argsort(ids_N.long() * num_slots + rotated_N)
+    else:
+        slot_index_N = torch.argsort(ids_N, stable=True)
     row_of_slot_N = torch.empty_like(slot_index_N).scatter_(
         0, slot_index_N, torch.arange(slot_index_N.shape[0], device=ids_N.device))
     if keep_TK is not None:

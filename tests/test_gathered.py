@@ -58,6 +58,39 @@ def test_gathered_routing_drops_past_the_bound_and_counts_them():
     assert (slots.row_of_slot_N[full.slot_index_R[cap:count]] == -1).all()
 
 
+@pytest.mark.parametrize("cap", [None, 30])
+@pytest.mark.parametrize("first_source", [0, 1, 3])
+def test_gathered_routing_puts_each_experts_rows_in_landing_order(first_source, cap):
+    """Rows of each expert sorted by source rank from ``first_source`` on (wrapping), then
+    by slot; ``source_ends_ES`` counts them per (expert, first w+1 sources), clamped to the
+    kept rows; the routing is otherwise that of the rank-major order (same rows per expert)."""
+    gen = torch.Generator().manual_seed(first_source)
+    sources, tokens, top_k = 4, 9, 3
+    ids = torch.stack([torch.randperm(12, generator=gen)[:top_k] for _ in range(sources * tokens)])
+    ids[torch.rand(ids.shape, generator=gen) < 0.15] = -1
+    first, num_local = 4, 4
+    max_rows = cap or sources * tokens * top_k
+    plain, _ = gathered_routing(ids, first, num_local, max_rows)
+    slots, dropped = gathered_routing(ids, first, num_local, max_rows, num_sources=sources,
+                                      first_source=first_source)
+    assert torch.equal(slots.counts_E, plain.counts_E) and int(dropped) == int(_)
+    count = int(slots.counts_E.sum())
+    rows = slots.slot_index_R[:count]
+    landing = (rows // (tokens * top_k) - first_source) % sources
+    experts = ids.flatten()[rows]
+    key = (experts * sources + landing) * ids.numel() + rows
+    assert torch.equal(key, key.sort().values)  # by expert, landing source, slot
+    assert torch.equal(slots.row_of_slot_N[rows], torch.arange(count))
+    assert torch.equal(slots.token_index_R[:count], rows // top_k)
+    ends, start = [], 0
+    for e, n in enumerate(slots.counts_E.tolist()):
+        per_source = torch.bincount(landing[start: start + n], minlength=sources)
+        ends.append(per_source.cumsum(0))
+        start += n
+    assert torch.equal(slots.source_ends_ES, torch.stack(ends).to(torch.int32))
+    assert torch.equal(slots.source_ends_ES[:, -1], slots.counts_E.to(torch.int32))
+
+
 def _exchange_worker(rank: int, world_size: int) -> dict:
     exchange = GatherExchange(dist.group.WORLD)
     exchange.begin()

@@ -284,7 +284,6 @@ def test_ep_layout_expert_then_data():
     (dict(top_k=2, dispatch="broadcast"), r"dispatch='broadcast': use 'all_to_all' or 'all_gather'"),
     (dict(top_k=2, dispatch="all_gather", own_rows_first=True),
      r"own_rows_first=True does not apply to dispatch='all_gather'; leave it at False or use dispatch='all_to_all'"),
-    (dict(top_k=2, dispatch="all_gather", transport="copy_engine"), r"transport='copy_engine' does not apply"),
     (dict(top_k=2, dispatch="all_gather", all_gather_row_bound=0.0), r"all_gather_row_bound=0.0: must be > 0"),
 ])
 def test_config_errors(kwargs, pattern):
@@ -477,10 +476,11 @@ def _extras_world4(rank):
 
     # The copy engines need CUDA and NCCL: asked for on gloo, a clear error on every rank
     # (none hangs), and the group still works afterwards.
-    try:
-        MoELayer(_config(top_k=2, transport="copy_engine"), dist.group.WORLD)(inputs[rank])
-    except RuntimeError as err:
-        out["transport_error"] = str(err)
+    for dispatch in ("all_to_all", "all_gather"):
+        try:
+            MoELayer(_config(top_k=2, transport="copy_engine", dispatch=dispatch), dist.group.WORLD)(inputs[rank])
+        except RuntimeError as err:
+            out[f"transport_error_{dispatch}"] = str(err)
     dist.barrier()
     return out
 
@@ -708,8 +708,9 @@ def test_all_gather_needs_equal_token_counts(ep4_results):
 @pytest.mark.distributed
 def test_copy_engine_transport_on_gloo(ep4_results):
     for res in ep4_results:
-        assert re.search(r"transport='copy_engine' cannot run here: CUDA is not available; "
-                         r"use transport='nccl'", res["transport_error"])
+        for dispatch in ("all_to_all", "all_gather"):
+            assert re.search(r"transport='copy_engine' cannot run here: CUDA is not available; "
+                             r"use transport='nccl'", res[f"transport_error_{dispatch}"])
 
 
 @pytest.mark.parametrize("kwargs", [dict(top_k=2), dict(top_k=3, capacity_factor=0.75, overlap_chunks=3),

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ep_moe.kernels.arrival import arrival_of
 from ep_moe.kernels.config import KernelConfig
 
 KERNEL_VERSION = 1
@@ -145,6 +146,17 @@ def _tile_coords(local_tile, num_m_tiles, num_n_tiles, GROUP_SIZE_M: tl.constexp
     return first_m + in_group % group_rows, in_group // group_rows
 
 
+@triton.jit
+def _tiles_up_to_source(source_ends_ptr, e, w, m_e, NUM_SOURCES: tl.constexpr, BLOCK_M: tl.constexpr):
+    """M tiles of expert ``e`` whose last row comes from a source <= ``w`` (0 for w < 0; all
+    of them for the last source): rows are sorted by source, ``source_ends[e, w]`` of them
+    from sources <= w."""
+    end = tl.load(source_ends_ptr + e * NUM_SOURCES + tl.maximum(w, 0))
+    tiles = tl.where(end >= m_e, tl.cdiv(m_e, BLOCK_M), end // BLOCK_M)
+    tiles = tl.where(w == NUM_SOURCES - 1, tl.cdiv(m_e, BLOCK_M), tiles)
+    return tl.where(w < 0, 0, tiles)
+
+
 # out[st(r), :] = scale(r) * A[ld(r), :] @ B_e for each row r of expert e; B_e = w[e]^T or w[e].
 # Schedule: persistent (one program per SM striding the tiles by TILE_STRIDE) or one program
 #   per tile (launch_grid); one global tile list walks the experts in order (device-side
@@ -154,6 +166,11 @@ def _tile_coords(local_tile, num_m_tiles, num_n_tiles, GROUP_SIZE_M: tl.constexp
 #   of the unscaled tile with rows of D (the top-k weight gradient); fp32 accumulation. The
 #   weight and the dot belong to the store row, the load row or (PER_ROUTED_ROW) the routed
 #   row r itself, when several routed rows load the same A row (a slot sum's backward).
+# Arrival order (NUM_SOURCES > 1): A's rows land source by source while the kernel runs (a
+#   copy-engine all-gather, ep_moe.kernels.arrival). Each expert's rows are sorted by source in
+#   landing order (source 0 is there at launch), and the tile list walks the sources outermost:
+#   a tile belongs to the source of its last row (source_ends: per expert, rows of sources <= w)
+#   and waits, once per program and source, until the arrival flag reaches arrival_base + w.
 # Masking: segments may be empty or end mid-tile. Rows past the segment read a clamped valid
 #   row and are dropped at the store; K and N tails are masked unless EVEN_K / EVEN_N (masks,
 #   not clamps, on the contiguous dim keep the loads vectorised). Weight tiles come through a 3-D TMA descriptor [E, N, K] when USE_TMA, which
@@ -163,6 +180,7 @@ def _grouped_rows_kernel(
     a_ptr, b_ptr, b_desc, out_ptr, m_sizes_ptr,
     load_idx_ptr, store_idx_ptr, scale_ptr,
     d_ptr, d_idx_ptr, row_dot_ptr,
+    source_ends_ptr, arrival_ptr, arrival_base,
     num_experts, num_rows, N, K,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
@@ -177,81 +195,93 @@ def _grouped_rows_kernel(
     ROW_DOT: tl.constexpr, D_IDX: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, NUM_SOURCES: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_k_steps = tl.cdiv(K, BLOCK_K)
     tile = tl.program_id(0)
     tiles_before = 0
-    seg_start = 0
-    for e in range(num_experts):
-        m_e = tl.load(m_sizes_ptr + e)
-        num_m_tiles = tl.cdiv(m_e, BLOCK_M)
-        tiles_e = num_m_tiles * num_n_tiles
-        while tile < tiles_before + tiles_e:
-            pid_m, pid_n = _tile_coords(tile - tiles_before, num_m_tiles, num_n_tiles, GROUP_SIZE_M)
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < m_e
-            rows = seg_start + tl.where(row_ok, offs_m, 0)
-            if LOAD_IDX:
-                a_rows = tl.load(load_idx_ptr + rows).to(tl.int64)
+    landed = tl.program_id(0) * 0  # sources this program has seen land
+    for w in range(NUM_SOURCES):
+        seg_start = 0
+        for e in range(num_experts):
+            m_e = tl.load(m_sizes_ptr + e)
+            if NUM_SOURCES > 1:
+                m_first = _tiles_up_to_source(source_ends_ptr, e, w - 1, m_e, NUM_SOURCES, BLOCK_M)
+                m_last = _tiles_up_to_source(source_ends_ptr, e, w, m_e, NUM_SOURCES, BLOCK_M)
             else:
-                a_rows = rows.to(tl.int64)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < N
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-            b_ptrs = (b_ptr + tl.cast(e, tl.int64) * stride_be
-                      + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(num_k_steps):
-                k_ok = offs_k < K - ki * BLOCK_K
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
+                m_first, m_last = 0, tl.cdiv(m_e, BLOCK_M)
+            tiles_e = (m_last - m_first) * num_n_tiles
+            while tile < tiles_before + tiles_e:
+                if NUM_SOURCES > 1:
+                    if w > landed:
+                        seen = tl.atomic_add(arrival_ptr, 0, sem="acquire")
+                        while seen < arrival_base + w:
+                            seen = tl.atomic_add(arrival_ptr, 0, sem="acquire")
+                        landed = w
+                pid_m, pid_n = _tile_coords(tile - tiles_before, m_last - m_first, num_n_tiles, GROUP_SIZE_M)
+                offs_m = (m_first + pid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = offs_m < m_e
+                rows = seg_start + tl.where(row_ok, offs_m, 0)
+                if LOAD_IDX:
+                    a_rows = tl.load(load_idx_ptr + rows).to(tl.int64)
                 else:
-                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                if USE_TMA:
-                    if B_TRANSPOSED:
-                        b = b_desc.load([e, pid_n * BLOCK_N, ki * BLOCK_K])
-                        b = tl.trans(tl.reshape(b, (BLOCK_N, BLOCK_K)))
+                    a_rows = rows.to(tl.int64)
+                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                col_ok = offs_n < N
+                offs_k = tl.arange(0, BLOCK_K)
+                a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+                b_ptrs = (b_ptr + tl.cast(e, tl.int64) * stride_be
+                          + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for ki in range(num_k_steps):
+                    k_ok = offs_k < K - ki * BLOCK_K
+                    if EVEN_K:
+                        a = tl.load(a_ptrs)
                     else:
-                        b = b_desc.load([e, ki * BLOCK_K, pid_n * BLOCK_N])
-                        b = tl.reshape(b, (BLOCK_K, BLOCK_N))
-                elif EVEN_K and EVEN_N:
-                    b = tl.load(b_ptrs)
-                else:
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-                a_ptrs += BLOCK_K * stride_ak
-                b_ptrs += BLOCK_K * stride_bk
+                        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                    if USE_TMA:
+                        if B_TRANSPOSED:
+                            b = b_desc.load([e, pid_n * BLOCK_N, ki * BLOCK_K])
+                            b = tl.trans(tl.reshape(b, (BLOCK_N, BLOCK_K)))
+                        else:
+                            b = b_desc.load([e, ki * BLOCK_K, pid_n * BLOCK_N])
+                            b = tl.reshape(b, (BLOCK_K, BLOCK_N))
+                    elif EVEN_K and EVEN_N:
+                        b = tl.load(b_ptrs)
+                    else:
+                        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                    acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+                    a_ptrs += BLOCK_K * stride_ak
+                    b_ptrs += BLOCK_K * stride_bk
 
-            if STORE_IDX:
-                out_rows = tl.load(store_idx_ptr + rows).to(tl.int64)
-            else:
-                out_rows = rows.to(tl.int64)
-            if ROW_DOT:
-                if D_IDX:
-                    d_rows = tl.load(d_idx_ptr + rows).to(tl.int64)
+                if STORE_IDX:
+                    out_rows = tl.load(store_idx_ptr + rows).to(tl.int64)
                 else:
-                    d_rows = rows.to(tl.int64)
-                d = tl.load(d_ptr + d_rows[:, None] * stride_dm + offs_n[None, :] * stride_dn,
-                            mask=col_ok[None, :], other=0.0)
-                partial = tl.sum(acc * d.to(tl.float32), axis=1)
-                dot_rows = rows.to(tl.int64) if PER_ROUTED_ROW else a_rows
-                tl.store(row_dot_ptr + tl.cast(pid_n, tl.int64) * num_rows + dot_rows, partial, mask=row_ok)
-            if SCALE:
-                if PER_ROUTED_ROW:
-                    acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
-                elif SCALE_BY_LOAD_ROW:
-                    acc = acc * tl.load(scale_ptr + a_rows).to(tl.float32)[:, None]
-                else:
-                    acc = acc * tl.load(scale_ptr + out_rows).to(tl.float32)[:, None]
-            out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & col_ok[None, :])
-            tile += TILE_STRIDE
-        tiles_before += tiles_e
-        seg_start += m_e
+                    out_rows = rows.to(tl.int64)
+                if ROW_DOT:
+                    if D_IDX:
+                        d_rows = tl.load(d_idx_ptr + rows).to(tl.int64)
+                    else:
+                        d_rows = rows.to(tl.int64)
+                    d = tl.load(d_ptr + d_rows[:, None] * stride_dm + offs_n[None, :] * stride_dn,
+                                mask=col_ok[None, :], other=0.0)
+                    partial = tl.sum(acc * d.to(tl.float32), axis=1)
+                    dot_rows = rows.to(tl.int64) if PER_ROUTED_ROW else a_rows
+                    tl.store(row_dot_ptr + tl.cast(pid_n, tl.int64) * num_rows + dot_rows, partial, mask=row_ok)
+                if SCALE:
+                    if PER_ROUTED_ROW:
+                        acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
+                    elif SCALE_BY_LOAD_ROW:
+                        acc = acc * tl.load(scale_ptr + a_rows).to(tl.float32)[:, None]
+                    else:
+                        acc = acc * tl.load(scale_ptr + out_rows).to(tl.float32)[:, None]
+                out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & col_ok[None, :])
+                tile += TILE_STRIDE
+            tiles_before += tiles_e
+            seg_start += m_e
 
 
 # dw[e] = DY[rows of e]^T @ X[rows of e], one [BLOCK_N, BLOCK_K] tile of one expert at a time.
@@ -370,7 +400,9 @@ def launch_rows(
     ``scale_by_load_row``). With ``dot_with`` set, returns the per-row dot products of the
     unscaled result with ``dot_with[dot_idx[r]]``, indexed by load row ([rows of a], fp32).
     ``per_routed_row``: the scale and the dots belong to routed row r itself (dots [M]).
-    Inputs are trusted: :mod:`ep_moe.kernels.ops` validates them.
+    When rows of ``a`` are still landing (:func:`ep_moe.kernels.arrival.rows_arriving`), the
+    tiles wait for them source by source. Inputs are trusted: :mod:`ep_moe.kernels.ops`
+    validates them.
     """
     num_experts, w_n, w_k = w.shape
     num_rows = load_idx.shape[0] if load_idx is not None else a.shape[0]
@@ -395,6 +427,10 @@ def launch_rows(
         row_dot = torch.empty((num_n_tiles, num_rows), device=a.device, dtype=torch.float32)
     max_tiles = (triton.cdiv(num_rows, c.BLOCK_M) + num_experts) * num_n_tiles
     dummy = m_sizes  # stands in for absent optional pointers; never dereferenced
+    arrival = arrival_of(a)
+    if arrival is not None and arrival.source_ends.shape != (num_experts, arrival.num_sources):
+        raise ValueError(f"launch_rows: source_ends of shape {tuple(arrival.source_ends.shape)} for "
+                         f"{num_experts} experts and {arrival.num_sources} sources")
     grid, stride = launch_grid(a.device, max_tiles)
     _grouped_rows_kernel[grid](
         a, w, b_desc, out, m_sizes,
@@ -404,6 +440,9 @@ def launch_rows(
         dot_with if dot_with is not None else dummy,
         dot_idx if dot_idx is not None else dummy,
         row_dot if row_dot is not None else dummy,
+        arrival.source_ends if arrival is not None else dummy,
+        arrival.landing.flag if arrival is not None else dummy,
+        arrival.landing.base if arrival is not None else 0,
         num_experts, num_rows, n_out, k_red,
         a.stride(0), a.stride(1),
         w.stride(0), stride_bk, stride_bn,
@@ -419,6 +458,7 @@ def launch_rows(
         EVEN_K=k_red % c.BLOCK_K == 0, EVEN_N=n_out % c.BLOCK_N == 0,
         USE_TMA=use_tma, B_TRANSPOSED=transpose_w,
         INPUT_PRECISION=_input_precision(a.dtype),
+        NUM_SOURCES=arrival.num_sources if arrival is not None else 1,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return None if row_dot is None else row_dot.sum(0)

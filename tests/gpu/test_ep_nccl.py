@@ -47,21 +47,23 @@ SCENARIOS = {
     "own_first_chunks2_skewed": dict(top_k=2, own_rows_first=True, overlap_chunks=2),
     "shared_chunks2": dict(top_k=2, num_shared_experts=1, overlap_chunks=2),
 }
-TRANSPORTS = ("nccl", "copy_engine", "all_gather")
+TRANSPORTS = ("nccl", "copy_engine", "all_gather", "all_gather_ce")
 """How the rows travel: the all-to-all on NCCL or on the copy engines, or the all-gather
 dispatch (``MoEConfig.dispatch="all_gather"``, no host sync; own rows do not apply, and it
-needs equal token counts, so not with an empty rank; chunks do)."""
+needs equal token counts, so not with an empty rank; chunks do), its rows on NCCL or on the
+copy engines (``_ce``: the GEMMs read them while they land)."""
 
 
 def _variant(kwargs: dict, transport: str) -> dict:
     """``kwargs`` on ``transport`` (one of TRANSPORTS)."""
-    if transport == "all_gather":
-        return {**{k: v for k, v in kwargs.items() if k != "own_rows_first"}, "dispatch": "all_gather"}
+    if transport.startswith("all_gather"):
+        return {**{k: v for k, v in kwargs.items() if k != "own_rows_first"}, "dispatch": "all_gather",
+                "transport": "copy_engine" if transport.endswith("_ce") else "nccl"}
     return {**kwargs, "transport": transport}
 
 
 def _runs_on(name: str, transport: str) -> bool:
-    return not (transport == "all_gather" and name.startswith("empty_rank"))
+    return not (transport.startswith("all_gather") and name.startswith("empty_rank"))
 
 
 def _equal_counts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -149,7 +151,7 @@ def _ep_worker(rank: int, world_size: int) -> dict:
             kwargs, state, inputs, grads = _scenario(name, world_size)
             for transport in [t for t in TRANSPORTS if _runs_on(name, t)]:
                 layer = _layer(_variant(kwargs, transport), state, group)
-                x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport == "all_gather"
+                x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport.startswith("all_gather")
                         else (inputs[rank], grads[rank]))
                 for _ in range(2):  # twice: the second reuses the copy engines' workspace
                     layer.zero_grad(set_to_none=True)
@@ -165,7 +167,7 @@ def _ep_worker(rank: int, world_size: int) -> dict:
             for transport in TRANSPORTS if name in CHECKPOINTED and ep_size == world_size else ():
                 layer = _layer(_variant(kwargs, transport), state, group)
                 layer.zero_grad(set_to_none=True)
-                x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport == "all_gather"
+                x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport.startswith("all_gather")
                         else (inputs[rank], grads[rank]))
                 run = _run(layer, x, g,
                            forward=lambda t, layer=layer: checkpoint(layer, t, use_reentrant=False))
