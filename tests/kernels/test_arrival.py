@@ -39,7 +39,7 @@ def build(layout, rows_per_source: int, first_source: int, seed: int = 0):
             source = (first_source + w) % num_sources
             index.append(source * rows_per_source + torch.randint(0, rows_per_source, (count,), generator=gen))
     counts = torch.tensor(layout, dtype=torch.int32)
-    return (torch.cat(index).to(torch.int32).to(DEVICE), counts.sum(1).to(DEVICE),
+    return (torch.cat(index).to(torch.int32).to(DEVICE), counts.sum(1).to(torch.int32).to(DEVICE),
             counts.cumsum(1).to(torch.int32).to(DEVICE))
 
 
