@@ -10,13 +10,16 @@ member's tokens one rank at a time (same shapes, so the router picks the same ex
 and accumulates the parameter gradients the group computes together. Every output, input
 gradient, router gradient and expert gradient must be within a relative (Frobenius)
 error of 2e-2. Two scenarios also run under ``torch.compile`` at the largest EP size, and
-two under a non-reentrant activation checkpoint.
+two under a non-reentrant activation checkpoint. The shared fixture runs every scenario on
+every transport (about 3 minutes on 4x H200); ``EP_MOE_TEST_TRANSPORTS`` (comma-separated
+names of ``TRANSPORTS``) limits it to some, the others' tests then skip.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 
 import pytest
 import torch
@@ -62,8 +65,13 @@ def _variant(kwargs: dict, transport: str) -> dict:
     return {**kwargs, "transport": transport}
 
 
+SELECTED = tuple(os.environ.get("EP_MOE_TEST_TRANSPORTS", ",".join(TRANSPORTS)).split(","))
+if not set(SELECTED) <= set(TRANSPORTS):
+    raise ValueError(f"EP_MOE_TEST_TRANSPORTS={','.join(SELECTED)}: use names of {TRANSPORTS}")
+
+
 def _runs_on(name: str, transport: str) -> bool:
-    return not (transport.startswith("all_gather") and name.startswith("empty_rank"))
+    return transport in SELECTED and not (transport.startswith("all_gather") and name.startswith("empty_rank"))
 
 
 def _equal_counts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -157,14 +165,14 @@ def _ep_worker(rank: int, world_size: int) -> dict:
                     layer.zero_grad(set_to_none=True)
                     run = _run(layer, x, g)
                 results[(ep_size, name, transport)] = dict(run=run, grads=_param_grads(layer))
-            if name in COMPILED and ep_size == world_size:
+            if name in COMPILED and ep_size == world_size and "nccl" in SELECTED:
                 layer = _layer(kwargs, state, group)
                 compiled = torch.compile(layer)
                 for _ in range(2):  # the second call runs what the first compiled
                     layer.zero_grad(set_to_none=True)
                     run = _run(compiled, inputs[rank], grads[rank])
                 results[(ep_size, name, "nccl+compile")] = dict(run=run, grads=_param_grads(layer))
-            for transport in TRANSPORTS if name in CHECKPOINTED and ep_size == world_size else ():
+            for transport in SELECTED if name in CHECKPOINTED and ep_size == world_size else ():
                 layer = _layer(_variant(kwargs, transport), state, group)
                 layer.zero_grad(set_to_none=True)
                 x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport.startswith("all_gather")
@@ -236,7 +244,8 @@ def _check_against_ep1(ep_results, ep_size: int, name: str, variant: str) -> Non
     if ep_size > WORLD:
         pytest.skip(f"EP={ep_size} needs {ep_size} GPUs, found {NUM_GPUS}")
     if not _runs_on(name, variant.split("+")[0]):
-        pytest.skip(f"{variant} needs the same token count on every rank")
+        pytest.skip(f"{variant} not selected (EP_MOE_TEST_TRANSPORTS), or it needs the same token count on "
+                    "every rank")
     refs = ep_results[0][(ep_size, name, "ref_equal" if variant.startswith("all_gather") else "ref")]
     ep_groups, _ = ep_layout(WORLD, ep_size)
     for ranks, ref in zip(ep_groups, refs):
@@ -294,7 +303,7 @@ def _back_to_back_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     config = MoEConfig(hidden_size=1024, intermediate_size=512, num_experts=8, top_k=2, backend="triton")
     results = {}
-    variants = {t: _variant({}, t) for t in TRANSPORTS}
+    variants = {t: _variant({}, t) for t in SELECTED}
     variants["all_gather_bound"] = dict(dispatch="all_gather", all_gather_row_bound=1.5)
     for transport, kwargs in variants.items():
         layer = MoELayer(dataclasses.replace(config, **kwargs), group, device="cuda", dtype=torch.bfloat16)
