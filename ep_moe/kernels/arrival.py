@@ -28,7 +28,8 @@ import torch
 class Landing:
     """How one transfer's rows land: ``flag`` (int32 [1], device memory) reaches ``base + w``
     once the ``w``-th of ``num_sources`` sources in landing order has landed (w >= 1;
-    source 0 is there before any reader is queued)."""
+    source 0 is there before any reader is queued). Values are 32-bit and compared modulo
+    2**32, as the driver's stream waits do: ``base`` may grow past 2**32."""
 
     flag: torch.Tensor
     base: int

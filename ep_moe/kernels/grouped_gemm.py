@@ -170,7 +170,8 @@ def _tiles_up_to_source(source_ends_ptr, e, w, m_e, NUM_SOURCES: tl.constexpr, B
 #   copy-engine all-gather, ep_moe.kernels.arrival). Each expert's rows are sorted by source in
 #   landing order (source 0 is there at launch), and the tile list walks the sources outermost:
 #   a tile belongs to the source of its last row (source_ends: per expert, rows of sources <= w)
-#   and waits, once per program and source, until the arrival flag reaches arrival_base + w.
+#   and waits, once per program and source, until the arrival flag reaches arrival_base + w
+#   (32-bit values compared modulo 2**32, as the driver's stream waits compare them).
 # Masking: segments may be empty or end mid-tile. Rows past the segment read a clamped valid
 #   row and are dropped at the store; K and N tails are masked unless EVEN_K / EVEN_N (masks,
 #   not clamps, on the contiguous dim keep the loads vectorised). Weight tiles come through a 3-D TMA descriptor [E, N, K] when USE_TMA, which
@@ -215,8 +216,9 @@ def _grouped_rows_kernel(
             while tile < tiles_before + tiles_e:
                 if NUM_SOURCES > 1:
                     if w > landed:
+                        # (seen - target) as int32: flag values wrap around 2**32
                         seen = tl.atomic_add(arrival_ptr, 0, sem="acquire")
-                        while seen < arrival_base + w:
+                        while seen - (arrival_base + w) < 0:
                             seen = tl.atomic_add(arrival_ptr, 0, sem="acquire")
                         landed = w
                 pid_m, pid_n = _tile_coords(tile - tiles_before, m_last - m_first, num_n_tiles, GROUP_SIZE_M)
@@ -371,6 +373,11 @@ def _segment_sum_kernel(src_ptr, out_ptr, offsets_ptr, K, stride_sm, stride_om,
     tl.store(out_ptr + tl.cast(t, tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+def _int32_bits(value: int) -> int:
+    """``value`` modulo 2**32 as a signed 32-bit int (a flag value the kernel compares)."""
+    return (value + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
 def _input_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
@@ -442,7 +449,7 @@ def launch_rows(
         row_dot if row_dot is not None else dummy,
         arrival.source_ends if arrival is not None else dummy,
         arrival.landing.flag if arrival is not None else dummy,
-        arrival.landing.base if arrival is not None else 0,
+        _int32_bits(arrival.landing.base) if arrival is not None else 0,
         num_experts, num_rows, n_out, k_red,
         a.stride(0), a.stride(1),
         w.stride(0), stride_bk, stride_bn,

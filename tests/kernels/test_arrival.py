@@ -44,13 +44,15 @@ def build(layout, rows_per_source: int, first_source: int, seed: int = 0):
 
 
 def landed(num_sources: int, base: int = 40) -> Landing:
-    """Every source landed."""
-    return Landing(torch.full((1,), base + num_sources - 1, dtype=torch.int32, device=DEVICE), base, num_sources)
+    """Every source landed (the flag as the driver writes it: the low 32 bits)."""
+    value = (base + num_sources - 1 + 2 ** 31) % 2 ** 32 - 2 ** 31
+    return Landing(torch.full((1,), value, dtype=torch.int32, device=DEVICE), base, num_sources)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("first_source", [0, 2])
-def test_arrival_order_computes_every_row_as_the_plain_launch(layout, first_source):
+@pytest.mark.parametrize("base", [40, 2 ** 31 - 2, 2 ** 32 + 5], ids=["small", "wraps", "past_32_bits"])
+def test_arrival_order_computes_every_row_as_the_plain_launch(layout, first_source, base):
     counts = LAYOUTS[layout]
     num_sources, rows_per_source, n, k = len(counts[0]), 29, 37, 45
     load_idx, m_sizes, source_ends = build(counts, rows_per_source, first_source % num_sources)
@@ -61,7 +63,7 @@ def test_arrival_order_computes_every_row_as_the_plain_launch(layout, first_sour
     plain = torch.full((num_rows, n), float("nan"), device=DEVICE)
     launch_rows(a, w, plain, m_sizes, SMALL, transpose_w=True, load_idx=load_idx, scale=scale)
     ordered = torch.full_like(plain, float("nan"))
-    with rows_arriving(a, RowArrival(landed(num_sources), source_ends)):
+    with rows_arriving(a, RowArrival(landed(num_sources, base), source_ends)):
         assert arrival_of(a) is not None
         launch_rows(a, w, ordered, m_sizes, SMALL, transpose_w=True, load_idx=load_idx, scale=scale)
     assert arrival_of(a) is None
