@@ -142,12 +142,14 @@ class MoEConfig:
     slower with it on every benchmark shape (README, "Results"): opt in to experiment.
     Every rank of the EP group must use the same value."""
     transport: Literal["nccl", "copy_engine"] = "nccl"
-    """EP>1: how the rows travel. ``"nccl"``: ``all_to_all_single`` (any backend, any
+    """EP>1: how the rows travel. ``"nccl"``: NCCL's collectives (any backend, any
     topology). ``"copy_engine"``: the GPUs' copy engines through a symmetric-memory
-    workspace (:mod:`ep_moe.copy_engine`; every EP rank on one node, NCCL group, CUDA),
-    which needs no SM, so its transfers can run under the GPU-filling GEMMs when
-    ``overlap_chunks > 1``. Measured on 4x H200 it is still slower than NCCL in the layer
-    (README, "Expert parallelism"): opt in to experiment."""
+    workspace (:mod:`ep_moe.copy_engine`; every EP rank on one node, NCCL group, CUDA, not
+    inside a CUDA graph), which needs no SM. With ``dispatch="all_gather"`` the tokens and
+    the output gradients land source by source while the experts' first GEMM already runs
+    on the rank's own rows (:class:`~ep_moe.copy_engine.CopyEngineGather`): on 4x H100 the
+    fastest eager layer at EP=4 on mixtral, gpt-oss and deepseek (README, "Results"). With
+    the all-to-all it measured slower than NCCL (the GEMMs wait for whole exchanges)."""
     dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"
     """EP>1: how tokens reach the experts. ``"all_to_all"``: each token goes to the ranks of
     its experts (uneven ``all_to_all_single``), one host sync per call for the split

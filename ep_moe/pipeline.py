@@ -35,6 +35,12 @@ results are written into its output::
     comm:     dispatch 0 (others' rows)  |          | combine 0 |
     compute:  own rows 0 (one prog/tile) | others 0 |
 
+An exchange whose rows land source by source (:class:`ep_moe.copy_engine.CopyEngineGather`,
+``PendingExchange.landing``) hands them to the experts before they have landed: the
+experts' first GEMM on them (the up projection; in the backward, the down projection's dX)
+waits tile by tile for each source (:mod:`ep_moe.kernels.arrival`), and the compute stream
+waits for the whole transfer once the expert function is queued.
+
 The experts of each chunk are recorded as a small autograd graph on detached inputs
 during the forward and replayed by ``torch.autograd.backward`` in the backward (as a
 reentrant checkpoint does, without recomputation): the expert math keeps its own
