@@ -10,11 +10,15 @@ others are usually peers that lost their connection); a collective stuck for
 ``timeout_s`` fails instead of hanging. ``skip_teardown=True``: the workers exit without
 ``destroy_process_group``, for functions that captured NCCL collectives in CUDA graphs,
 whose communicators cannot be destroyed (pytorch/pytorch#115388: it waits forever).
+A wait that no collective timeout sees (a GPU stream waiting on a flag): set
+``EP_MOE_TEST_DUMP_AFTER=S`` and every worker prints its Python stack to stderr after S
+seconds (``faulthandler``), to show where each rank waits.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import glob
 import os
 import tempfile
@@ -31,6 +35,8 @@ from torch.multiprocessing.spawn import ProcessException
 def _worker(rank: int, fn: Callable, world_size: int, tmp: str, timeout_s: float, skip_teardown: bool,
             args: tuple) -> None:
     torch.set_num_threads(1)
+    if os.environ.get("EP_MOE_TEST_DUMP_AFTER"):
+        faulthandler.dump_traceback_later(float(os.environ["EP_MOE_TEST_DUMP_AFTER"]), exit=False)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     ok = False
