@@ -12,7 +12,9 @@ kernel walks the tiles source by source.
 A pending transfer is registered for the tensor it fills, for the span in which the
 GEMMs that read it are queued (:func:`rows_arriving`); :func:`~ep_moe.kernels.grouped_gemm.launch_rows`
 looks its operand up here. Any other reader must come after a stream wait for the whole
-transfer (the exchange's ``PendingExchange.wait``).
+transfer (the exchange's ``PendingExchange.wait``). Everything the waiting kernel depends
+on (the copies, the flag writes) must be issued before the kernel: streams may share a
+hardware queue, and a kernel spinning for work queued behind it would never end.
 """
 
 from __future__ import annotations
