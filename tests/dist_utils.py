@@ -72,5 +72,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
         except ProcessException as exc:
             reports = [_read(path).split("\n", 1) for path in glob.glob(os.path.join(tmp, "error_*.txt"))]
             details = "\n".join(text for _, text in sorted(reports, key=lambda r: float(r[0])))
-            raise RuntimeError(f"distributed run failed; rank tracebacks, earliest first:\n{details}") from exc
+            finished = [r for r in range(world_size) if os.path.exists(os.path.join(tmp, f"result_{r}.pt"))]
+            raise RuntimeError(f"distributed run failed ({exc}; ranks whose function had returned: {finished}); "
+                               f"rank tracebacks, earliest first:\n{details or '(none: a process died outside Python)'}"
+                               ) from exc
         return [torch.load(os.path.join(tmp, f"result_{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,6 +1,8 @@
 """The test harness itself (tests/dist_utils.py): results in rank order, errors reported,
 with and without the process-group teardown."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,3 +30,15 @@ def test_results_in_rank_order(skip_teardown):
 def test_errors_name_the_rank(skip_teardown):
     with pytest.raises(RuntimeError, match=r"(?s)rank tracebacks.*-- rank 1:.*rank 1 fails on purpose"):
         run_distributed(_sum_worker, 2, 1, skip_teardown=skip_teardown, timeout_s=20)
+
+
+def _dying_worker(rank, world_size):
+    if rank == 1:
+        os._exit(3)  # as a C++ abort would: no Python traceback, no result
+    return rank
+
+
+@pytest.mark.distributed
+def test_a_process_dying_outside_python_is_reported():
+    with pytest.raises(RuntimeError, match=r"(?s)exit code 3.*returned: \[0\]\).*none: a process died outside Python"):
+        run_distributed(_dying_worker, 2, timeout_s=20)
