@@ -79,7 +79,8 @@ def bench_shape(shape, args, groups) -> dict:
     dtype = torch.bfloat16
     send_UH = torch.randn(sum(splits.send), shape.hidden, device="cuda", dtype=dtype)
     recv_SH = torch.empty(splits.num_recv, shape.hidden, device="cuda", dtype=dtype)
-    workspace = SymmetricWorkspace.for_group(group, torch.device("cuda", torch.cuda.current_device()))
+    workspace = SymmetricWorkspace.for_group(group, torch.device("cuda", torch.cuda.current_device()),
+                                               "all_to_all")
     ce = CopyEngineExchange(workspace, [matrix], {"rows": shape.hidden * send_UH.element_size()})
 
     def ce_run():

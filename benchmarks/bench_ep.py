@@ -84,8 +84,8 @@ def parse_args() -> argparse.Namespace:
                              "optionally with a torch.compile mode such as reduce-overhead (CUDA graphs; "
                              "named <layer>+compile-<mode>)")
     parser.add_argument("--graph", action="store_true",
-                        help="also time each host-sync-free ep_moe layer (EP=1, or the 'ag' variant) captured "
-                             "whole, forward and backward, in CUDA graphs (torch.cuda.make_graphed_callables; "
+                        help="also time each host-sync-free ep_moe layer (EP=1, or the 'ag' and 'agce' variants) "
+                             "captured whole, forward and backward, in CUDA graphs (torch.cuda.make_graphed_callables; "
                              "named <layer>+graph)")
     parser.add_argument("--autotune", action="store_true",
                         help="run ep_moe.autotune.warmup for each shape first (may tune on rank 0)")
@@ -222,8 +222,8 @@ Variant = tuple[str, int, bool]
 TRANSPORTS = {"nccl": dict(transport="nccl"), "ce": dict(transport="copy_engine"), "ag": dict(dispatch="all_gather"),
               "agce": dict(dispatch="all_gather", transport="copy_engine")}
 """``--variants`` transport names: the MoEConfig settings each stands for ("ag": the
-all-gather dispatch, which takes no own rows; "agce": with its rows on the copy engines,
-which CUDA graphs cannot capture)."""
+all-gather dispatch, which takes no own rows; "agce": with its rows on the copy engines).
+The all-gather variants never sync with the host: ``--graph`` captures them."""
 
 
 def parse_variants(spec: str) -> list[Variant]:
@@ -286,11 +286,11 @@ def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtyp
 
 def graphed_layers(ours: MoELayer, variants: list[Variant], x: torch.Tensor) -> dict:
     """{name+graph: (forward, params)}: the variants that never sync with the host (every
-    one at EP=1, the all-gather dispatch at EP>1), each a layer sharing ``ours``'s modules
+    one at EP=1, the all-gather variants at EP>1), each a layer sharing ``ours``'s modules
     captured forward and backward in CUDA graphs, for inputs like ``x``."""
     graphed = {}
     for variant in variants:
-        if ours.ep_size > 1 and variant[0] != "ag":
+        if ours.ep_size > 1 and not variant[0].startswith("ag"):
             continue
         layer = sharing_modules(ours, variant)
         sample = x.detach().clone().requires_grad_()

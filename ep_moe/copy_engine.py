@@ -24,14 +24,26 @@ The flags are 32-bit words written and awaited with CUDA stream memory operation
 (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``), which the GPU's front end runs: no
 SM is needed anywhere, so nothing waits for a GEMM to give one back. (A barrier kernel,
 symmetric memory's own, needs an SM; with the GEMMs holding them all, one per exchange
-made the layer up to 3.7x slower than NCCL in the first measurement.) Flag values are
-the exchange's sequence number, the same on every rank, so a flag only ever grows.
+made the layer up to 3.7x slower than NCCL in the first measurement.) The all-to-all's
+flag values are the exchange's sequence number, the same on every rank, so a flag only
+ever grows.
 
 Every rank holds the row counts of every rank (:class:`CopyEngineExchange`'s matrices),
 so it knows where in a peer's workspace its rows lie, and all ranks size the workspace
 alike. A session (one forward or one backward of a layer's pipeline) stages each region
 at most once and starts by waiting for every peer's done flag of the previous session:
 no rank restages a region before every peer has pulled from it.
+
+The all-gather (:class:`CopyEngineGather`) is captured in CUDA graphs, whose replays
+cannot count on the host, so its handshake holds no sequence number: each flag is 0 or 1
+and whoever waits for it takes it back. Per chunk region, in the stager's workspace, one
+*free* flag per peer (1: that peer has pulled the region's last rows; 1 at the start):
+the stager's compute stream waits for all of them and clears them before it stages
+(claims the region). In each puller's workspace one *staged* flag per source, which the
+puller's copy stream waits for and clears before it copies; after the copy it sets its
+free flag in the source's workspace. The landing flags that the experts' GEMM polls
+(:mod:`ep_moe.kernels.arrival`) are one per chunk in the rank's own workspace, cleared on
+the compute stream before the pulls are queued and raised to w after the w-th source.
 
 Limits: NCCL still carries the layer's counts and the small message of expert ids and
 top-k weights (and their gradients). The GPUs must reach each other's memory (NVLink or
@@ -62,8 +74,15 @@ DISPATCH, COMBINE = "dispatch", "combine"
 """Directions: rows to the experts' ranks (``matrix[q][p]`` rows from q to p), and back
 (the transpose)."""
 _ALIGN = 256  # bytes between regions: every dtype's element size divides it
-_FLAGS = 4096  # bytes at the start of a workspace for the flags: ready[P], then done[P]
-_MAX_RANKS = _FLAGS // 8
+_MAX_RANKS = 128
+_MAX_CHUNKS = 32  # chunks of one all-gather exchange (MoEConfig.overlap_chunks)
+# The flags: 32-bit words at the start of every workspace, then the data.
+_READY, _DONE = 0, _MAX_RANKS  # + source / puller: the all-to-all's sequence numbers
+_STAGED = 2 * _MAX_RANKS  # + chunk * _MAX_RANKS + source: the all-gather's 0/1 handshake
+_FREE = _STAGED + _MAX_CHUNKS * _MAX_RANKS  # + chunk * _MAX_RANKS + puller
+_LANDED = _FREE + _MAX_CHUNKS * _MAX_RANKS  # + chunk: sources landed (for the GEMMs)
+_FLAGS = 1 << 16  # bytes reserved for them
+assert 4 * (_LANDED + _MAX_CHUNKS) <= _FLAGS
 _GROWTH = 1.25  # a workspace that must grow takes this much headroom
 _SUPPORTED: dict[str, tuple[bool, str]] = {}  # group name -> copy_engine_supported(group)
 _WORKSPACES: dict[tuple[str, int], "SymmetricWorkspace"] = {}
@@ -74,10 +93,10 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 class _StreamMemOps:
-    """``cuStreamWriteValue32`` and ``cuStreamWaitValue32`` (wait until >=) of the CUDA
-    driver, through ctypes: PyTorch does not expose the wait."""
+    """``cuStreamWriteValue32`` and ``cuStreamWaitValue32`` of the CUDA driver, through
+    ctypes: PyTorch does not expose the wait."""
 
-    _WAIT_GEQ = 0x0
+    _WAIT_GEQ, _WAIT_EQ = 0x0, 0x1
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -100,9 +119,11 @@ class _StreamMemOps:
         """After the stream's earlier work (and a memory barrier): ``*address = value``."""
         self._check("cuStreamWriteValue32", self._write(stream.cuda_stream, address, value, 0))
 
-    def wait(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
-        """The stream's later work waits until ``*address >= value``."""
-        self._check("cuStreamWaitValue32", self._wait(stream.cuda_stream, address, value, self._WAIT_GEQ))
+    def wait(self, stream: torch.cuda.Stream, address: int, value: int, equal: bool) -> None:
+        """The stream's later work waits until ``*address == value`` (``equal``) or
+        ``*address >= value``."""
+        flags = self._WAIT_EQ if equal else self._WAIT_GEQ
+        self._check("cuStreamWaitValue32", self._wait(stream.cuda_stream, address, value, flags))
 
 
 def _uses_nccl(group: ProcessGroup) -> bool:
@@ -155,8 +176,9 @@ def copy_engine_supported(group: ProcessGroup) -> tuple[bool, str]:
 
 class SymmetricWorkspace:
     """One rank's symmetric-memory buffer for an EP group (flags, then data), the stream
-    its copies run on, and the exchange sequence number. It grows on demand; growing is
-    collective and every rank asks for the same size."""
+    its copies run on, the all-to-all's sequence number and the flag protocols of the
+    module docstring. It grows on demand; growing is collective and every rank asks for
+    the same size."""
 
     def __init__(self, group: ProcessGroup, device: torch.device) -> None:
         self.group, self.device = group, device
@@ -164,44 +186,57 @@ class SymmetricWorkspace:
         self.stream = torch.cuda.Stream(device)
         self.capacity = 0
         self.epoch = 0
-        """Sequence number of the last exchange (flags hold such numbers)."""
+        """Sequence number of the all-to-all's last exchange (its flags hold such numbers)."""
         self._memops = _StreamMemOps()
         self._buffers: list[torch.Tensor] = []  # every rank's buffer, flat uint8, mapped here
         self._allocation = None
-        self.landed = torch.zeros(1, dtype=torch.int32, device=device)
-        """This rank's landing flag (:class:`CopyEngineGather`): raised on the workspace's
-        stream after each source of a gather has landed; only ever grows."""
 
     @classmethod
-    def for_group(cls, group: ProcessGroup, device: torch.device) -> "SymmetricWorkspace":
-        """The workspace of ``group`` on ``device``, shared by every layer using it."""
-        key = (group.group_name, device.index)
+    def for_group(cls, group: ProcessGroup, device: torch.device, user: str) -> "SymmetricWorkspace":
+        """The workspace of ``group`` on ``device`` for ``user`` (an exchange class: each
+        has its own, as their protocols differ), shared by every layer using it."""
+        key = (group.group_name, device.index, user)
         if key not in _WORKSPACES:
             _WORKSPACES[key] = cls(group, device)
         return _WORKSPACES[key]
 
     def reserve(self, nbytes: int) -> None:
         """Make room for ``nbytes`` of data (collective when it grows: same ``nbytes``
-        everywhere). Growing waits for every rank's device, then starts the flags over."""
+        everywhere). Growing waits for every rank's device, then starts the flags over;
+        it cannot happen while a CUDA graph is captured."""
         if self._buffers and nbytes <= self.capacity:  # the flags exist even for 0 bytes of data
             return
-        import torch.distributed._symmetric_memory as symm_mem
-
+        if self._capturing():
+            raise RuntimeError(f"the copy-engine workspace must grow to {nbytes} bytes while a CUDA graph is "
+                               "captured; run the layer once eagerly with the same shapes before capturing")
         if self._buffers:  # peers may still be pulling from the old buffers
-            torch.cuda.synchronize(self.device)
-            dist.barrier(group=self.group)
+            self._quiesce()
             self._buffers, self._allocation = [], None
         capacity = _round_up(int(nbytes * _GROWTH), 1 << 21)
-        buffer = symm_mem.empty(_FLAGS + capacity, dtype=torch.uint8, device=self.device)
+        self._buffers = self._allocate(_FLAGS + capacity)
+        flags = self._buffers[self.rank][:_FLAGS].view(torch.int32)
+        flags.zero_()
+        flags[_FREE: _FREE + _MAX_CHUNKS * _MAX_RANKS].fill_(1)  # every region free
+        self._quiesce()  # every rank's flags are set before anyone raises one
+        self.capacity, self.epoch = capacity, 0
+
+    def _capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def _allocate(self, nbytes: int) -> list[torch.Tensor]:
+        """Every rank's buffer of ``nbytes`` (collective), this rank's own at its index."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(buffer, self.group)
         # the peers' views do not own their memory: keep the allocation and its handle alive
         self._allocation = (buffer, handle)
-        self._buffers = [handle.get_buffer(q, (_FLAGS + capacity,), torch.uint8) for q in range(self.size)]
-        buffer[:_FLAGS].zero_()
-        self.landed.zero_()
+        return [handle.get_buffer(q, (nbytes,), torch.uint8) for q in range(self.size)]
+
+    def _quiesce(self) -> None:
+        """Wait for this rank's device, then for every rank (collective)."""
         torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)  # every rank's flags are zero before anyone raises one
-        self.capacity, self.epoch = capacity, 0
+        dist.barrier(group=self.group)
 
     def view(self, rank: int, byte_offset: int, rows: int, row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """[rows, *row_shape] of ``dtype`` at ``byte_offset`` of ``rank``'s data."""
@@ -209,9 +244,24 @@ class SymmetricWorkspace:
         nbytes = rows * math.prod(row_shape) * dtype.itemsize
         return self._buffers[rank][start: start + nbytes].view(dtype).view(rows, *row_shape)
 
-    def _flag(self, rank: int, kind: int, slot: int) -> int:
-        """Address of flag ``slot`` (a rank) of ``kind`` (0 ready, 1 done) in ``rank``'s buffer."""
-        return self._buffers[rank].data_ptr() + 4 * (kind * _MAX_RANKS + slot)
+    def flag(self, rank: int, index: int) -> torch.Tensor:
+        """Flag word ``index`` of ``rank``'s workspace, as int32 [1]."""
+        return self._buffers[rank][4 * index: 4 * index + 4].view(torch.int32)
+
+    def _signal(self, stream: Optional[torch.cuda.Stream], rank: int, index: int, value: int) -> None:
+        """On ``stream``, after its earlier work: flag ``index`` of ``rank``'s workspace = ``value``."""
+        self._memops.write(stream, self._buffers[rank].data_ptr() + 4 * index, value)
+
+    def _await(self, stream: Optional[torch.cuda.Stream], index: int, value: int, equal: bool) -> None:
+        """``stream``'s later work waits until this rank's flag ``index`` == ``value``
+        (``equal``) or >= ``value``."""
+        self._memops.wait(stream, self._buffers[self.rank].data_ptr() + 4 * index, value, equal)
+
+    def _compute_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def _peers(self) -> list[int]:
+        return [q for q in range(self.size) if q != self.rank]
 
     def follow_compute(self) -> None:
         """The workspace's stream waits for the work queued so far on the current stream."""
@@ -221,39 +271,69 @@ class SymmetricWorkspace:
         """Context in which ``copy_`` runs on the workspace's stream."""
         return torch.cuda.stream(self.stream)
 
-    def signal_ready(self, epoch: int) -> None:
-        """On the workspace's stream: tell every peer this rank staged exchange ``epoch``."""
-        for peer in range(self.size):
-            if peer != self.rank:
-                self._memops.write(self.stream, self._flag(peer, 0, self.rank), epoch)
-
-    def wait_ready(self, source: int, epoch: int) -> None:
-        """On the workspace's stream: wait until ``source`` staged exchange ``epoch``."""
-        self._memops.wait(self.stream, self._flag(self.rank, 0, source), epoch)
-
-    def signal_done(self, epoch: int) -> None:
-        """On the workspace's stream: tell every peer this rank pulled exchange ``epoch``."""
-        for peer in range(self.size):
-            if peer != self.rank:
-                self._memops.write(self.stream, self._flag(peer, 1, self.rank), epoch)
-
-    def signal_landed(self, value: int) -> None:
-        """On the workspace's stream: raise this rank's landing flag to ``value``."""
-        self._memops.write(self.stream, self.landed.data_ptr(), value)
-
-    def wait_done(self, epoch: int) -> None:
-        """On the current stream: wait until every peer pulled exchange ``epoch``."""
-        compute = torch.cuda.current_stream(self.device)
-        for peer in range(self.size):
-            if peer != self.rank:
-                self._memops.wait(compute, self._flag(self.rank, 1, peer), epoch)
-
     def finish(self, out: torch.Tensor, landing: Optional[Landing] = None) -> PendingExchange:
         """``out``, filled on the workspace's stream, as an exchange the current stream can wait for."""
         out.record_stream(self.stream)
         done = torch.cuda.Event()
         done.record(self.stream)
         return PendingExchange(out, event=done, landing=landing)
+
+    # The all-to-all's protocol: sequence numbers.
+
+    def signal_ready(self, epoch: int) -> None:
+        """On the workspace's stream: tell every peer this rank staged exchange ``epoch``."""
+        for peer in self._peers():
+            self._signal(self.stream, peer, _READY + self.rank, epoch)
+
+    def wait_ready(self, source: int, epoch: int) -> None:
+        """On the workspace's stream: wait until ``source`` staged exchange ``epoch``."""
+        self._await(self.stream, _READY + source, epoch, equal=False)
+
+    def signal_done(self, epoch: int) -> None:
+        """On the workspace's stream: tell every peer this rank pulled exchange ``epoch``."""
+        for peer in self._peers():
+            self._signal(self.stream, peer, _DONE + self.rank, epoch)
+
+    def wait_done(self, epoch: int) -> None:
+        """On the current stream: wait until every peer pulled exchange ``epoch``."""
+        for peer in self._peers():
+            self._await(self._compute_stream(), _DONE + peer, epoch, equal=False)
+
+    # The all-gather's protocol: 0/1 flags, replayable in CUDA graphs.
+
+    def claim_region(self, chunk: int) -> None:
+        """On the current stream: wait until every peer has pulled what this rank last
+        staged in chunk ``chunk``'s region, then mark the region taken."""
+        compute = self._compute_stream()
+        for peer in self._peers():
+            self._await(compute, _FREE + chunk * _MAX_RANKS + peer, 1, equal=True)
+        for peer in self._peers():
+            self._signal(compute, self.rank, _FREE + chunk * _MAX_RANKS + peer, 0)
+
+    def clear_landed(self, chunk: int) -> torch.Tensor:
+        """On the current stream: chunk ``chunk``'s landing flag = 0; returns the flag."""
+        self._signal(self._compute_stream(), self.rank, _LANDED + chunk, 0)
+        return self.flag(self.rank, _LANDED + chunk)
+
+    def signal_staged(self, chunk: int) -> None:
+        """On the workspace's stream: tell every peer this rank staged chunk ``chunk``."""
+        for peer in self._peers():
+            self._signal(self.stream, peer, _STAGED + chunk * _MAX_RANKS + self.rank, 1)
+
+    def await_staged(self, chunk: int, source: int) -> None:
+        """On the workspace's stream: wait until ``source`` staged chunk ``chunk``, and take
+        the flag back."""
+        index = _STAGED + chunk * _MAX_RANKS + source
+        self._await(self.stream, index, 1, equal=True)
+        self._signal(self.stream, self.rank, index, 0)
+
+    def signal_landed(self, chunk: int, sources: int) -> None:
+        """On the workspace's stream: chunk ``chunk``'s first ``sources`` pulled sources landed."""
+        self._signal(self.stream, self.rank, _LANDED + chunk, sources)
+
+    def signal_pulled(self, chunk: int, source: int) -> None:
+        """On the workspace's stream: tell ``source`` this rank has pulled its chunk ``chunk``."""
+        self._signal(self.stream, source, _FREE + chunk * _MAX_RANKS + self.rank, 1)
 
 
 def segment_layout(matrix: list[list[int]], me: int) -> list[tuple[int, int, int]]:
@@ -342,36 +422,36 @@ class CopyEngineExchange:
 class CopyEngineGather(GatherExchange):
     """The all-gather dispatch (:class:`~ep_moe.gathered.GatherExchange`) with the rows'
     all-gathers on the copy engines, landing source by source while the experts' GEMM
-    already runs.
+    already runs; capturable in CUDA graphs.
 
-    A dispatch of rows stages this rank's [T, H] in its workspace and copies them into its
-    own slot of the output (both on the current stream, so the own rows are there before any
-    reader), then pulls the peers' rows on the copy engines in landing order, the next rank
-    first, raising the workspace's landing flag after each (``epoch * P + w`` for the w-th
-    source). The exchange comes back with its :class:`~ep_moe.kernels.arrival.Landing`: the
-    grouped GEMM that reads the rows first (the up projection in the forward, the down
-    projection's dX in the backward) waits tile by tile for its source instead of the whole
-    transfer (:mod:`ep_moe.kernels.arrival`); everything after waits for the transfer
-    (``PendingExchange.wait``). The expert ids and top-k weights (small, needed at once by
-    the routing) and the reduce-scatters stay on NCCL.
+    A dispatch of chunk c's rows claims the chunk's region of this rank's workspace (waits
+    until every peer has pulled what was staged there last), stages this rank's [T, H] there
+    and copies them into its own slot of the output (all on the current stream, so the own
+    rows are there before any reader), then pulls the peers' rows on the copy engines in
+    landing order, the next rank first, raising the chunk's landing flag to w after the w-th
+    source (the 0/1 handshake of the module docstring). The exchange comes back with its
+    :class:`~ep_moe.kernels.arrival.Landing`: the grouped GEMM that reads the rows first (the
+    up projection in the forward, the down projection's dX in the backward) waits tile by
+    tile for its source instead of the whole transfer (:mod:`ep_moe.kernels.arrival`);
+    everything after waits for the transfer (``PendingExchange.wait``). The expert ids and
+    top-k weights (small, needed at once by the routing) and the reduce-scatters stay on
+    NCCL.
 
-    Every rank must make the same sequence of :meth:`begin`, :meth:`dispatch` and
-    :meth:`combine` calls with the same chunk sizes ``rows_per_chunk``."""
+    Every rank must make the same sequence of :meth:`dispatch` and :meth:`combine` calls
+    with the same chunk sizes ``rows_per_chunk``, at most ``_MAX_CHUNKS`` chunks."""
 
     def __init__(self, group: ProcessGroup, workspace: SymmetricWorkspace, rows_per_chunk: list[int],
                  row_bytes: int) -> None:
         super().__init__(group)
+        if len(rows_per_chunk) > _MAX_CHUNKS:
+            raise ValueError(f"the copy-engine all-gather takes at most {_MAX_CHUNKS} chunks, got "
+                             f"{len(rows_per_chunk)}; lower MoEConfig.overlap_chunks")
         self.workspace, self.rank = workspace, workspace.rank
         self.offsets, end = [], 0
         for rows in rows_per_chunk:
             self.offsets.append(end)
             end = _round_up(end + rows * row_bytes, _ALIGN)
         workspace.reserve(end)
-
-    def begin(self) -> None:
-        """Start a session: the current stream waits until every peer has pulled what this
-        rank staged before, so it may stage again."""
-        self.workspace.wait_done(self.workspace.epoch)
 
     def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
         """All-gather ``x`` [T, ...]: rows on the copy engines (landing source by source),
@@ -381,19 +461,19 @@ class CopyEngineGather(GatherExchange):
         ws, me, size = self.workspace, self.rank, self.size
         rows, row_shape = x.shape[0], tuple(x.shape[1:])
         x = x.detach()
+        ws.claim_region(chunk)
         ws.view(me, self.offsets[chunk], rows, row_shape, x.dtype).copy_(x)
         out = x.new_empty((size * rows, *row_shape))
         out[me * rows: (me + 1) * rows].copy_(x)
-        ws.epoch += 1
-        epoch = ws.epoch
-        ws.follow_compute()  # staged, and `out` allocated
-        ws.signal_ready(epoch)
+        landed = ws.clear_landed(chunk)
+        ws.follow_compute()  # staged, `out` allocated, the landing flag cleared
+        ws.signal_staged(chunk)
         with ws.copying():
             for w in range(1, size):
                 source = (me + w) % size
-                ws.wait_ready(source, epoch)
+                ws.await_staged(chunk, source)
                 out[source * rows: (source + 1) * rows].copy_(
                     ws.view(source, self.offsets[chunk], rows, row_shape, x.dtype))
-                ws.signal_landed(epoch * size + w)
-        ws.signal_done(epoch)
-        return ws.finish(out, Landing(ws.landed, epoch * size, size))
+                ws.signal_landed(chunk, w)
+                ws.signal_pulled(chunk, source)
+        return ws.finish(out, Landing(landed, 0, size))

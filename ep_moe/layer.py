@@ -144,12 +144,13 @@ class MoEConfig:
     transport: Literal["nccl", "copy_engine"] = "nccl"
     """EP>1: how the rows travel. ``"nccl"``: NCCL's collectives (any backend, any
     topology). ``"copy_engine"``: the GPUs' copy engines through a symmetric-memory
-    workspace (:mod:`ep_moe.copy_engine`; every EP rank on one node, NCCL group, CUDA, not
-    inside a CUDA graph), which needs no SM. With ``dispatch="all_gather"`` the tokens and
-    the output gradients land source by source while the experts' first GEMM already runs
-    on the rank's own rows (:class:`~ep_moe.copy_engine.CopyEngineGather`): on 4x H100 the
+    workspace (:mod:`ep_moe.copy_engine`; every EP rank on one node, NCCL group, CUDA),
+    which needs no SM. With ``dispatch="all_gather"`` the tokens and the output gradients
+    land source by source while the experts' first GEMM already runs on the rank's own rows
+    (:class:`~ep_moe.copy_engine.CopyEngineGather`), also inside CUDA graphs: on 4x H100 the
     fastest eager layer at EP=4 on mixtral, gpt-oss and deepseek (README, "Results"). With
-    the all-to-all it measured slower than NCCL (the GEMMs wait for whole exchanges)."""
+    the all-to-all (a host sync per call: never in a graph) it measured slower than NCCL
+    (the GEMMs wait for whole exchanges)."""
     dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"
     """EP>1: how tokens reach the experts. ``"all_to_all"``: each token goes to the ranks of
     its experts (uneven ``all_to_all_single``), one host sync per call for the split
@@ -660,11 +661,8 @@ class MoELayer(nn.Module):
             exchange = GatherExchange(group)
         else:
             _check_copy_engine(group)
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("MoEConfig.transport='copy_engine' cannot be captured in a CUDA graph (its "
-                                   "flags count exchanges on the host); use transport='nccl' for graphs")
-            exchange = CopyEngineGather(group, SymmetricWorkspace.for_group(group, x_TH.device), sizes,
-                                        x_TH.shape[1] * x_TH.element_size())
+            workspace = SymmetricWorkspace.for_group(group, x_TH.device, "all_gather")
+            exchange = CopyEngineGather(group, workspace, sizes, x_TH.shape[1] * x_TH.element_size())
         exchange.begin()
         return exchange
 
@@ -792,7 +790,7 @@ class MoELayer(nn.Module):
         if self.config.transport == "nccl":
             return NcclExchange(group, splits)
         _check_copy_engine(group)
-        workspace = SymmetricWorkspace.for_group(group, x_TH.device)
+        workspace = SymmetricWorkspace.for_group(group, x_TH.device, "all_to_all")
         row_bytes = {"rows": x_TH.shape[1] * x_TH.element_size(),
                      "weights": weights_TK.shape[1] * weights_TK.element_size()}
         return CopyEngineExchange(workspace, row_matrices(counts), row_bytes)

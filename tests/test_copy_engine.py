@@ -1,19 +1,22 @@
-"""The copy-engine exchange's layout and protocol, on the CPU: P ranks as threads over
-plain buffers (a workspace double whose barrier is a thread barrier), so where each rank
-stages and where it pulls from is checked without GPUs; the chunked pipeline runs on top
-of it and must match the computation without any exchange. The real symmetric-memory
-path runs in tests/gpu/test_ep_nccl.py."""
+"""The copy-engine exchanges' layout and flag protocols, on the CPU: P ranks as threads
+over plain buffers (a workspace double whose stream operations run at once, a flag wait
+blocking the thread), so where each rank stages and pulls from, and how the flags move,
+is checked without GPUs; the chunked pipeline runs on top of it and must match the
+computation without any exchange. The real symmetric-memory path runs in
+tests/gpu/test_ep_nccl.py."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import threading
+import time
 
 import pytest
 import torch
 
-from ep_moe.copy_engine import CopyEngineExchange, segment_layout
+from ep_moe import copy_engine
+from ep_moe.copy_engine import CopyEngineExchange, CopyEngineGather, SymmetricWorkspace, segment_layout
 from ep_moe.dispatch import PendingExchange, SplitSizes
 from ep_moe.pipeline import ChunkPlan, expert_pipeline
 from ep_moe.routing import build_routing_metadata
@@ -23,38 +26,46 @@ class _World:
     def __init__(self, size: int) -> None:
         self.size = size
         self.buffers = [torch.zeros(0, dtype=torch.uint8) for _ in range(size)]
-        self.flags = {}  # (owner rank, kind, slot rank) -> value
         self.changed = threading.Condition()
         self.barrier = threading.Barrier(size, timeout=30)  # a failing rank breaks it: no hang
-
-    def raise_flag(self, owner, kind, slot, value):
-        with self.changed:
-            self.flags[(owner, kind, slot)] = value
-            self.changed.notify_all()
-
-    def await_flag(self, owner, kind, slot, value):
-        with self.changed:
-            if not self.changed.wait_for(lambda: self.flags.get((owner, kind, slot), 0) >= value, timeout=30):
-                raise TimeoutError(f"rank {owner} waited for {kind} flag of rank {slot} >= {value}")
+        self.before_pull = lambda rank, source: None  # a hook: e.g. slow down one rank's pulls
 
 
-class _ThreadWorkspace:
-    """SymmetricWorkspace's interface over ``_World``'s buffers and flags; copies are
-    synchronous, and a wait blocks the thread until the flag is up."""
+class _ThreadWorkspace(SymmetricWorkspace):
+    """SymmetricWorkspace with its protocol code, over ``_World``'s buffers: copies are
+    synchronous, a flag write is immediate, and a flag wait blocks the thread."""
 
     def __init__(self, world: _World, rank: int) -> None:
         self.world, self.rank, self.size, self.capacity, self.epoch = world, rank, world.size, 0, 0
+        self.stream, self._buffers = None, []
 
-    def reserve(self, nbytes: int) -> None:
-        if nbytes > self.capacity:
-            self.world.buffers[self.rank] = torch.full((nbytes,), 255, dtype=torch.uint8)  # garbage
-            self.capacity = nbytes
+    def _capturing(self) -> bool:
+        return False
+
+    def _allocate(self, nbytes: int) -> list[torch.Tensor]:
+        self.world.buffers[self.rank] = torch.full((nbytes,), 255, dtype=torch.uint8)  # garbage
         self.world.barrier.wait()  # collective: every buffer exists before anyone uses it
+        return self.world.buffers
 
-    def view(self, rank, byte_offset, rows, row_shape, dtype):
-        nbytes = rows * math.prod(row_shape) * dtype.itemsize
-        assert byte_offset % dtype.itemsize == 0 and byte_offset + nbytes <= self.world.buffers[rank].numel()
-        return self.world.buffers[rank][byte_offset: byte_offset + nbytes].view(dtype).view(rows, *row_shape)
+    def _quiesce(self) -> None:
+        self.world.barrier.wait()
+
+    def _signal(self, stream, rank, index, value):
+        with self.world.changed:
+            self.flag(rank, index)[0] = value
+            self.world.changed.notify_all()
+
+    def _await(self, stream, index, value, equal):
+        word = self.flag(self.rank, index)
+        with self.world.changed:
+            if not self.world.changed.wait_for(lambda: word.item() == value or (not equal and word.item() > value),
+                                               timeout=30):
+                raise TimeoutError(f"rank {self.rank} waited for flag {index} {'==' if equal else '>='} {value}")
+        if copy_engine._STAGED <= index < copy_engine._FREE:
+            self.world.before_pull(self.rank, (index - copy_engine._STAGED) % copy_engine._MAX_RANKS)
+
+    def _compute_stream(self):
+        return None
 
     def follow_compute(self) -> None:
         pass
@@ -62,31 +73,13 @@ class _ThreadWorkspace:
     def copying(self):
         return contextlib.nullcontext()
 
-    def signal_ready(self, epoch):
-        for peer in range(self.size):
-            if peer != self.rank:
-                self.world.raise_flag(peer, "ready", self.rank, epoch)
-
-    def wait_ready(self, source, epoch):
-        self.world.await_flag(self.rank, "ready", source, epoch)
-
-    def signal_done(self, epoch):
-        for peer in range(self.size):
-            if peer != self.rank:
-                self.world.raise_flag(peer, "done", self.rank, epoch)
-
-    def wait_done(self, epoch):
-        for peer in range(self.size):
-            if peer != self.rank:
-                self.world.await_flag(self.rank, "done", peer, epoch)
-
-    def finish(self, out):
-        return PendingExchange(out)
+    def finish(self, out, landing=None):
+        return PendingExchange(out, landing=landing)
 
 
-def _run_ranks(size: int, fn) -> list:
+def _run_ranks(size: int, fn, world: _World = None) -> list:
     """``fn(rank, workspace)`` on ``size`` threads; results in rank order, errors re-raised."""
-    world = _World(size)
+    world = world or _World(size)
     results, errors = [None] * size, []
 
     def target(rank):
@@ -255,3 +248,82 @@ def test_pipeline_over_copy_engine_matches_local_computation(size, layers):
         assert len(got_grads) == len(want_grads)
         for got, want in zip(got_grads, want_grads):
             torch.testing.assert_close(got, want)
+
+
+def _flag_words(workspace) -> torch.Tensor:
+    """The all-gather's handshake flags of ``workspace``'s rank (staged and free), a copy."""
+    return workspace.world.buffers[workspace.rank][4 * copy_engine._STAGED: 4 * copy_engine._LANDED].view(
+        torch.int32).clone()
+
+
+@pytest.mark.parametrize("size,chunks", [(2, 1), (4, 3)])
+def test_gather_lands_every_rank_rows_and_leaves_the_flags_as_it_found_them(size, chunks, fake_groups):
+    """Rounds of every chunk's all-gather (a forward, then a backward on the same regions,
+    repeated): each rank gets every rank's rows in rank order, its landing flag ends at
+    P-1, and after each round the handshake flags are back where they started, as a CUDA
+    graph's replay needs."""
+    rows = [5, 3, 4][:chunks]
+
+    def rank_fn(rank, workspace):
+        exchange = CopyEngineGather(_FakeGroup(size), workspace, rows, 3 * 4)
+        start = _flag_words(workspace)
+        workspace.world.barrier.wait()  # before any peer signals
+        got, flags_after = [], []
+        for rnd in range(4):
+            pending = [exchange.dispatch(_gather_rows(rank, c, rnd, n), c, "rows") for c, n in enumerate(rows)]
+            got.append([p.wait() for p in pending])
+            assert all(int(p.landing.flag.item()) == size - 1 and p.landing.num_sources == size for p in pending)
+            workspace.world.barrier.wait()  # every rank done pulling
+            flags_after.append(_flag_words(workspace))
+            workspace.world.barrier.wait()  # before any peer's next round signals
+        return start, got, flags_after
+
+    for start, got, flags_after in _run_ranks(size, rank_fn):
+        assert int(start.sum()) == copy_engine._MAX_CHUNKS * copy_engine._MAX_RANKS  # every region free
+        for rnd, per_chunk in enumerate(got):
+            for c, out in enumerate(per_chunk):
+                want = torch.cat([_gather_rows(q, c, rnd, rows[c]) for q in range(size)])
+                assert torch.equal(out, want), (rnd, c)
+        for flags in flags_after:
+            assert torch.equal(flags, start)
+
+
+class _FakeGroup:
+    """Stands in for the process group: only its size is read (through the patched
+    ``dist.get_world_size`` of the ``fake_groups`` fixture), no collective runs."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+@pytest.fixture
+def fake_groups(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: group.size)
+
+
+def _gather_rows(rank: int, chunk: int, rnd: int, n: int) -> torch.Tensor:
+    return (1000.0 * rnd + 100 * rank + 10 * chunk + torch.arange(n, dtype=torch.float32))[:, None].repeat(1, 3)
+
+
+def test_gather_restages_a_region_only_after_every_peer_pulled_it(fake_groups):
+    """Rank 1 pulls late: rank 0's next dispatch on the same chunk must wait for it rather
+    than overwrite the rows rank 1 has not copied yet."""
+    world = _World(2)
+    world.before_pull = lambda rank, source: time.sleep(0.3) if rank == 1 else None
+
+    def rank_fn(rank, workspace):
+        exchange = CopyEngineGather(_FakeGroup(2), workspace, [4], 3 * 4)
+        return [exchange.dispatch(_gather_rows(rank, 0, rnd, 4), 0, "rows").wait() for rnd in range(3)]
+
+    results = _run_ranks(2, rank_fn, world)
+    for got in results:
+        for rnd, out in enumerate(got):
+            assert torch.equal(out, torch.cat([_gather_rows(q, 0, rnd, 4) for q in range(2)])), rnd
+
+
+def test_gather_refuses_more_chunks_than_it_has_flags_for(fake_groups):
+    def rank_fn(rank, workspace):
+        with pytest.raises(ValueError, match="at most 32 chunks, got 33; lower MoEConfig.overlap_chunks"):
+            CopyEngineGather(_FakeGroup(2), workspace, [1] * 33, 4)
+
+    _run_ranks(2, rank_fn)

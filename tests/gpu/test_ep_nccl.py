@@ -265,6 +265,8 @@ def _check_against_ep1(ep_results, ep_size: int, name: str, variant: str) -> Non
 
 @pytest.mark.distributed
 def test_scenarios_are_what_they_claim(ep_results):
+    if "nccl" not in SELECTED:
+        pytest.skip("checked on the nccl transport, not selected (EP_MOE_TEST_TRANSPORTS)")
     counts = ep_results[0][(WORLD, "skewed", "nccl")]["run"]["counts"]
     assert counts[E // 4:].sum() == 0 and counts.sum() > 0
     assert ep_results[1][(WORLD, "empty_rank", "nccl")]["run"]["y"].numel() == 0
@@ -363,15 +365,16 @@ def test_all_gather_dispatch_never_syncs():
     assert all(r["finite"] for r in run_distributed(_sync_free_worker, WORLD, timeout_s=300))
 
 
-def _graphed_worker(rank: int, world_size: int) -> dict:
-    """The all-gather dispatch captured whole (forward and backward) in CUDA graphs
-    (``torch.cuda.make_graphed_callables``), replayed on fresh tokens with new routings:
-    outputs and every gradient against the same layer run eagerly."""
+def _graphed_worker(rank: int, world_size: int, transport: str, chunks: int) -> dict:
+    """The all-gather dispatch on ``transport`` in ``chunks`` chunks, captured whole (forward
+    and backward) in CUDA graphs (``torch.cuda.make_graphed_callables``), replayed on fresh
+    tokens with new routings: outputs and every gradient against the same layer run eagerly
+    (eager steps and replays interleave on the same copy-engine workspace)."""
     torch.cuda.set_device(rank)
     group = dist.new_group(list(range(world_size)), backend="nccl", timeout=datetime.timedelta(seconds=300))
     torch.manual_seed(0)
     config = MoEConfig(hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, backend="triton",
-                       aux_loss_coef=0.0, dispatch="all_gather")
+                       aux_loss_coef=0.0, overlap_chunks=chunks, **_variant({}, transport))
     eager = MoELayer(config, group, device="cuda", dtype=torch.bfloat16)
     shell = MoELayer(config, group, device="meta")  # captured in place; shares eager's modules
     shell.router, shell.experts = eager.router, eager.experts
@@ -398,10 +401,13 @@ def _graphed_worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.distributed
-def test_all_gather_layer_in_cuda_graphs_matches_eager():
+@pytest.mark.parametrize("transport,chunks", [("all_gather", 1), ("all_gather_ce", 1), ("all_gather_ce", 2)])
+def test_all_gather_layer_in_cuda_graphs_matches_eager(transport, chunks):
     """Run without the process-group teardown: communicators whose collectives a CUDA graph
     captured cannot be destroyed (pytorch/pytorch#115388; seen here, 2x H100, torch 2.11)."""
     if NUM_GPUS < 2:
         pytest.skip(f"needs 2 or more GPUs, found {NUM_GPUS}")
-    for res in run_distributed(_graphed_worker, WORLD, timeout_s=300, skip_teardown=True):
+    if transport not in SELECTED:
+        pytest.skip(f"{transport} not selected (EP_MOE_TEST_TRANSPORTS)")
+    for res in run_distributed(_graphed_worker, WORLD, transport, chunks, timeout_s=300, skip_teardown=True):
         assert max(res["errors"]) < 1e-2, res["errors"]
