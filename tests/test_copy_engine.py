@@ -7,8 +7,6 @@ tests/gpu/test_ep_nccl.py."""
 
 from __future__ import annotations
 
-import contextlib
-import math
 import threading
 import time
 
@@ -16,10 +14,11 @@ import pytest
 import torch
 
 from ep_moe import copy_engine
-from ep_moe.copy_engine import CopyEngineExchange, CopyEngineGather, SymmetricWorkspace, segment_layout
-from ep_moe.dispatch import PendingExchange, SplitSizes
+from ep_moe.copy_engine import CopyEngineExchange, CopyEngineGather, segment_layout
+from ep_moe.dispatch import SplitSizes
 from ep_moe.pipeline import ChunkPlan, expert_pipeline
 from ep_moe.routing import build_routing_metadata
+from workspace_doubles import HostWorkspace
 
 
 class _World:
@@ -31,16 +30,13 @@ class _World:
         self.before_pull = lambda rank, source: None  # a hook: e.g. slow down one rank's pulls
 
 
-class _ThreadWorkspace(SymmetricWorkspace):
-    """SymmetricWorkspace with its protocol code, over ``_World``'s buffers: copies are
-    synchronous, a flag write is immediate, and a flag wait blocks the thread."""
+class _ThreadWorkspace(HostWorkspace):
+    """A workspace over ``_World``'s buffers: a flag write is immediate, and a flag wait
+    blocks the thread."""
 
     def __init__(self, world: _World, rank: int) -> None:
         self.world, self.rank, self.size, self.capacity, self.epoch = world, rank, world.size, 0, 0
         self.stream, self._buffers = None, []
-
-    def _capturing(self) -> bool:
-        return False
 
     def _allocate(self, nbytes: int) -> list[torch.Tensor]:
         self.world.buffers[self.rank] = torch.full((nbytes,), 255, dtype=torch.uint8)  # garbage
@@ -63,18 +59,6 @@ class _ThreadWorkspace(SymmetricWorkspace):
                 raise TimeoutError(f"rank {self.rank} waited for flag {index} {'==' if equal else '>='} {value}")
         if copy_engine._STAGED <= index < copy_engine._FREE:
             self.world.before_pull(self.rank, (index - copy_engine._STAGED) % copy_engine._MAX_RANKS)
-
-    def _compute_stream(self):
-        return None
-
-    def follow_compute(self) -> None:
-        pass
-
-    def copying(self):
-        return contextlib.nullcontext()
-
-    def finish(self, out, landing=None):
-        return PendingExchange(out, landing=landing)
 
 
 def _run_ranks(size: int, fn, world: _World = None) -> list:

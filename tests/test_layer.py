@@ -3,6 +3,7 @@
 import math
 import re
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 import ep_moe.layer as layer_mod
 from dist_utils import run_distributed
+from workspace_doubles import file_workspaces
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.layer import expert_load, moe_aux_loss, update_expert_biases
 from ep_moe.routing import route
@@ -348,6 +350,11 @@ SCENARIOS = {
     # chunked: each chunk's all-gather, experts and reduce-scatter pipelined
     "all_gather_overlap2_triton": dict(top_k=2, backend="triton", dispatch="all_gather", overlap_chunks=2),
     "all_gather_more_chunks_than_tokens": dict(top_k=3, dispatch="all_gather", overlap_chunks=16),
+    # its rows on the copy engines (a CPU double of the symmetric memory, tests/workspace_doubles.py):
+    # the up projection reads them through the landing flags, the flags are reused across calls
+    "all_gather_ce_triton": dict(top_k=2, backend="triton", dispatch="all_gather", transport="copy_engine"),
+    "skewed_all_gather_ce_overlap2_triton": dict(top_k=3, backend="triton", dispatch="all_gather",
+                                                 transport="copy_engine", overlap_chunks=2),
 }
 
 
@@ -505,8 +512,9 @@ def _ep_worker(rank, world_size, merged_ckpt):
         layer = MoELayer(_config(**kwargs), group)
         layer.load_state_dict(state)
         own_parts.clear()
-        results[name] = dict(run=_run_layer(layer, inputs[rank], grads[rank]), grads=_param_grads(layer),
-                             own_parts=sum(own_parts))
+        with file_workspaces(layer.ep_group) if kwargs.get("transport") == "copy_engine" else nullcontext():
+            results[name] = dict(run=_run_layer(layer, inputs[rank], grads[rank]), grads=_param_grads(layer),
+                                 own_parts=sum(own_parts))
     if world_size == 4:
         torch.manual_seed(0)
         results["init_shard"] = MoELayer(_config(top_k=2), group).state_dict()

@@ -1,0 +1,110 @@
+"""CPU doubles of the copy engines' symmetric memory. :class:`HostWorkspace` keeps all of
+:class:`ep_moe.copy_engine.SymmetricWorkspace`'s own code (the layout, the regions, the flag
+protocols) and runs its stream operations at once on the calling thread: a copy is a plain
+``copy_``, a flag wait blocks. Subclasses say where the buffers live and how a wait blocks:
+threads over plain buffers (``tests/test_copy_engine.py``) or :class:`FileWorkspace`, one
+file per rank that every rank maps (``torch.from_file(shared=True)``), flags polled there (on
+x86 the stores of one process become visible to the others in order, so a peer that sees a
+flag also sees the rows written before it), for gloo tests of the whole layer with
+``transport="copy_engine"``.
+
+``with file_workspaces(group):`` makes the layer take file workspaces (and skips the CUDA
+checks) inside the block; every rank of ``group`` must enter it (collective: rank 0 picks
+the folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from ep_moe import layer as layer_module
+from ep_moe.copy_engine import SymmetricWorkspace
+from ep_moe.dispatch import PendingExchange
+
+WAIT_S = 60.0
+
+
+class HostWorkspace(SymmetricWorkspace):
+    """:class:`SymmetricWorkspace` whose stream operations run at once on the host; a
+    subclass gives ``_allocate``, ``_quiesce``, ``_signal`` and ``_await``."""
+
+    def _capturing(self) -> bool:
+        return False
+
+    def _compute_stream(self):
+        return None
+
+    def follow_compute(self) -> None:
+        pass
+
+    def copying(self):
+        return contextlib.nullcontext()
+
+    def keep_for_copies(self, t: torch.Tensor) -> None:
+        pass
+
+    def finish(self, out: torch.Tensor, landing=None) -> PendingExchange:
+        return PendingExchange(out, landing=landing)
+
+
+class FileWorkspace(HostWorkspace):
+    """A workspace over files in ``directory`` that every rank of ``group`` maps."""
+
+    def __init__(self, group, directory: str, user: str) -> None:
+        self.group, self.device, self.directory, self.user = group, torch.device("cpu"), directory, user
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.stream, self.capacity, self.epoch, self._buffers, self._generation = None, 0, 0, [], 0
+
+    def _allocate(self, nbytes: int) -> list[torch.Tensor]:
+        self._generation += 1
+        paths = [os.path.join(self.directory, f"{self.user}-{self._generation}-{q}") for q in range(self.size)]
+        with open(paths[self.rank], "wb") as f:
+            f.truncate(nbytes)
+        dist.barrier(group=self.group)  # every file exists before anyone maps it
+        return [torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) for path in paths]
+
+    def _quiesce(self) -> None:
+        dist.barrier(group=self.group)
+
+    def _signal(self, stream, rank: int, index: int, value: int) -> None:
+        self.flag(rank, index)[0] = value
+
+    def _await(self, stream, index: int, value: int, equal: bool) -> None:
+        word, deadline = self.flag(self.rank, index), time.monotonic() + WAIT_S
+        while not (word.item() == value or (not equal and word.item() > value)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank} waited {WAIT_S:.0f} s for its flag {index} "
+                                   f"{'==' if equal else '>='} {value} (it holds {word.item()})")
+            time.sleep(1e-4)
+
+
+@contextlib.contextmanager
+def file_workspaces(group):
+    """Inside the block, layers on ``group`` take :class:`FileWorkspace` s (collective)."""
+    folder = [tempfile.mkdtemp(prefix="ep_moe_ws_") if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(folder, src=dist.get_global_rank(group, 0), group=group)
+    workspaces: dict[tuple[str, str], FileWorkspace] = {}
+
+    def for_group(cls, group, device, user):
+        key = (group.group_name, user)
+        if key not in workspaces:
+            workspaces[key] = FileWorkspace(group, folder[0], user)
+        return workspaces[key]
+
+    saved = layer_module.copy_engine_supported, SymmetricWorkspace.__dict__["for_group"]
+    layer_module.copy_engine_supported = lambda group: (True, "")
+    SymmetricWorkspace.for_group = classmethod(for_group)
+    try:
+        yield
+    finally:
+        layer_module.copy_engine_supported, SymmetricWorkspace.for_group = saved
+        dist.barrier(group=group)  # every rank done with the files
+        if dist.get_rank(group) == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
