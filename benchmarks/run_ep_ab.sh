@@ -11,6 +11,8 @@
 #   OLD_VARIANTS, NEW_VARIANTS [nccl:1]: bench_ep --variants of each side (each tree's own
 #     syntax); layers of the same name are compared
 #   EP1 [0]: 1 also times this tree at EP=1 on the same machine (the EP=P / EP=1 ratio)
+#   GRAPH [0]: 1 passes --graph (both sides and EP=1): the sync-free layers also run captured
+#     in CUDA graphs, as <layer>+graph, each compared with EP=1 graphed
 #   DEVICE [cuda]: cpu runs the same on gloo (a smoke test, e.g. SHAPES=tiny EP=2)
 #   OUT [/tmp/ep_ab]: results folder
 # Each round runs benchmarks/bench_ep.py --impls ep_moe of the old tree, then of this one;
@@ -30,7 +32,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 bench() {  # bench <tree> <ranks> <variants> <out json> <label>; full output in <out json>.log
   (cd "$1" && PYTHONPATH=$1 timeout 300 python3 -m torch.distributed.run --nproc-per-node "$2" \
     benchmarks/bench_ep.py --device "$DEVICE" --impls ep_moe --variants "$3" --iters "${ITERS:-20}" \
-    --warmup "${WARMUP:-5}" --shapes "${SHAPES:-all}" --out "$4" > "$4.log" 2>&1)
+    --warmup "${WARMUP:-5}" --shapes "${SHAPES:-all}" --out "$4" $([ "${GRAPH:-0}" = 1 ] && echo --graph) \
+    > "$4.log" 2>&1)
   local rc=$?
   grep "fwd+bwd" "$4.log" | sed "s/^/$5 /"
   [ $rc = 0 ] || echo "$5: bench_ep exited with $rc; see $4.log" >&2
@@ -61,12 +64,14 @@ for path in sorted(folder.glob(f"ep{ep}_*_r*.json")):
 if not runs:
     sys.exit("no results")
 ep1_path = folder / "ep1_new.json"
-ep1 = {row["shape"]: row["ms"] for row in json.loads(ep1_path.read_text())["results"]} if ep1_path.exists() else {}
+ep1 = {(row["shape"], row["impl"].endswith("+graph")): row["ms"]  # eager and graphed
+       for row in json.loads(ep1_path.read_text())["results"]} if ep1_path.exists() else {}
 results = []
 for (shape, impl), ms in runs.items():
     row = dict(shape=shape, impl=impl, old_ms=ms["old"], new_ms=ms["new"],
                old_median=statistics.median(ms["old"]) if ms["old"] else None,
-               new_median=statistics.median(ms["new"]) if ms["new"] else None, ep1_ms=ep1.get(shape))
+               new_median=statistics.median(ms["new"]) if ms["new"] else None,
+               ep1_ms=ep1.get((shape, impl.endswith("+graph"))))
     results.append(row)
 (folder / "ep_ab.json").write_text(json.dumps({"ep_size": int(ep), "environment": environment,
                                                "results": results}, indent=1))
