@@ -8,7 +8,7 @@
 #      cache benchmarks/run_autotune_gpu.sh filled, when run first on this machine) or shipped;
 #   4. copies the results JSON and the logs into $OUT (if set) and prints a summary table.
 # Every step has its own timeout (a bench BENCH_CAP_S [150]), cut to what is left of a BUDGET_S [530] s budget. Run from anywhere:
-#   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 ROUNDS=3 TOKENS=8192 VARIANTS=nccl:1,ag:1 GRAPH=1
+#   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 ROUNDS=3 TOKENS=8192 VARIANTS=nccl:1,ag:1,agce:1 GRAPH=1
 #                                   # IMPLS=ep_moe,plain,deepspeed EP_SIZES="1 2 4" TESTS="tests/gpu tests/kernels"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ ITERS=${ITERS:-10}
 WARMUP=${WARMUP:-3}
 ROUNDS=${ROUNDS:-3}  # every layer timed ROUNDS times, order rotated (bench_ep --rounds)
 TOKENS=${TOKENS:-8192}
-VARIANTS=${VARIANTS:-nccl:1,ag:1}  # all-to-all and all-gather dispatch (ce: copy engines, measured slower)
+VARIANTS=${VARIANTS:-nccl:1,ag:1,agce:1}  # all-to-all, all-gather on NCCL and on the copy engines (ce, the all-to-all's: slower)
 GRAPH=${GRAPH:-1}
 IMPLS=${IMPLS:-ep_moe,plain,deepspeed}
 EP_SIZES=${EP_SIZES:-1 2 4}
