@@ -56,6 +56,7 @@ from outside, as after a failed rank in any collective.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import math
@@ -68,7 +69,7 @@ from torch.distributed import ProcessGroup
 
 from ep_moe.dispatch import PendingExchange
 from ep_moe.gathered import GatherExchange
-from ep_moe.kernels.arrival import Landing
+from ep_moe.kernels.arrival import Departure, Landing, rows_departing
 
 DISPATCH, COMBINE = "dispatch", "combine"
 """Directions: rows to the experts' ranks (``matrix[q][p]`` rows from q to p), and back
@@ -78,10 +79,13 @@ _MAX_RANKS = 128
 _MAX_CHUNKS = 32  # chunks of one all-gather exchange (MoEConfig.overlap_chunks)
 # The flags: 32-bit words at the start of every workspace, then the data.
 _READY, _DONE = 0, _MAX_RANKS  # + source / puller: the all-to-all's sequence numbers
-_STAGED = 2 * _MAX_RANKS  # + chunk * _MAX_RANKS + source: the all-gather's 0/1 handshake
-_FREE = _STAGED + _MAX_CHUNKS * _MAX_RANKS  # + chunk * _MAX_RANKS + puller
-_LANDED = _FREE + _MAX_CHUNKS * _MAX_RANKS  # + chunk: sources landed (for the GEMMs)
-_FLAGS = 1 << 16  # bytes reserved for them
+# the all-gather's 0/1 handshakes, + chunk * _MAX_RANKS + rank:
+_STAGED = 2 * _MAX_RANKS  # rows of a source staged (in the puller's workspace)
+_FREE = _STAGED + _MAX_CHUNKS * _MAX_RANKS  # a puller has pulled them (in the stager's)
+_ARRIVED = _FREE + _MAX_CHUNKS * _MAX_RANKS  # a sender's sums are in the inbox (the receiver's)
+_INBOX_FREE = _ARRIVED + _MAX_CHUNKS * _MAX_RANKS  # a receiver's inbox is free (in the sender's)
+_LANDED = _INBOX_FREE + _MAX_CHUNKS * _MAX_RANKS  # + chunk: sources landed (for the GEMMs)
+_FLAGS = 1 << 17  # bytes reserved for them
 assert 4 * (_LANDED + _MAX_CHUNKS) <= _FLAGS
 _GROWTH = 1.25  # a workspace that must grow takes this much headroom
 _SUPPORTED: dict[str, tuple[bool, str]] = {}  # group name -> copy_engine_supported(group)
@@ -216,7 +220,8 @@ class SymmetricWorkspace:
         self._buffers = self._allocate(_FLAGS + capacity)
         flags = self._buffers[self.rank][:_FLAGS].view(torch.int32)
         flags.zero_()
-        flags[_FREE: _FREE + _MAX_CHUNKS * _MAX_RANKS].fill_(1)  # every region free
+        for free in (_FREE, _INBOX_FREE):  # every region free
+            flags[free: free + _MAX_CHUNKS * _MAX_RANKS].fill_(1)
         self._quiesce()  # every rank's flags are set before anyone raises one
         self.capacity, self.epoch = capacity, 0
 
@@ -271,9 +276,24 @@ class SymmetricWorkspace:
         """Context in which ``copy_`` runs on the workspace's stream."""
         return torch.cuda.stream(self.stream)
 
+    def mark_copies(self) -> torch.cuda.Event:
+        """An event after the copies queued so far (for :meth:`wait_copies`)."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait_copies(self, event: torch.cuda.Event) -> None:
+        """The current stream waits for the copies before ``event`` (also what joins the
+        workspace's stream back into a CUDA graph being captured)."""
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def keep_for_copies(self, t: torch.Tensor) -> None:
+        """Keep ``t``'s memory from reuse until the copies queued so far have run."""
+        t.record_stream(self.stream)
+
     def finish(self, out: torch.Tensor, landing: Optional[Landing] = None) -> PendingExchange:
         """``out``, filled on the workspace's stream, as an exchange the current stream can wait for."""
-        out.record_stream(self.stream)
+        self.keep_for_copies(out)
         done = torch.cuda.Event()
         done.record(self.stream)
         return PendingExchange(out, event=done, landing=landing)
@@ -334,6 +354,31 @@ class SymmetricWorkspace:
     def signal_pulled(self, chunk: int, source: int) -> None:
         """On the workspace's stream: tell ``source`` this rank has pulled its chunk ``chunk``."""
         self._signal(self.stream, source, _FREE + chunk * _MAX_RANKS + self.rank, 1)
+
+    def claim_inbox(self, chunk: int, receiver: int) -> None:
+        """On the workspace's stream: wait until ``receiver`` has read what this rank last
+        sent to its chunk ``chunk`` inbox, then mark it taken."""
+        index = _INBOX_FREE + chunk * _MAX_RANKS + receiver
+        self._await(self.stream, index, 1, equal=True)
+        self._signal(self.stream, self.rank, index, 0)
+
+    def signal_arrived(self, chunk: int, receiver: int) -> None:
+        """On the workspace's stream: tell ``receiver`` this rank's sums are in its inbox."""
+        self._signal(self.stream, receiver, _ARRIVED + chunk * _MAX_RANKS + self.rank, 1)
+
+    def await_inbox(self, chunk: int) -> None:
+        """On the current stream: wait until every peer's sums are in this rank's chunk
+        ``chunk`` inbox, taking the flags back."""
+        compute = self._compute_stream()
+        for peer in self._peers():
+            index = _ARRIVED + chunk * _MAX_RANKS + peer
+            self._await(compute, index, 1, equal=True)
+            self._signal(compute, self.rank, index, 0)
+
+    def free_inbox(self, chunk: int) -> None:
+        """On the current stream, after the inbox was read: tell every peer it is free."""
+        for peer in self._peers():
+            self._signal(self._compute_stream(), peer, _INBOX_FREE + chunk * _MAX_RANKS + self.rank, 1)
 
 
 def segment_layout(matrix: list[list[int]], me: int) -> list[tuple[int, int, int]]:
@@ -421,8 +466,8 @@ class CopyEngineExchange:
 
 class CopyEngineGather(GatherExchange):
     """The all-gather dispatch (:class:`~ep_moe.gathered.GatherExchange`) with the rows'
-    all-gathers on the copy engines, landing source by source while the experts' GEMM
-    already runs; capturable in CUDA graphs.
+    all-gathers and the forward's reduce-scatter on the copy engines, each overlapped with
+    the GEMM at its end; capturable in CUDA graphs.
 
     A dispatch of chunk c's rows claims the chunk's region of this rank's workspace (waits
     until every peer has pulled what was staged there last), stages this rank's [T, H] there
@@ -433,12 +478,20 @@ class CopyEngineGather(GatherExchange):
     :class:`~ep_moe.kernels.arrival.Landing`: the grouped GEMM that reads the rows first (the
     up projection in the forward, the down projection's dX in the backward) waits tile by
     tile for its source instead of the whole transfer (:mod:`ep_moe.kernels.arrival`);
-    everything after waits for the transfer (``PendingExchange.wait``). The expert ids and
-    top-k weights (small, needed at once by the routing) and the reduce-scatters stay on
-    NCCL.
+    everything after waits for the transfer (``PendingExchange.wait``).
 
-    Every rank must make the same sequence of :meth:`dispatch` and :meth:`combine` calls
-    with the same chunk sizes ``rows_per_chunk``, at most ``_MAX_CHUNKS`` chunks."""
+    The forward's reduce-scatter of the partial sums: inside :meth:`departing` the down
+    projection sums the tokens source by source, the peers' first (a
+    :class:`~ep_moe.kernels.arrival.Departure`), and as each source's [T, H] sums are queued
+    the copy engines push them into that rank's *inbox* in its workspace (after waiting until
+    it has read what it got there last) and raise its arrived flag. :meth:`combine` then waits
+    for every peer's sums on the device and adds them to the own ones. The expert ids and
+    top-k weights (small, needed at once by the routing) and the backward's reduce-scatters
+    (under the dW GEMMs already) stay on NCCL.
+
+    Every rank must make the same sequence of :meth:`dispatch`, :meth:`departing` and
+    :meth:`combine` calls with the same chunk sizes ``rows_per_chunk``, at most
+    ``_MAX_CHUNKS`` chunks."""
 
     def __init__(self, group: ProcessGroup, workspace: SymmetricWorkspace, rows_per_chunk: list[int],
                  row_bytes: int) -> None:
@@ -446,12 +499,18 @@ class CopyEngineGather(GatherExchange):
         if len(rows_per_chunk) > _MAX_CHUNKS:
             raise ValueError(f"the copy-engine all-gather takes at most {_MAX_CHUNKS} chunks, got "
                              f"{len(rows_per_chunk)}; lower MoEConfig.overlap_chunks")
-        self.workspace, self.rank = workspace, workspace.rank
-        self.offsets, end = [], 0
-        for rows in rows_per_chunk:
-            self.offsets.append(end)
-            end = _round_up(end + rows * row_bytes, _ALIGN)
+        self.workspace, self.rank, self.rows_per_chunk = workspace, workspace.rank, rows_per_chunk
+        # per chunk: the staged rows [T, H], then the inbox of the peers' sums [P-1, T, H]
+        sizes = [rows * row_bytes for rows in rows_per_chunk] + [
+            (self.size - 1) * rows * row_bytes for rows in rows_per_chunk]
+        starts, end = [], 0
+        for nbytes in sizes:
+            starts.append(end)
+            end = _round_up(end + nbytes, _ALIGN)
+        self.offsets, self.inboxes = starts[:len(rows_per_chunk)], starts[len(rows_per_chunk):]
         workspace.reserve(end)
+        self._departures: dict[int, Departure] = {}
+        self._pushed: dict[int, torch.cuda.Event] = {}  # per chunk: after its last push
 
     def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
         """All-gather ``x`` [T, ...]: rows on the copy engines (landing source by source),
@@ -477,3 +536,70 @@ class CopyEngineGather(GatherExchange):
                 ws.signal_landed(chunk, w)
                 ws.signal_pulled(chunk, source)
         return ws.finish(out, Landing(landed, 0, size))
+
+    @contextlib.contextmanager
+    def departing(self, chunk: int, like: torch.Tensor):
+        """Around chunk ``chunk``'s expert function, whose output is like ``like`` [P*T, H]:
+        a slot-summing down projection inside sends each source's sums as it finishes them."""
+        out = torch.empty_like(like)
+        departure = Departure(out, tuple(range(1, self.size)) + (0,), self.rank,
+                              lambda position: self._send(chunk, out, position))
+        self._departures[chunk] = departure
+        try:
+            with rows_departing(departure):
+                yield
+        except BaseException:
+            # Stopped between the sends and the combine (a checkpoint's recompute stops once
+            # it has what the backward needs, at the same point on every rank): take the
+            # peers' sums in and free the inbox as the combine would, so the next call finds
+            # the flags at rest. A GEMM that took the departure sent every source before
+            # returning.
+            del self._departures[chunk]
+            if departure.used:
+                self._receive(chunk, like)
+                self.workspace.free_inbox(chunk)
+            raise
+
+    def _send(self, chunk: int, sums: torch.Tensor, position: int) -> None:
+        """Push the sums of landing position ``position``'s tokens into that rank's inbox
+        (on the copy engines, after the work queued so far)."""
+        if position == 0:  # the own tokens' sums stay here
+            return
+        ws, me, size, rows = self.workspace, self.rank, self.size, self.rows_per_chunk[chunk]
+        receiver = (me + position) % size
+        slot = (me - receiver) % size - 1  # senders fill the receiver's inbox by distance
+        ws.follow_compute()
+        ws.claim_inbox(chunk, receiver)
+        with ws.copying():
+            ws.view(receiver, self.inboxes[chunk] + slot * rows * sums[0].nbytes, rows, tuple(sums.shape[1:]),
+                    sums.dtype).copy_(sums[receiver * rows: (receiver + 1) * rows])
+        ws.signal_arrived(chunk, receiver)
+        ws.keep_for_copies(sums)
+        self._pushed[chunk] = ws.mark_copies()
+
+    def combine(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
+        """Reduce-scatter ``x`` [P*T, ...]: the forward's rows (sent from :meth:`departing`)
+        on the copy engines, anything else on NCCL."""
+        departure = self._departures.pop(chunk) if kind == "rows" and chunk in self._departures else None
+        if departure is None:
+            return super().combine(x, chunk, kind)
+        if not departure.used:  # no GEMM sent them source by source: send the finished sums
+            departure.out.copy_(x)
+            for position in departure.order:
+                departure.sent(position)
+        inbox = self._receive(chunk, x)
+        me, rows = self.rank, self.rows_per_chunk[chunk]
+        out = inbox.sum(0).add_(departure.out[me * rows: (me + 1) * rows])
+        self.workspace.free_inbox(chunk)
+        return PendingExchange(out)
+
+    def _receive(self, chunk: int, like: torch.Tensor) -> torch.Tensor:
+        """On the current stream: wait for the peers' sums of chunk ``chunk`` (and this rank's
+        own pushes); the inbox [P-1, T, ...] (rows like ``like``'s), until ``free_inbox``."""
+        ws, rows = self.workspace, self.rows_per_chunk[chunk]
+        ws.await_inbox(chunk)
+        pushed = self._pushed.pop(chunk, None)
+        if pushed is not None:  # this rank's pushes are done too (and, in a capture, joined)
+            ws.wait_copies(pushed)
+        inbox = ws.view(self.rank, self.inboxes[chunk], (self.size - 1) * rows, tuple(like.shape[1:]), like.dtype)
+        return inbox.view(self.size - 1, rows, *like.shape[1:])

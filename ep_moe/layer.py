@@ -365,7 +365,8 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, m_siz
     a_RI = _activate(h_RF, activation, backend, m_sizes_e.sum() if bounded_rows else None)
     if slot_sum is not None and backend == "triton":
         return grouped_gemm_slot_sum(a_RI, down.to(x.dtype), m_sizes_e, row_weights, slot_sum.token_index_R,
-                                     slot_sum.row_of_slot_N, slot_sum.top_k, configs[1], bounded_rows)
+                                     slot_sum.row_of_slot_N, slot_sum.top_k, configs[1], bounded_rows,
+                                     source_ends=slot_sum.source_ends_ES)
     y_RH = grouped_gemm(a_RI, down.to(x.dtype), m_sizes_e, scatter_index=scatter_index,
                         row_weights=row_weights, configs=configs[1], backend=backend, bounded_rows=bounded_rows)
     return y_RH if slot_sum is None else sum_slot_rows(y_RH, slot_sum, backend)

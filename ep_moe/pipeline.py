@@ -39,7 +39,9 @@ An exchange whose rows land source by source (:class:`ep_moe.copy_engine.CopyEng
 ``PendingExchange.landing``) hands them to the experts before they have landed: the
 experts' first GEMM on them (the up projection; in the backward, the down projection's dX)
 waits tile by tile for each source (:mod:`ep_moe.kernels.arrival`), and the compute stream
-waits for the whole transfer once the expert function is queued.
+waits for the whole transfer once the expert function is queued. Such an exchange may also
+send the forward's output while the experts produce it (``departing``: the down projection
+sums the tokens source by source and each source's sums leave at once).
 
 The experts of each chunk are recorded as a small autograd graph on detached inputs
 during the forward and replayed by ``torch.autograd.backward`` in the backward (as a
@@ -108,6 +110,15 @@ class Exchange(Protocol):
                 dtype: torch.dtype) -> Optional[torch.Tensor]: ...
     def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange: ...
     def combine(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange: ...
+    # Optional: ``departing(chunk, like) -> context manager`` around chunk ``chunk``'s expert
+    # function (output like ``like``), when the exchange sends the forward's output while the
+    # experts still produce it (:class:`ep_moe.copy_engine.CopyEngineGather`).
+
+
+def _departing(exchange: Exchange, chunk: int, like: torch.Tensor):
+    """``exchange.departing(chunk, like)`` where the exchange has one, else nothing."""
+    departing = getattr(exchange, "departing", None)
+    return contextlib.nullcontext() if departing is None else departing(chunk, like)
 
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, ChunkPlan, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -160,7 +171,7 @@ class _ExpertPipeline(torch.autograd.Function):
             rows_SH = _stand_in(rows, record and send[c].requires_grad)
             row_weights_S = _stand_in(arrived_weights[c], record and send_weights[c].requires_grad)
             with torch.set_grad_enabled(record), _sharing_sms(share_sms), saved[c].recording(), \
-                    rows_arriving(rows_SH, arrival, must_be_read=True):
+                    rows_arriving(rows_SH, arrival, must_be_read=True), _departing(exchange, c, rows_SH):
                 out_SH = expert_fn(rows_SH, row_weights_S, plan, *compute_weights)
             rows_in[c].wait()  # whatever reads the rows next waits for all of them
             graphs.append((out_SH, rows_SH, row_weights_S))

@@ -16,6 +16,7 @@ import torch
 from ep_moe import copy_engine
 from ep_moe.copy_engine import CopyEngineExchange, CopyEngineGather, segment_layout
 from ep_moe.dispatch import SplitSizes
+from ep_moe.kernels.arrival import take_departure
 from ep_moe.pipeline import ChunkPlan, expert_pipeline
 from ep_moe.routing import build_routing_metadata
 from workspace_doubles import HostWorkspace
@@ -241,35 +242,56 @@ def _flag_words(workspace) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("size,chunks", [(2, 1), (4, 3)])
-def test_gather_lands_every_rank_rows_and_leaves_the_flags_as_it_found_them(size, chunks, fake_groups):
-    """Rounds of every chunk's all-gather (a forward, then a backward on the same regions,
-    repeated): each rank gets every rank's rows in rank order, its landing flag ends at
-    P-1, and after each round the handshake flags are back where they started, as a CUDA
-    graph's replay needs."""
+def test_gather_and_reduce_scatter_leave_the_flags_as_they_found_them(size, chunks, fake_groups):
+    """Rounds of every chunk's all-gather and reduce-scatter (as a forward and a backward
+    use the same regions, repeated): each rank gets every rank's rows in rank order (its
+    landing flag ends at P-1) and the sum of every rank's partial sums of its tokens, sent
+    source by source (as the down projection does) in even rounds and whole in odd ones;
+    after each round the handshake flags are back where they started, as a CUDA graph's
+    replay needs."""
     rows = [5, 3, 4][:chunks]
 
     def rank_fn(rank, workspace):
         exchange = CopyEngineGather(_FakeGroup(size), workspace, rows, 3 * 4)
         start = _flag_words(workspace)
         workspace.world.barrier.wait()  # before any peer signals
-        got, flags_after = [], []
+        got, summed, flags_after = [], [], []
         for rnd in range(4):
             pending = [exchange.dispatch(_gather_rows(rank, c, rnd, n), c, "rows") for c, n in enumerate(rows)]
             got.append([p.wait() for p in pending])
             assert all(int(p.landing.flag.item()) == size - 1 and p.landing.num_sources == size for p in pending)
-            workspace.world.barrier.wait()  # every rank done pulling
+            summed.append([])
+            for c, n in enumerate(rows):
+                partial = _partial_sums(rank, c, rnd, size, n)
+                with exchange.departing(c, partial):
+                    departure = take_departure() if rnd % 2 == 0 else None
+                    if departure is not None:  # what grouped_gemm_slot_sum does with it
+                        for position in departure.order:
+                            departure.out[departure.tokens(position)] = partial[departure.tokens(position)]
+                            departure.sent(position)
+                summed[-1].append(exchange.combine(partial if departure is None else departure.out, c, "rows").wait())
+            workspace.world.barrier.wait()  # every rank done pulling and summing
             flags_after.append(_flag_words(workspace))
             workspace.world.barrier.wait()  # before any peer's next round signals
-        return start, got, flags_after
+        return start, got, summed, flags_after
 
-    for start, got, flags_after in _run_ranks(size, rank_fn):
-        assert int(start.sum()) == copy_engine._MAX_CHUNKS * copy_engine._MAX_RANKS  # every region free
+    for me, (start, got, summed, flags_after) in enumerate(_run_ranks(size, rank_fn)):
+        assert int(start.sum()) == 2 * copy_engine._MAX_CHUNKS * copy_engine._MAX_RANKS  # every region free
         for rnd, per_chunk in enumerate(got):
             for c, out in enumerate(per_chunk):
                 want = torch.cat([_gather_rows(q, c, rnd, rows[c]) for q in range(size)])
                 assert torch.equal(out, want), (rnd, c)
+                n = rows[c]
+                want = sum(_partial_sums(q, c, rnd, size, n)[me * n: (me + 1) * n] for q in range(size))
+                assert torch.equal(summed[rnd][c], want), (rnd, c)
         for flags in flags_after:
             assert torch.equal(flags, start)
+
+
+def _partial_sums(rank: int, chunk: int, rnd: int, size: int, n: int) -> torch.Tensor:
+    """Rank ``rank``'s partial sums for every rank's ``n`` tokens (small integers: exact sums)."""
+    gen = torch.Generator().manual_seed(1000 * rnd + 100 * chunk + rank)
+    return torch.randint(-8, 8, (size * n, 3), generator=gen).float()
 
 
 class _FakeGroup:

@@ -784,10 +784,19 @@ def test_torch_compile_of_the_ep_layer_matches_eager(backend, world_size, dispat
             _close(got_grads[key], grad)
 
 
+CHECKPOINTED_DISPATCH = {
+    "all_to_all": dict(dispatch="all_to_all"),
+    "all_gather": dict(dispatch="all_gather"),
+    # the forward's reduce-scatter leaves from the down projection (triton) on the copy engines
+    "all_gather_ce": dict(dispatch="all_gather", transport="copy_engine", backend="triton"),
+}
+
+
 def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
-    """The EP layer plain and under a non-reentrant activation checkpoint (its forward
-    recomputed in the backward, collectives included): outputs and every gradient. Without
-    ``hooks_api``, as on a torch that cannot name the saved-tensor hooks in force."""
+    """The EP layer plain, under a non-reentrant activation checkpoint (its forward
+    recomputed in the backward, collectives included, and stopped early once it has what the
+    backward needs), then plain again: outputs and every gradient. Without ``hooks_api``, as
+    on a torch that cannot name the saved-tensor hooks in force."""
     from torch.utils.checkpoint import checkpoint
 
     import ep_moe.pipeline
@@ -795,30 +804,38 @@ def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
     if not hooks_api:
         ep_moe.pipeline._outer_hooks = lambda: None
     torch.manual_seed(12)
-    layer = MoELayer(_config(top_k=2, overlap_chunks=2, dispatch=dispatch), dist.group.WORLD)
+    kwargs = CHECKPOINTED_DISPATCH[dispatch]
+    layer = MoELayer(_config(top_k=2, overlap_chunks=2, **kwargs), dist.group.WORLD)
     gen = torch.Generator().manual_seed(200 + rank)
     x, g = torch.randn(19, H, generator=gen), torch.randn(19, H, generator=gen)
-    plain = _run_layer(layer, x, g), _param_grads(layer)
-    layer.zero_grad(set_to_none=True)
-    forwards = []
-    layer.register_forward_pre_hook(lambda module, args: forwards.append(torch._C._current_graph_task_id()))
-    checkpointed = _run_layer(lambda t: checkpoint(layer, t, use_reentrant=False), x, g, layer), _param_grads(layer)
-    return dict(plain=plain, checkpointed=checkpointed, forwards=forwards)
+    with file_workspaces(layer.ep_group) if kwargs.get("transport") == "copy_engine" else nullcontext():
+        plain = _run_layer(layer, x, g), _param_grads(layer)
+        layer.zero_grad(set_to_none=True)
+        forwards = []
+        hook = layer.register_forward_pre_hook(lambda module, args: forwards.append(torch._C._current_graph_task_id()))
+        checkpointed = (_run_layer(lambda t: checkpoint(layer, t, use_reentrant=False), x, g, layer),
+                        _param_grads(layer))
+        hook.remove()
+        layer.zero_grad(set_to_none=True)
+        # a recompute stopped mid-layer leaves no exchange half done for the next step
+        again = _run_layer(layer, x, g), _param_grads(layer)
+    return dict(plain=plain, checkpointed=checkpointed, again=again, forwards=forwards)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
+@pytest.mark.parametrize("dispatch", list(CHECKPOINTED_DISPATCH))
 @pytest.mark.parametrize("hooks_api", [True, False])
 def test_non_reentrant_activation_checkpoint_matches_plain_run(hooks_api, dispatch):
     for res in run_distributed(_checkpointed_worker, 2, hooks_api, dispatch):
         # the forward, then one recompute in the backward; without the hooks API one per
         # chunk's replay (2 chunks) and one for the rest of the graph
         assert len(res["forwards"]) == (2 if hooks_api else 4), res["forwards"]
-        (got, got_grads), (want, want_grads) = res["checkpointed"], res["plain"]
-        for key in ("y", "dx", "aux", "z", "counts"):
-            _close(got[key], want[key])
-        for key, grad in want_grads.items():
-            _close(got_grads[key], grad)
+        want, want_grads = res["plain"]
+        for got, got_grads in (res["checkpointed"], res["again"]):
+            for key in ("y", "dx", "aux", "z", "counts"):
+                _close(got[key], want[key])
+            for key, grad in want_grads.items():
+                _close(got_grads[key], grad)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -50,6 +50,12 @@ class HostWorkspace(SymmetricWorkspace):
     def keep_for_copies(self, t: torch.Tensor) -> None:
         pass
 
+    def mark_copies(self):
+        return None
+
+    def wait_copies(self, event) -> None:
+        pass
+
     def finish(self, out: torch.Tensor, landing=None) -> PendingExchange:
         return PendingExchange(out, landing=landing)
 

@@ -1,4 +1,5 @@
-"""Rows that land while the GEMM reading them already runs.
+"""Rows that land while the GEMM reading them already runs, and token sums that leave while
+the GEMM producing them still runs.
 
 A copy-engine all-gather (:class:`ep_moe.copy_engine.CopyEngineGather`) fills its output
 source by source, in a fixed landing order (the rank's own rows first, then the next
@@ -15,13 +16,21 @@ looks its operand up here. Any other reader must come after a stream wait for th
 transfer (the exchange's ``PendingExchange.wait``). Everything the waiting kernel depends
 on (the copies, the flag writes) must be issued before the kernel: streams may share a
 hardware queue, and a kernel spinning for work queued behind it would never end.
+
+The other way round (:class:`Departure`, :func:`rows_departing`): the down projection of the
+all-gather dispatch produces partial sums for every token of the group, which a reduce-scatter
+sends back. Computed source by source (the peers' tokens first, the rank's own last), each
+source's sums can leave for their rank while the GEMM computes the next source's
+(:func:`~ep_moe.kernels.ops.grouped_gemm_slot_sum` with a departure registered; the exchange,
+:class:`ep_moe.copy_engine.CopyEngineGather`, hands each source's sums to the copy engines).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -82,3 +91,56 @@ def arrival_of(rows: torch.Tensor) -> Optional[RowArrival]:
         return None
     entry[1] = True
     return entry[0]
+
+
+@dataclass(eq=False)
+class Departure:
+    """Where the token sums of a down projection go, source by source: ``out`` [P*T, H] (the
+    sums of source rank q's tokens at rows q*T..), computed in ``order`` (landing positions:
+    position w holds rank ``(first_source + w) % P``), and ``sent(w)`` called right after
+    position w's sums are queued on the current stream. ``used`` tells whether a GEMM
+    produced them (else the exchange sends a finished output as a whole)."""
+
+    out: torch.Tensor
+    order: tuple[int, ...]
+    first_source: int
+    sent: Callable[[int], None]
+    used: bool = False
+
+    @property
+    def num_sources(self) -> int:
+        return len(self.order)
+
+    def tokens(self, position: int) -> slice:
+        """The token rows of landing position ``position`` in ``out``."""
+        per_source = self.out.shape[0] // self.num_sources
+        source = (self.first_source + position) % self.num_sources
+        return slice(source * per_source, (source + 1) * per_source)
+
+
+_DEPARTING = threading.local()  # .pending: this thread's registered departures
+
+
+@contextlib.contextmanager
+def rows_departing(departure: Optional[Departure]) -> Iterator[None]:
+    """Inside the block, the first slot-summing down projection
+    (:func:`~ep_moe.kernels.ops.grouped_gemm_slot_sum`) produces its sums as ``departure``
+    says (None: nothing to do)."""
+    if departure is None:
+        yield
+        return
+    pending = _DEPARTING.__dict__.setdefault("pending", [])
+    pending.append(departure)
+    try:
+        yield
+    finally:
+        pending.remove(departure)
+
+
+def take_departure() -> Optional[Departure]:
+    """The departure registered and not yet used, if any (marks it used)."""
+    for departure in getattr(_DEPARTING, "pending", ()):
+        if not departure.used:
+            departure.used = True
+            return departure
+    return None

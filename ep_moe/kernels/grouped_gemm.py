@@ -166,22 +166,26 @@ def _tiles_up_to_source(source_ends_ptr, e, w, m_e, NUM_SOURCES: tl.constexpr, B
 #   of the unscaled tile with rows of D (the top-k weight gradient); fp32 accumulation. The
 #   weight and the dot belong to the store row, the load row or (PER_ROUTED_ROW) the routed
 #   row r itself, when several routed rows load the same A row (a slot sum's backward).
-# Arrival order (NUM_SOURCES > 1): A's rows land source by source while the kernel runs (a
-#   copy-engine all-gather, ep_moe.kernels.arrival). Each expert's rows are sorted by source in
-#   landing order (source 0 is there at launch), and the tile list walks the sources outermost:
-#   a tile belongs to the source of its last row (source_ends: per expert, rows of sources <= w)
-#   and waits, once per program and source, until the arrival flag reaches arrival_base + w
-#   (32-bit values compared modulo 2**32, as the driver's stream waits compare them).
+# Source order (NUM_SOURCES > 1): each expert's rows are sorted by source (source_ends: per
+#   expert, rows of sources <= w), and the tile list walks sources first_source..end_source-1
+#   outermost. ARRIVAL: A's rows land source by source while the kernel runs (a copy-engine
+#   all-gather, ep_moe.kernels.arrival; source 0 is there at launch); a tile belongs to the
+#   source of its last row and waits, once per program and source, until the arrival flag
+#   reaches arrival_base + w (32-bit values compared modulo 2**32, as the driver's stream
+#   waits compare them). EXACT_SOURCES: each (expert, source) segment is tiled on its own,
+#   so a launch over one source computes exactly its rows (sums that leave source by source).
 # Masking: segments may be empty or end mid-tile. Rows past the segment read a clamped valid
 #   row and are dropped at the store; K and N tails are masked unless EVEN_K / EVEN_N (masks,
 #   not clamps, on the contiguous dim keep the loads vectorised). Weight tiles come through a 3-D TMA descriptor [E, N, K] when USE_TMA, which
 #   zero-fills past each expert's bounds.
-@triton.jit(launch_metadata=_rows_metadata)
+# first_source/end_source unspecialized: a source window's bounds (w, w+1) would otherwise
+# compile one variant per window (Triton specializes ints equal to 1 or divisible by 16).
+@triton.jit(launch_metadata=_rows_metadata, do_not_specialize=["first_source", "end_source"])
 def _grouped_rows_kernel(
     a_ptr, b_ptr, b_desc, out_ptr, m_sizes_ptr,
     load_idx_ptr, store_idx_ptr, scale_ptr,
     d_ptr, d_idx_ptr, row_dot_ptr,
-    source_ends_ptr, arrival_ptr, arrival_base,
+    source_ends_ptr, arrival_ptr, arrival_base, first_source, end_source,
     num_experts, num_rows, N, K,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
@@ -196,34 +200,43 @@ def _grouped_rows_kernel(
     ROW_DOT: tl.constexpr, D_IDX: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, NUM_SOURCES: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, NUM_SOURCES: tl.constexpr, ARRIVAL: tl.constexpr,
+    EXACT_SOURCES: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_k_steps = tl.cdiv(K, BLOCK_K)
     tile = tl.program_id(0)
     tiles_before = 0
     landed = tl.program_id(0) * 0  # sources this program has seen land
-    for w in range(NUM_SOURCES):
+    for w in range(first_source, end_source):
         seg_start = 0
         for e in range(num_experts):
             m_e = tl.load(m_sizes_ptr + e)
-            if NUM_SOURCES > 1:
+            # this (expert, source) window's tiles: rows row_first.. (from the expert's first
+            # row), row_end bounds them
+            row_end = m_e
+            if EXACT_SOURCES:
+                row_first = tl.where(w == 0, 0, tl.load(source_ends_ptr + e * NUM_SOURCES + tl.maximum(w - 1, 0)))
+                row_end = tl.load(source_ends_ptr + e * NUM_SOURCES + w)
+                num_m = tl.cdiv(row_end - row_first, BLOCK_M)
+            elif NUM_SOURCES > 1:
                 m_first = _tiles_up_to_source(source_ends_ptr, e, w - 1, m_e, NUM_SOURCES, BLOCK_M)
-                m_last = _tiles_up_to_source(source_ends_ptr, e, w, m_e, NUM_SOURCES, BLOCK_M)
+                row_first = m_first * BLOCK_M
+                num_m = _tiles_up_to_source(source_ends_ptr, e, w, m_e, NUM_SOURCES, BLOCK_M) - m_first
             else:
-                m_first, m_last = 0, tl.cdiv(m_e, BLOCK_M)
-            tiles_e = (m_last - m_first) * num_n_tiles
+                row_first, num_m = 0, tl.cdiv(m_e, BLOCK_M)
+            tiles_e = num_m * num_n_tiles
             while tile < tiles_before + tiles_e:
-                if NUM_SOURCES > 1:
+                if ARRIVAL:
                     if w > landed:
                         # (seen - target) as int32: flag values wrap around 2**32
                         seen = tl.atomic_add(arrival_ptr, 0, sem="acquire")
                         while seen - (arrival_base + w) < 0:
                             seen = tl.atomic_add(arrival_ptr, 0, sem="acquire")
                         landed = w
-                pid_m, pid_n = _tile_coords(tile - tiles_before, m_last - m_first, num_n_tiles, GROUP_SIZE_M)
-                offs_m = (m_first + pid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = offs_m < m_e
+                pid_m, pid_n = _tile_coords(tile - tiles_before, num_m, num_n_tiles, GROUP_SIZE_M)
+                offs_m = row_first + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = offs_m < row_end
                 rows = seg_start + tl.where(row_ok, offs_m, 0)
                 if LOAD_IDX:
                     a_rows = tl.load(load_idx_ptr + rows).to(tl.int64)
@@ -399,6 +412,7 @@ def launch_rows(
     per_routed_row: bool = False,
     dot_with: torch.Tensor | None = None,
     dot_idx: torch.Tensor | None = None,
+    source_window: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor | None:
     """Launch the row-tiled kernel: forward (``transpose_w=True``) or dX (``False``).
 
@@ -408,8 +422,10 @@ def launch_rows(
     unscaled result with ``dot_with[dot_idx[r]]``, indexed by load row ([rows of a], fp32).
     ``per_routed_row``: the scale and the dots belong to routed row r itself (dots [M]).
     When rows of ``a`` are still landing (:func:`ep_moe.kernels.arrival.rows_arriving`), the
-    tiles wait for them source by source. Inputs are trusted: :mod:`ep_moe.kernels.ops`
-    validates them.
+    tiles wait for them source by source. ``source_window=(source_ends, w)``: only the rows
+    of source ``w`` (each expert's rows sorted by source, ``source_ends`` [E, S] of them from
+    sources <= w), each (expert, source) segment tiled on its own. Inputs are trusted:
+    :mod:`ep_moe.kernels.ops` validates them.
     """
     num_experts, w_n, w_k = w.shape
     num_rows = load_idx.shape[0] if load_idx is not None else a.shape[0]
@@ -438,6 +454,12 @@ def launch_rows(
     if arrival is not None and arrival.source_ends.shape != (num_experts, arrival.num_sources):
         raise ValueError(f"launch_rows: source_ends of shape {tuple(arrival.source_ends.shape)} for "
                          f"{num_experts} experts and {arrival.num_sources} sources")
+    if arrival is not None and source_window is not None:
+        raise ValueError("launch_rows: rows still landing cannot be read by a source window")
+    source_ends = arrival.source_ends if arrival is not None else (
+        source_window[0] if source_window is not None else None)
+    first_source, end_source = (source_window[1], source_window[1] + 1) if source_window is not None else (
+        0, arrival.num_sources if arrival is not None else 1)
     grid, stride = launch_grid(a.device, max_tiles)
     _grouped_rows_kernel[grid](
         a, w, b_desc, out, m_sizes,
@@ -447,9 +469,10 @@ def launch_rows(
         dot_with if dot_with is not None else dummy,
         dot_idx if dot_idx is not None else dummy,
         row_dot if row_dot is not None else dummy,
-        arrival.source_ends if arrival is not None else dummy,
+        source_ends if source_ends is not None else dummy,
         arrival.landing.flag if arrival is not None else dummy,
         _int32_bits(arrival.landing.base) if arrival is not None else 0,
+        first_source, end_source,
         num_experts, num_rows, n_out, k_red,
         a.stride(0), a.stride(1),
         w.stride(0), stride_bk, stride_bn,
@@ -465,7 +488,8 @@ def launch_rows(
         EVEN_K=k_red % c.BLOCK_K == 0, EVEN_N=n_out % c.BLOCK_N == 0,
         USE_TMA=use_tma, B_TRANSPOSED=transpose_w,
         INPUT_PRECISION=_input_precision(a.dtype),
-        NUM_SOURCES=arrival.num_sources if arrival is not None else 1,
+        NUM_SOURCES=source_ends.shape[1] if source_ends is not None else 1,
+        ARRIVAL=arrival is not None, EXACT_SOURCES=source_window is not None,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return None if row_dot is None else row_dot.sum(0)

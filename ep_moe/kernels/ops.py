@@ -20,6 +20,7 @@ from typing import Callable, Literal, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from ep_moe.kernels.arrival import take_departure
 from ep_moe.kernels.config import PASSES, GemmConfigs, KernelConfig
 from ep_moe.kernels.grouped_gemm import (
     interpreter_active,
@@ -253,13 +254,23 @@ class _GemmSlotSum(torch.autograd.Function):
     """:func:`grouped_gemm_slot_sum`'s forward and backward (Triton)."""
 
     @staticmethod
-    def forward(ctx, a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, config, bounded_rows):
+    def forward(ctx, a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, config, bounded_rows,
+                source_ends, departure):
         configs = _configs_from_ints(config)
         rows = a.new_empty((a.shape[0], w.shape[1]))
-        launch_rows(a, w, rows, m_sizes, configs.forward, transpose_w=True, scale=row_weights)
         ctx.save_for_backward(a, w, m_sizes, row_weights, token_index)
         ctx.configs, ctx.bounded_rows = configs, bounded_rows
-        return launch_sum_slot_rows(rows, row_of_slot, top_k)
+        if departure is None:
+            launch_rows(a, w, rows, m_sizes, configs.forward, transpose_w=True, scale=row_weights)
+            return launch_sum_slot_rows(rows, row_of_slot, top_k)
+        for position in departure.order:  # each source's rows, summed, then handed on
+            launch_rows(a, w, rows, m_sizes, configs.forward, transpose_w=True, scale=row_weights,
+                        source_window=(source_ends, position))
+            tokens = departure.tokens(position)
+            launch_sum_slot_rows(rows, row_of_slot[tokens.start * top_k: tokens.stop * top_k], top_k,
+                                 out=departure.out[tokens])
+            departure.sent(position)
+        return departure.out
 
     @staticmethod
     @once_differentiable
@@ -290,13 +301,14 @@ class _GemmSlotSum(torch.autograd.Function):
             else:
                 queue.add(w, grad_weight)
         return (da if need_da else None, dw, None, drw.to(row_weights.dtype) if need_drw else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 @torch.compiler.disable  # eager only: its autograd.Function is not a custom op
 def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, row_weights: torch.Tensor,
                           token_index: torch.Tensor, row_of_slot: torch.Tensor, top_k: int,
-                          configs: Optional[GemmConfigs] = None, bounded_rows: bool = False) -> torch.Tensor:
+                          configs: Optional[GemmConfigs] = None, bounded_rows: bool = False,
+                          source_ends: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Routed rows through their experts, weighted, then summed per token over its slots
     (Triton; the EP receiver's down projection and slot sum):
     ``out[t] = sum_k row_weights[r] * a[r] @ w[e(r)]^T`` for ``r = row_of_slot[t*K + k]``
@@ -310,10 +322,19 @@ def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tenso
     weighting pass) instead of first gathering it to [M, N]. Its dW joins an open
     :func:`defer_weight_grads` queue like the grouped GEMM's. ``bounded_rows`` as for
     :func:`grouped_gemm` (rows past ``m_sizes.sum()``: no slot may name them). Arguments
-    are trusted (the layer builds them)."""
+    are trusted (the layer builds them).
+
+    Inside :func:`ep_moe.kernels.arrival.rows_departing` the sums are produced source by
+    source into the departure's buffer, which is returned (``source_ends`` [E, S]: each
+    expert's rows are sorted by source, so many from sources <= w; required then)."""
     configs = configs or GemmConfigs.defaults(a.element_size(), smem_limit_for(a.device))
+    departure = take_departure()
+    if departure is not None and (source_ends is None or source_ends.shape[1] != departure.num_sources):
+        raise ValueError("grouped_gemm_slot_sum: a departure needs source_ends with one column per source "
+                         f"({departure.num_sources}), got {None if source_ends is None else tuple(source_ends.shape)}")
     return _GemmSlotSum.apply(a, w, _as_int32(m_sizes), row_weights.contiguous(), _as_int32(token_index),
-                              _as_int32(row_of_slot), top_k, _configs_to_ints(configs), bounded_rows)
+                              _as_int32(row_of_slot), top_k, _configs_to_ints(configs), bounded_rows,
+                              source_ends, departure)
 
 
 class DeferredWeightGrads:

@@ -108,11 +108,13 @@ def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
 
 
 @torch.compiler.disable  # Triton launches stay eager under torch.compile (a graph break)
-def launch_sum_slot_rows(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``out[t] = sum_k src[row_of_slot[t*top_k + k]]`` ([N / top_k, C], src's dtype),
-    negative rows skipped. ``src`` must have a contiguous last dim."""
+def launch_sum_slot_rows(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[t] = sum_k src[row_of_slot[t*top_k + k]]`` ([N / top_k, C], src's dtype; into
+    ``out`` when given, a row stride of its own allowed), negative rows skipped. ``src`` must
+    have a contiguous last dim."""
     num_tokens, cols = row_of_slot.shape[0] // top_k, src.shape[1]
-    out = src.new_empty((num_tokens, cols))
+    out = src.new_empty((num_tokens, cols)) if out is None else out
     if num_tokens == 0 or cols == 0:
         return out
     block_c, block_t = _column_block(cols), 16
