@@ -12,7 +12,8 @@ others are usually peers that lost their connection); a collective stuck for
 whose communicators cannot be destroyed (pytorch/pytorch#115388: it waits forever).
 A wait that no collective timeout sees (a GPU stream waiting on a flag): set
 ``EP_MOE_TEST_DUMP_AFTER=S`` and every worker prints its Python stack to stderr after S
-seconds (``faulthandler``), to show where each rank waits.
+seconds (``faulthandler``), to show where each rank waits; :func:`progress` lines then say
+what each rank was doing.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def _worker(rank: int, fn: Callable, world_size: int, tmp: str, timeout_s: float
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if ok else 1)
+
+
+def progress(message: str) -> None:
+    """Print ``message`` to stderr (with the time) when ``EP_MOE_TEST_DUMP_AFTER`` is set:
+    what a worker is about to do, for reading a stack dump (needs ``pytest -s``)."""
+    if os.environ.get("EP_MOE_TEST_DUMP_AFTER"):
+        print(f"[{time.strftime('%H:%M:%S')} rank {dist.get_rank()}] {message}", file=sys.stderr, flush=True)
 
 
 def _read(path: str) -> str:

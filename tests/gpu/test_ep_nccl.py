@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from dist_utils import run_distributed
+from dist_utils import progress, run_distributed
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.parallel import ep_layout, is_expert_param
 
@@ -161,7 +161,8 @@ def _ep_worker(rank: int, world_size: int) -> dict:
                 layer = _layer(_variant(kwargs, transport), state, group)
                 x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport.startswith("all_gather")
                         else (inputs[rank], grads[rank]))
-                for _ in range(2):  # twice: the second reuses the copy engines' workspace
+                for call in range(2):  # twice: the second reuses the copy engines' workspace
+                    progress(f"EP={ep_size} {name} {transport} call {call}")
                     layer.zero_grad(set_to_none=True)
                     run = _run(layer, x, g)
                 results[(ep_size, name, transport)] = dict(run=run, grads=_param_grads(layer))
@@ -173,6 +174,7 @@ def _ep_worker(rank: int, world_size: int) -> dict:
                     run = _run(compiled, inputs[rank], grads[rank])
                 results[(ep_size, name, "nccl+compile")] = dict(run=run, grads=_param_grads(layer))
             for transport in SELECTED if name in CHECKPOINTED and ep_size == world_size else ():
+                progress(f"EP={ep_size} {name} {transport}+checkpoint")
                 layer = _layer(_variant(kwargs, transport), state, group)
                 layer.zero_grad(set_to_none=True)
                 x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport.startswith("all_gather")
