@@ -2,6 +2,14 @@
 
     torchrun --nproc-per-node P benchmarks/bench_ep.py [--shapes all] [--tokens 8192]
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --device cpu --shapes tiny   # smoke test
+    torchrun --nproc-per-node 4 benchmarks/bench_ep.py --ep-size 1   # EP=1 on every GPU at once
+
+``--ep-size S`` (default: every rank, S = P) splits the P ranks into P/S groups of S
+(the expert-then-data layout of ``ep_moe.parallel``), each running its own layer at the
+same time: data-parallel replicas, every rank timed, the slowest reported. EP=1 compared
+with EP=P is fairest that way: under the GEMMs each GPU runs at the clock its power cap
+allows, which differs from chip to chip (4x H200, mixtral: GPU 0 alone 1440 to 1515 MHz,
+GPU 3 with all four busy 1245 MHz), and an EP=P step waits for the slowest of its GPUs.
 
 For each shape of ANCHORS.md (benchmarks/common.py SHAPES; global expert count fixed, so
 E/P experts per rank) and ``--tokens`` tokens per rank, one forward+backward of the whole
@@ -29,7 +37,8 @@ split sizes of the same routing with rows as the layer sends them (ep_moe: one p
 and destination rank; the others: one per token and expert), and its share of the time.
 FLOPs per rank: 3 * (2*T*k*H*2I + 2*T*k*I*H) = 18*T*k*H*I (T tokens per rank).
 
-Results: ``benchmarks/results/ep_<device>_ep<P>.json`` (``--out`` to change), with the
+Results: ``benchmarks/results/ep_<device>_ep<S>.json`` (``_dp<P/S>`` added with replicas;
+``--out`` to change), with the
 device, torch, triton and deepspeed versions. Exit status 1 when ep_moe fails validation.
 """
 
@@ -55,6 +64,7 @@ from common import REPO, SHAPES, MoEShape, environment, save_results  # noqa: E4
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
 from ep_moe.dispatch import chunk_splits, gather_counts, start_combine, start_dispatch  # noqa: E402
+from ep_moe.parallel import build_ep_groups  # noqa: E402
 from ep_moe.routing import rank_counts, route  # noqa: E402
 
 # A shape small enough for the CPU smoke test (dims keep torch._grouped_mm's 16-byte strides).
@@ -67,6 +77,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shapes", default="all", help=f"comma-separated names of {list(SHAPES)} or 'tiny', "
                                                         "or 'all'")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    parser.add_argument("--ep-size", type=int, default=0,
+                        help="ranks per EP group (default: all); fewer runs world/ep-size data-parallel replicas "
+                             "at once, e.g. 1 for EP=1 on every GPU")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per layer")
@@ -115,7 +128,7 @@ def import_deepspeed(device: torch.device, ep_size: int):
     except Exception as exc:  # a broken install (missing dependency, accelerator detection)
         print0(f"deepspeed: import failed ({type(exc).__name__}: {exc}); skipped")
         return None
-    if ep_size > 1:
+    if dist.get_world_size() > 1:
         deepspeed.init_distributed(dist_backend=dist.get_backend())
     return deepspeed
 
@@ -299,9 +312,10 @@ def graphed_layers(ours: MoELayer, variants: list[Variant], x: torch.Tensor) -> 
     return graphed
 
 
-def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch.dtype, deepspeed) -> list[dict]:
-    """Validate and time every layer on one shape; one result row per timed layer."""
-    ep_size = dist.get_world_size()
+def bench_shape(shape: MoEShape, args, group, ep_size: int, device: torch.device, dtype: torch.dtype,
+                deepspeed) -> list[dict]:
+    """Validate and time every layer on one shape (EP ``group`` of ``ep_size`` ranks, None
+    at EP=1); one result row per timed layer, times the slowest of every rank."""
     impls = args.impls.split(",")
     variants = parse_variants(args.variants) if ep_size > 1 else [("nccl", 1, False)]
     ours, layers = build_layers(shape, group, device, dtype, impls, variants, deepspeed, args.compile)
@@ -364,18 +378,32 @@ def bench_shape(shape: MoEShape, args, group, device: torch.device, dtype: torch
     return rows
 
 
+def ep_group_of(ep_size: int):
+    """This rank's EP group of ``ep_size`` ranks (None at EP=1), the expert-then-data layout."""
+    world_size = dist.get_world_size()
+    if ep_size < 1 or world_size % ep_size:
+        raise SystemExit(f"--ep-size {ep_size}: must divide the {world_size} ranks; use a divisor of "
+                         "--nproc-per-node, or leave it out (every rank in one EP group)")
+    if ep_size == 1:
+        return None
+    return dist.group.WORLD if ep_size == world_size else build_ep_groups(ep_size).ep_group
+
+
 def main() -> int:
     args = parse_args()
     device = init(args.device)
     try:
-        ep_size = dist.get_world_size()
-        group = dist.group.WORLD if ep_size > 1 else None
+        world_size = dist.get_world_size()
+        ep_size = args.ep_size or world_size
+        group = ep_group_of(ep_size)
+        replicas = world_size // ep_size
         names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
         shapes = [TINY if name == TINY.name else SHAPES[name] for name in names]
         deepspeed = import_deepspeed(device, ep_size) if "deepspeed" in args.impls.split(",") else None
         dtype = getattr(torch, args.dtype)
         env = environment()
-        print0(f"device {env['device']} x{ep_size}, torch {env['torch']}, triton {env['triton']}, "
+        at_once = f" (EP={ep_size}, {replicas} replicas at once)" if replicas > 1 else ""
+        print0(f"device {env['device']} x{world_size}{at_once}, torch {env['torch']}, triton {env['triton']}, "
                f"deepspeed {deepspeed.__version__ if deepspeed else '-'}; {args.tokens} tokens per rank, "
                f"{args.dtype}, median of {args.iters} after {args.warmup}")
         rows = []
@@ -383,14 +411,14 @@ def main() -> int:
             if shape.num_experts % ep_size:
                 print0(f"{shape.name}: {shape.num_experts} experts do not divide over EP={ep_size}; skipped")
                 continue
-            rows += bench_shape(shape, args, group, device, dtype, deepspeed)
+            rows += bench_shape(shape, args, group, ep_size, device, dtype, deepspeed)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if dist.get_rank() == 0:
             out = args.out or REPO / "benchmarks" / "results" / (
-                f"ep_{env['device'].replace(' ', '_')}_ep{ep_size}.json")
-            save_results(out, {"ep_size": ep_size, "tokens_per_rank": args.tokens, "dtype": args.dtype,
+                f"ep_{env['device'].replace(' ', '_')}_ep{ep_size}" + (f"_dp{replicas}" if replicas > 1 else "") + ".json")
+            save_results(out, {"ep_size": ep_size, "world_size": world_size, "tokens_per_rank": args.tokens, "dtype": args.dtype,
                                "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds, "autotune": args.autotune,
                                "deepspeed": deepspeed.__version__ if deepspeed else None, "results": rows})
             print(json.dumps({"saved": str(out)}), flush=True)

@@ -11,6 +11,8 @@
 #   OLD_VARIANTS, NEW_VARIANTS [nccl:1]: bench_ep --variants of each side (each tree's own
 #     syntax); layers of the same name are compared
 #   EP1 [0]: 1 also times this tree at EP=1 on the same machine (the EP=P / EP=1 ratio)
+#   EP1_RANKS [1]: GPUs of that EP=1 run; more run data-parallel replicas at once (bench_ep
+#     --ep-size 1), every GPU busy as at EP=P, the slowest one reported
 #   GRAPH [0]: 1 passes --graph (both sides and EP=1): the sync-free layers also run captured
 #     in CUDA graphs, as <layer>+graph, each compared with EP=1 graphed
 #   DEVICE [cuda]: cpu runs the same on gloo (a smoke test, e.g. SHAPES=tiny EP=2)
@@ -29,11 +31,11 @@ mkdir -p "$RESULTS"
 rm -f "$RESULTS"/ep"$EP"_*_r*.json* "$RESULTS"/ep1_new.json*
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
-bench() {  # bench <tree> <ranks> <variants> <out json> <label>; full output in <out json>.log
+bench() {  # bench <tree> <ranks> <variants> <out json> <label> [bench_ep args]; full output in <out json>.log
   (cd "$1" && PYTHONPATH=$1 timeout 300 python3 -m torch.distributed.run --nproc-per-node "$2" \
     benchmarks/bench_ep.py --device "$DEVICE" --impls ep_moe --variants "$3" --iters "${ITERS:-20}" \
     --warmup "${WARMUP:-5}" --shapes "${SHAPES:-all}" --out "$4" $([ "${GRAPH:-0}" = 1 ] && echo --graph) \
-    > "$4.log" 2>&1)
+    ${6:-} > "$4.log" 2>&1)
   local rc=$?
   grep "fwd+bwd" "$4.log" | sed "s/^/$5 /"
   [ $rc = 0 ] || echo "$5: bench_ep exited with $rc; see $4.log" >&2
@@ -44,7 +46,7 @@ for round in $(seq "${ROUNDS:-2}"); do
   bench "$ROOT" "$EP" "${NEW_VARIANTS:-nccl:1}" "$RESULTS/ep${EP}_new_r$round.json" "new r$round"
 done
 if [ "${EP1:-0}" = 1 ]; then
-  bench "$ROOT" 1 nccl:1 "$RESULTS/ep1_new.json" "new EP=1"
+  bench "$ROOT" "${EP1_RANKS:-1}" nccl:1 "$RESULTS/ep1_new.json" "new EP=1" "--ep-size 1"
 fi
 
 python3 - "$RESULTS" "$EP" <<'EOF'

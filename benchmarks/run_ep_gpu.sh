@@ -7,6 +7,8 @@
 #      captured in CUDA graphs: bench_ep --graph), kernel configs from $EP_MOE_CACHE_DIR (a
 #      cache benchmarks/run_autotune_gpu.sh filled, when run first on this machine) or shipped;
 #   4. copies the results JSON and the logs into $OUT (if set) and prints a summary table.
+#   EP1_RANKS [1]: GPUs of the EP=1 run; more run data-parallel replicas at once (bench_ep
+#   --ep-size 1), every GPU busy as at EP>1, the slowest one reported.
 # Every step has its own timeout (a bench BENCH_CAP_S [150]), cut to what is left of a BUDGET_S [530] s budget. Run from anywhere:
 #   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 ROUNDS=3 TOKENS=8192 VARIANTS=nccl:1,ag:1,agce:1 GRAPH=1
 #                                   # IMPLS=ep_moe,plain,deepspeed EP_SIZES="1 2 4" TESTS="tests/gpu tests/kernels"
@@ -54,9 +56,10 @@ TESTS_RC=${PIPESTATUS[0]}
 BENCH_RC=()
 for P in $EP_SIZES; do
   [ "$P" -le "$NGPU" ] || continue
-  timeout "$(left "${BENCH_CAP_S:-150}")" python3 -m torch.distributed.run --nproc-per-node "$P" benchmarks/bench_ep.py --tokens "$TOKENS" \
-    --iters "$ITERS" --warmup "$WARMUP" --rounds "$ROUNDS" --variants "$VARIANTS" --impls "$IMPLS" \
-    $([ "$GRAPH" = 1 ] && echo --graph) 2>&1 | tee "$LOGS/bench_ep$P.log"
+  RANKS=$([ "$P" = 1 ] && echo "${EP1_RANKS:-1}" || echo "$P")
+  timeout "$(left "${BENCH_CAP_S:-150}")" python3 -m torch.distributed.run --nproc-per-node "$RANKS" benchmarks/bench_ep.py \
+    --ep-size "$P" --tokens "$TOKENS" --iters "$ITERS" --warmup "$WARMUP" --rounds "$ROUNDS" --variants "$VARIANTS" \
+    --impls "$IMPLS" $([ "$GRAPH" = 1 ] && echo --graph) 2>&1 | tee "$LOGS/bench_ep$P.log"
   BENCH_RC+=("EP=$P:${PIPESTATUS[0]}")
 done
 find benchmarks/results -name 'ep_*_ep*.json' -newer "$STARTED" -exec cp {} "$RESULTS/" \;

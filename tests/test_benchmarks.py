@@ -1,6 +1,7 @@
 """The EP benchmark's CPU smoke run: ``benchmarks/bench_ep.py`` on gloo with two ranks, the
-tiny shape, ep_moe against the plain layer in rotated rounds. Catches a benchmark broken
-by a change to the layer before a GPU session spends its time on it."""
+tiny shape, ep_moe against the plain layer in rotated rounds, at EP=2 and as two EP=1
+replicas (``--ep-size 1``). Catches a benchmark broken by a change to the layer before a
+GPU session spends its time on it."""
 
 import json
 import os
@@ -14,22 +15,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.distributed
-def test_bench_ep_runs_validates_and_records_every_round(tmp_path):
+@pytest.mark.parametrize("ep_size", [2, 1])
+def test_bench_ep_runs_validates_and_records_every_round(tmp_path, ep_size):
     out = tmp_path / "ep.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)  # the CPU path uses the reference backend
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO / "benchmarks" / "bench_ep.py"), "--device", "cpu", "--dtype", "float32", "--shapes", "tiny",
            "--tokens", "256", "--impls", "ep_moe,plain", "--rounds", "3", "--iters", "2", "--warmup", "1",
-           "--out", str(out)]
+           "--out", str(out)] + (["--ep-size", "1"] if ep_size == 1 else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["ep_size"] == 2 and data["rounds"] == 3
+    assert data["ep_size"] == ep_size and data["world_size"] == 2 and data["rounds"] == 3
     rows = {row["impl"]: row for row in data["results"]}
     assert set(rows) == {"ep_moe", "plain"}
     for row in rows.values():
         assert row["valid"] and row["rel_err_y"] < 1e-5 and row["rel_err_dx"] < 1e-5
-        assert len(row["ms_rounds"]) == 3 and len(row["ms_per_rank"]) == 2
+        assert len(row["ms_rounds"]) == 3 and len(row["ms_per_rank"]) == 2  # every replica timed
+        assert row["local_experts"] == 8 // ep_size
         assert row["ms"] == sorted(row["ms_rounds"])[1] > 0
-    assert rows["ep_moe"]["a2a_ms"] > 0
+    assert (rows["ep_moe"]["a2a_ms"] > 0) == (ep_size > 1)
