@@ -552,10 +552,10 @@ class CopyEngineGather(GatherExchange):
             # Stopped between the sends and the combine (a checkpoint's recompute stops once
             # it has what the backward needs, at the same point on every rank): take the
             # peers' sums in and free the inbox as the combine would, so the next call finds
-            # the flags at rest. A GEMM that took the departure sent every source before
-            # returning.
+            # the flags at rest. Stopped halfway through the sends (an error in the GEMM),
+            # the exchange is left as after a failed rank in any collective.
             del self._departures[chunk]
-            if departure.used:
+            if departure.complete:
                 self._receive(chunk, like)
                 self.workspace.free_inbox(chunk)
             raise
@@ -586,7 +586,7 @@ class CopyEngineGather(GatherExchange):
         if not departure.used:  # no GEMM sent them source by source: send the finished sums
             departure.out.copy_(x)
             for position in departure.order:
-                departure.sent(position)
+                departure.send(position)
         inbox = self._receive(chunk, x)
         me, rows = self.rank, self.rows_per_chunk[chunk]
         out = inbox.sum(0).add_(departure.out[me * rows: (me + 1) * rows])

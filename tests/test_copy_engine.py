@@ -268,7 +268,7 @@ def test_gather_and_reduce_scatter_leave_the_flags_as_they_found_them(size, chun
                     if departure is not None:  # what grouped_gemm_slot_sum does with it
                         for position in departure.order:
                             departure.out[departure.tokens(position)] = partial[departure.tokens(position)]
-                            departure.sent(position)
+                            departure.send(position)
                 summed[-1].append(exchange.combine(partial if departure is None else departure.out, c, "rows").wait())
             workspace.world.barrier.wait()  # every rank done pulling and summing
             flags_after.append(_flag_words(workspace))

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -97,25 +97,37 @@ def arrival_of(rows: torch.Tensor) -> Optional[RowArrival]:
 class Departure:
     """Where the token sums of a down projection go, source by source: ``out`` [P*T, H] (the
     sums of source rank q's tokens at rows q*T..), computed in ``order`` (landing positions:
-    position w holds rank ``(first_source + w) % P``), and ``sent(w)`` called right after
-    position w's sums are queued on the current stream. ``used`` tells whether a GEMM
-    produced them (else the exchange sends a finished output as a whole)."""
+    position w holds rank ``(first_source + w) % P``); :meth:`send` is called right after
+    position w's sums are queued on the current stream and hands them to ``on_sent``.
+    ``used`` tells whether a GEMM produced them (else the exchange sends a finished output
+    as a whole)."""
 
     out: torch.Tensor
     order: tuple[int, ...]
     first_source: int
-    sent: Callable[[int], None]
+    on_sent: Callable[[int], None]
     used: bool = False
+    positions_sent: list[int] = field(default_factory=list)
 
     @property
     def num_sources(self) -> int:
         return len(self.order)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every position's sums have been sent."""
+        return len(self.positions_sent) == self.num_sources
 
     def tokens(self, position: int) -> slice:
         """The token rows of landing position ``position`` in ``out``."""
         per_source = self.out.shape[0] // self.num_sources
         source = (self.first_source + position) % self.num_sources
         return slice(source * per_source, (source + 1) * per_source)
+
+    def send(self, position: int) -> None:
+        """Position ``position``'s sums are queued: hand them on."""
+        self.positions_sent.append(position)
+        self.on_sent(position)
 
 
 _DEPARTING = threading.local()  # .pending: this thread's registered departures

@@ -269,7 +269,7 @@ class _GemmSlotSum(torch.autograd.Function):
             tokens = departure.tokens(position)
             launch_sum_slot_rows(rows, row_of_slot[tokens.start * top_k: tokens.stop * top_k], top_k,
                                  out=departure.out[tokens])
-            departure.sent(position)
+            departure.send(position)
         return departure.out
 
     @staticmethod

@@ -167,7 +167,7 @@ def test_slot_sum_sent_source_by_source_matches_the_whole(dtype, num_sources, fi
                           send)
     with rows_departing(departure):
         got = grouped_gemm_slot_sum(*args, source_ends=slots.source_ends_ES)
-    assert departure.used and got is departure.out and sent == list(departure.order)
+    assert departure.used and departure.complete and got is departure.out and sent == list(departure.order)
     torch.testing.assert_close(got, whole, **close)
 
 
