@@ -469,6 +469,14 @@ def _extras_world4(rank):
     bounded.load_state_dict(state)
     out["bounded_run"] = _run_layer(bounded, inputs[rank], grads[rank])
     out["bounded_rows"] = [p.grad.clone() for p in bounded.parameters()]
+    # the same bound with the rows and the forward's sums on the copy engines (Triton: the
+    # down projection source by source, each window cut at the bound as the routing cuts it)
+    bounded_ce = MoELayer(_config(top_k=2, dispatch="all_gather", all_gather_row_bound=1.0, transport="copy_engine",
+                                  backend="triton"), dist.group.WORLD)
+    bounded_ce.load_state_dict(state)
+    with file_workspaces(bounded_ce.ep_group):
+        out["bounded_ce_run"] = _run_layer(bounded_ce, inputs[rank], grads[rank])
+    out["bounded_ce_rows"] = [p.grad.clone() for p in bounded_ce.parameters()]
     try:
         bounded(inputs[rank][: 1 + (rank == 1)])
     except ValueError as err:
@@ -691,6 +699,10 @@ def test_all_gather_bound_drops_and_counts(ep4_results):
         changed.append(int(((y[~clean] - want[~clean]).abs().amax(dim=1) > 1e-4).sum()))
         assert torch.isfinite(res["bounded_run"]["dx"]).all()
         assert all(torch.isfinite(g).all() for g in res["bounded_rows"])
+        for key in ("y", "dx", "dropped"):  # the copy engines drop the same slots
+            _close(res["bounded_ce_run"][key], res["bounded_run"][key])
+        for got, want in zip(res["bounded_ce_rows"], res["bounded_rows"]):
+            _close(got, want)
     assert 0 < sum(changed) <= sum(dropped)
 
 
