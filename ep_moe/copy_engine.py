@@ -10,7 +10,7 @@ run; 150 GB/s with this module's staging copy), and 30 to 94% of it hid behind t
 experts' work.
 
 How: every rank of the EP group holds one :class:`SymmetricWorkspace`, a buffer in
-symmetric memory that every peer can address, and a stream for its copies. An exchange
+symmetric memory that every peer can address, and a stream for its copies. An all-to-all
 is pulled:
 
 1. the sender stages the rows it sends in its own workspace, in its region for the
@@ -44,9 +44,16 @@ puller's copy stream waits for and clears before it copies; after the copy it se
 free flag in the source's workspace. The landing flags that the experts' GEMM polls
 (:mod:`ep_moe.kernels.arrival`) are one per chunk in the rank's own workspace, cleared on
 the compute stream before the pulls are queued and raised to w after the w-th source.
+The forward's reduce-scatter is pushed instead: each rank has, per chunk, an *inbox* of
+P-1 slots for the peers' token sums. Before a push the sender's copy stream waits for its
+*inbox-free* flag for that receiver (in the sender's workspace, 1 at the start) and clears
+it; after the copy it raises its *arrived* flag in the receiver's workspace. The
+receiver's compute stream waits for every arrived flag and clears them, reads the inbox,
+and sets its inbox-free flag in every sender's workspace.
 
 Limits: NCCL still carries the layer's counts and the small message of expert ids and
-top-k weights (and their gradients). The GPUs must reach each other's memory (NVLink or
+top-k weights (and their gradients), and the all-gather dispatch's backward
+reduce-scatters (under the dW GEMMs). The GPUs must reach each other's memory (NVLink or
 PCIe peer access); symmetric memory's rendezvous fails otherwise. The workspace grows,
 collectively and with a device sync, whenever a layer call needs more than it holds.
 A flag wait has no timeout: if a rank dies between two exchanges, its peers' streams
@@ -485,7 +492,10 @@ class CopyEngineGather(GatherExchange):
     :class:`~ep_moe.kernels.arrival.Departure`), and as each source's [T, H] sums are queued
     the copy engines push them into that rank's *inbox* in its workspace (after waiting until
     it has read what it got there last) and raise its arrived flag. :meth:`combine` then waits
-    for every peer's sums on the device and adds them to the own ones. The expert ids and
+    for every peer's sums on the device and adds them to the own ones; that wait is queued
+    on the compute stream at once, so with several chunks the next chunk's experts start
+    once this chunk's sums have arrived from every peer (one chunk is the faster setting
+    on this path, as measured). The expert ids and
     top-k weights (small, needed at once by the routing) and the backward's reduce-scatters
     (under the dW GEMMs already) stay on NCCL.
 
@@ -540,7 +550,11 @@ class CopyEngineGather(GatherExchange):
     @contextlib.contextmanager
     def departing(self, chunk: int, like: torch.Tensor):
         """Around chunk ``chunk``'s expert function, whose output is like ``like`` [P*T, H]:
-        a slot-summing down projection inside sends each source's sums as it finishes them."""
+        a slot-summing down projection inside sends each source's sums as it finishes them
+        (a chunk without tokens sends nothing: its combine is NCCL's)."""
+        if self.rows_per_chunk[chunk] == 0:
+            yield
+            return
         out = torch.empty_like(like)
         departure = Departure(out, tuple(range(1, self.size)) + (0,), self.rank,
                               lambda position: self._send(chunk, out, position))
@@ -571,8 +585,9 @@ class CopyEngineGather(GatherExchange):
         ws.follow_compute()
         ws.claim_inbox(chunk, receiver)
         with ws.copying():
-            ws.view(receiver, self.inboxes[chunk] + slot * rows * sums[0].nbytes, rows, tuple(sums.shape[1:]),
-                    sums.dtype).copy_(sums[receiver * rows: (receiver + 1) * rows])
+            row_bytes = math.prod(sums.shape[1:]) * sums.element_size()
+        ws.view(receiver, self.inboxes[chunk] + slot * rows * row_bytes, rows, tuple(sums.shape[1:]),
+                sums.dtype).copy_(sums[receiver * rows: (receiver + 1) * rows])
         ws.signal_arrived(chunk, receiver)
         ws.keep_for_copies(sums)
         self._pushed[chunk] = ws.mark_copies()
@@ -583,6 +598,9 @@ class CopyEngineGather(GatherExchange):
         departure = self._departures.pop(chunk) if kind == "rows" and chunk in self._departures else None
         if departure is None:
             return super().combine(x, chunk, kind)
+        if departure.used and (x.data_ptr() != departure.out.data_ptr() or x.shape != departure.out.shape):
+            raise RuntimeError("the expert function must return the slot-summing down projection's output as it "
+                               "is: its sums were sent source by source, and a changed output would not be")
         if not departure.used:  # no GEMM sent them source by source: send the finished sums
             departure.out.copy_(x)
             for position in departure.order:

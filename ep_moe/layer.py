@@ -146,7 +146,8 @@ class MoEConfig:
     topology). ``"copy_engine"``: the GPUs' copy engines through a symmetric-memory
     workspace (:mod:`ep_moe.copy_engine`; every EP rank on one node, NCCL group, CUDA),
     which needs no SM. With ``dispatch="all_gather"`` the tokens and the output gradients
-    land source by source while the experts' first GEMM already runs on the rank's own rows
+    land source by source while the experts' first GEMM already runs on the rank's own rows,
+    and the forward's partial sums leave source by source while the down projection runs
     (:class:`~ep_moe.copy_engine.CopyEngineGather`), also inside CUDA graphs: on 4x H100 the
     fastest eager layer at EP=4 on mixtral, gpt-oss and deepseek (README, "Results"). With
     the all-to-all (a host sync per call: never in a graph) it measured slower than NCCL
@@ -160,7 +161,8 @@ class MoEConfig:
     ``own_rows_first=False``; ``overlap_chunks`` chunks the tokens as for the all-to-all.
     With ``transport="copy_engine"`` the tokens (and the backward's output gradients)
     travel on the copy engines and the experts' first GEMM starts on the rank's own rows
-    while the others land (:class:`ep_moe.copy_engine.CopyEngineGather`)."""
+    while the others land; the forward's sums travel back on them too
+    (:class:`ep_moe.copy_engine.CopyEngineGather`)."""
     all_gather_row_bound: Optional[float] = None
     """``dispatch="all_gather"``: the most routed rows a rank computes, as a multiple of
     T*K (its share on average); None: the worst case ``P*T*min(K, E/P)``, never exceeded,

@@ -208,7 +208,10 @@ class _ExpertPipeline(torch.autograd.Function):
                 own_grad = _own_slice(grads_back[c], plan.own, "sent")
                 _backward_into(own_graph, own_grad, weights, weight_grads, exchange.uses_sms)
             out_SH, rows_SH, row_weights_S = graph
-            _backward_into(graph, grads_in[c], weights, weight_grads, ctx.share_sms, plan)
+            # a recompute inside the replay would dispatch into this chunk's landing flag
+            # while these rows still land: take them whole first
+            grad_in = grads_in[c].wait() if ctx.saved[c].replay_may_recompute else grads_in[c]
+            _backward_into(graph, grad_in, weights, weight_grads, ctx.share_sms, plan)
             rows_back.append(exchange.combine(_grad_or_zeros(rows_SH), c, "rows") if need_rows[c] else None)
             weights_back.append(None)
             if need_weights[c]:  # back to the senders, under the dW GEMMs
@@ -234,19 +237,25 @@ class _ExpertPipeline(torch.autograd.Function):
         return (None, None, None, None, None, None, *grads, *grad_send, *grad_send_weights)
 
 
+UNNAMED = "unnamed"
+"""What :func:`_outer_hooks` returns when this torch cannot name the hooks in force."""
+
+
 def _outer_hooks():
-    """The (pack, unpack) saved-tensor hooks in force, or None: none, or this torch cannot
-    name them (a private API, missing before 2.8). Without them the chunks record under
-    the hooks directly: still correct, but a checkpoint then recomputes its region once
-    per chunk's replay."""
+    """The (pack, unpack) saved-tensor hooks in force, None when there are none, or
+    :data:`UNNAMED` when this torch cannot name them (a private API, missing before 2.8).
+    Unnamed, the chunks record under the hooks directly: still correct, but a checkpoint
+    then recomputes its region once per chunk's replay, inside the replay."""
     autograd = torch._C._autograd
-    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None or not getattr(autograd, "_saved_tensors_hooks_is_enabled", lambda: True)():
+    if not getattr(autograd, "_saved_tensors_hooks_is_enabled", lambda: True)():
         return None
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return UNNAMED
     try:
         return top(False)
     except TypeError:  # an older signature
-        return None
+        return UNNAMED
 
 
 class _Saved:
@@ -265,7 +274,10 @@ class _ChunkSaved:
     save_on_cpu offloads the chunks' tensors as it does every other."""
 
     def __init__(self, outer) -> None:
-        self._outer, self._pending = outer, []
+        self._outer, self._pending = (None if outer is UNNAMED else outer), []
+        self.replay_may_recompute = outer is UNNAMED
+        """Whether a checkpoint may recompute the forward inside the chunk's replay (its
+        dispatch then reuses the chunk's exchange regions and landing flag)."""
 
     @classmethod
     def around_outer_hooks(cls) -> "_ChunkSaved":

@@ -288,6 +288,25 @@ def test_gather_and_reduce_scatter_leave_the_flags_as_they_found_them(size, chun
             assert torch.equal(flags, start)
 
 
+def test_combine_refuses_an_output_other_than_the_sums_sent(fake_groups):
+    """Sums sent source by source from inside the down projection: combining anything else
+    (an expert function that changed the output after the GEMM) is an error, not a silent
+    reduce of the unchanged sums."""
+
+    def rank_fn(rank, workspace):
+        exchange = CopyEngineGather(_FakeGroup(1), workspace, [4], 3 * 4)
+        partial = _partial_sums(rank, 0, 0, 1, 4)
+        with exchange.departing(0, partial):
+            departure = take_departure()
+            departure.out.copy_(partial)
+            departure.send(0)
+        with pytest.raises(RuntimeError, match="output as it is"):
+            exchange.combine(2 * departure.out, 0, "rows")
+        return True
+
+    assert _run_ranks(1, rank_fn) == [True]
+
+
 def _partial_sums(rank: int, chunk: int, rnd: int, size: int, n: int) -> torch.Tensor:
     """Rank ``rank``'s partial sums for every rank's ``n`` tokens (small integers: exact sums)."""
     gen = torch.Generator().manual_seed(1000 * rnd + 100 * chunk + rank)

@@ -355,6 +355,9 @@ SCENARIOS = {
     "all_gather_ce_triton": dict(top_k=2, backend="triton", dispatch="all_gather", transport="copy_engine"),
     "skewed_all_gather_ce_overlap2_triton": dict(top_k=3, backend="triton", dispatch="all_gather",
                                                  transport="copy_engine", overlap_chunks=2),
+    # chunks without tokens (12 tokens per rank in 16 chunks): nothing lands or leaves there
+    "all_gather_ce_more_chunks_than_tokens_triton": dict(top_k=2, backend="triton", dispatch="all_gather",
+                                                         transport="copy_engine", overlap_chunks=16),
 }
 
 
@@ -814,7 +817,7 @@ def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
     import ep_moe.pipeline
 
     if not hooks_api:
-        ep_moe.pipeline._outer_hooks = lambda: None
+        ep_moe.pipeline._outer_hooks = lambda: ep_moe.pipeline.UNNAMED
     torch.manual_seed(12)
     kwargs = CHECKPOINTED_DISPATCH[dispatch]
     layer = MoELayer(_config(top_k=2, overlap_chunks=2, **kwargs), dist.group.WORLD)

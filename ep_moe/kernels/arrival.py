@@ -6,7 +6,7 @@ source by source, in a fixed landing order (the rank's own rows first, then the 
 ranks'), and raises a flag in device memory after each source. A grouped GEMM that reads
 those rows need not wait for the whole transfer: its tiles of the first source run at once,
 and each later tile waits on the device, in the kernel, only until its own source has
-landed (``_grouped_rows_kernel`` with ``NUM_SOURCES > 1``). For that the rows of each expert
+landed (``_grouped_rows_kernel`` with ``ARRIVAL``). For that the rows of each expert
 are sorted by source in landing order (:func:`ep_moe.gathered.gathered_routing`), and the
 kernel walks the tiles source by source.
 
@@ -70,7 +70,7 @@ def rows_arriving(rows: torch.Tensor, arrival: Optional[RowArrival], must_be_rea
     address) wait tile by tile for the rows' sources (``arrival``; None: nothing to do).
     The first reader of ``rows`` in the block must be such a GEMM. ``must_be_read``: raise
     if none read them (a sign that something else, a cast or a copy, read them first)."""
-    if arrival is None:
+    if arrival is None or rows.numel() == 0:  # nothing lands (and every empty tensor has address 0)
         yield
         return
     key = rows.data_ptr()
@@ -86,7 +86,7 @@ def rows_arriving(rows: torch.Tensor, arrival: Optional[RowArrival], must_be_rea
 
 def arrival_of(rows: torch.Tensor) -> Optional[RowArrival]:
     """The pending arrival registered for ``rows``, if any (marks it read)."""
-    entry = _ARRIVING.get(rows.data_ptr()) if _ARRIVING else None
+    entry = _ARRIVING.get(rows.data_ptr()) if _ARRIVING and rows.numel() else None
     if entry is None:
         return None
     entry[1] = True
