@@ -117,7 +117,7 @@ def init(device_kind: str) -> torch.device:
     return device
 
 
-def import_deepspeed(device: torch.device, ep_size: int):
+def import_deepspeed(device: torch.device):
     """deepspeed, initialised on the default group, or None (with the reason printed)."""
     os.environ.setdefault("DS_ACCELERATOR", device.type)  # "cuda" or "cpu", not auto-detected
     try:
@@ -399,7 +399,7 @@ def main() -> int:
         replicas = world_size // ep_size
         names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
         shapes = [TINY if name == TINY.name else SHAPES[name] for name in names]
-        deepspeed = import_deepspeed(device, ep_size) if "deepspeed" in args.impls.split(",") else None
+        deepspeed = import_deepspeed(device) if "deepspeed" in args.impls.split(",") else None
         dtype = getattr(torch, args.dtype)
         env = environment()
         at_once = f" (EP={ep_size}, {replicas} replicas at once)" if replicas > 1 else ""

@@ -57,6 +57,7 @@ BENCH_RC=()
 for P in $EP_SIZES; do
   [ "$P" -le "$NGPU" ] || continue
   RANKS=$([ "$P" = 1 ] && echo "${EP1_RANKS:-1}" || echo "$P")
+  [ "$RANKS" -le "$NGPU" ] || { echo "EP=$P on $RANKS ranks: only $NGPU GPUs; skipped" >&2; continue; }
   timeout "$(left "${BENCH_CAP_S:-150}")" python3 -m torch.distributed.run --nproc-per-node "$RANKS" benchmarks/bench_ep.py \
     --ep-size "$P" --tokens "$TOKENS" --iters "$ITERS" --warmup "$WARMUP" --rounds "$ROUNDS" --variants "$VARIANTS" \
     --impls "$IMPLS" $([ "$GRAPH" = 1 ] && echo --graph) 2>&1 | tee "$LOGS/bench_ep$P.log"
