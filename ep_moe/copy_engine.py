@@ -584,10 +584,10 @@ class CopyEngineGather(GatherExchange):
         slot = (me - receiver) % size - 1  # senders fill the receiver's inbox by distance
         ws.follow_compute()
         ws.claim_inbox(chunk, receiver)
-        with ws.copying():
-            row_bytes = math.prod(sums.shape[1:]) * sums.element_size()
-        ws.view(receiver, self.inboxes[chunk] + slot * rows * row_bytes, rows, tuple(sums.shape[1:]),
-                sums.dtype).copy_(sums[receiver * rows: (receiver + 1) * rows])
+        row_bytes = math.prod(sums.shape[1:]) * sums.element_size()
+        with ws.copying():  # the push itself on the copy engines, between the flag wait and raise
+            ws.view(receiver, self.inboxes[chunk] + slot * rows * row_bytes, rows, tuple(sums.shape[1:]),
+                    sums.dtype).copy_(sums[receiver * rows: (receiver + 1) * rows])
         ws.signal_arrived(chunk, receiver)
         ws.keep_for_copies(sums)
         self._pushed[chunk] = ws.mark_copies()

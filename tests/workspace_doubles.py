@@ -44,8 +44,20 @@ class HostWorkspace(SymmetricWorkspace):
     def follow_compute(self) -> None:
         pass
 
+    @contextlib.contextmanager
     def copying(self):
-        return contextlib.nullcontext()
+        self._in_copying = True
+        try:
+            yield
+        finally:
+            self._in_copying = False
+
+    def view(self, rank: int, byte_offset: int, rows: int, row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        # On the GPU a copy into or out of a peer's memory outside copying() runs on the
+        # compute stream, unordered with the flags the copy stream waits for and raises.
+        assert rank == self.rank or getattr(self, "_in_copying", False), \
+            f"rank {self.rank} touches rank {rank}'s workspace outside copying(): not on the copy engines"
+        return super().view(rank, byte_offset, rows, row_shape, dtype)
 
     def keep_for_copies(self, t: torch.Tensor) -> None:
         pass
