@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ep_moe.dispatch import PendingExchange, all_gather_single, reduce_scatter_single
-from ep_moe.routing import RoutingMetadata, count_ids, sort_slots
+from ep_moe.routing import RoutingMetadata, count_sorted, sort_slots
 
 
 class GatherExchange:
@@ -124,10 +124,14 @@ def gathered_routing(ids_GK: torch.Tensor, first_expert: int, num_local: int, ma
     kept_counts = torch.diff(kept_ends, prepend=kept_ends.new_zeros(1))
     token_index = meta.token_index_R[:max_rows]
     counted = torch.arange(token_index.shape[0], device=ids_GK.device) < kept_ends[-1]
-    # rows of each (expert, source in landing order) pair; the bound drops each expert's last rows
-    landing_N = (torch.arange(ids_GK.numel(), device=ids_GK.device) // slots_per_source - first_source) % num_sources
-    pair_N = torch.where(mine_GK.flatten(), local_GK.flatten() * num_sources + landing_N, num_local * num_sources)
-    per_pair = count_ids(pair_N, num_local * num_sources + 1)[:-1].view(num_local, num_sources)
+    # rows of each (expert, source in landing order) pair; the bound drops each expert's last rows.
+    # The sorted slots are in pair order already (by expert, then rotated slot: landing order),
+    # the other ranks' slots last.
+    order_N = meta.slot_index_R
+    landing_N = (order_N // slots_per_source - first_source) % num_sources
+    pair_N = torch.where(mine_GK.flatten()[order_N], local_GK.flatten()[order_N] * num_sources + landing_N,
+                         num_local * num_sources)
+    per_pair = count_sorted(pair_N, num_local * num_sources).view(num_local, num_sources)
     source_ends = torch.minimum(per_pair.cumsum(1), kept_counts[:, None]).to(torch.int32)
     slots = RoutingMetadata(
         counts_E=kept_counts,

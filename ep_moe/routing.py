@@ -97,6 +97,15 @@ def count_ids(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
     return counts.scatter_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
 
 
+def count_sorted(sorted_ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """How often each id in ``[0, num_bins)`` occurs in ``sorted_ids`` (ascending), int64;
+    larger ids (a sentinel for slots left out) are not counted. Binary searches for the bin
+    edges, no atomics: :func:`count_ids` serializes on a bin that most ids share (the
+    all-gather dispatch's sentinel takes (P-1)/P of the gathered slots), this does not."""
+    edges = torch.arange(num_bins + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.diff(torch.searchsorted(sorted_ids, edges))
+
+
 def route(
     x_TH: torch.Tensor,
     weight_EH: torch.Tensor,
@@ -235,7 +244,7 @@ def sort_slots(topk_ids_TK: torch.Tensor, num_experts: int, keep_TK: Optional[to
     if keep_TK is not None:
         row_of_slot_N.masked_fill_(~keep_TK.flatten(), -1)
     return RoutingMetadata(
-        counts_E=count_ids(ids_N, num_experts + 1)[:num_experts],
+        counts_E=count_sorted(ids_N[slot_index_N], num_experts),
         slot_index_R=slot_index_N,
         token_index_R=torch.div(slot_index_N, top_k, rounding_mode="floor"),
         row_of_slot_N=row_of_slot_N,

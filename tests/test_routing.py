@@ -9,6 +9,7 @@ from ep_moe.routing import (
     build_rank_routing,
     build_routing_metadata,
     capacity_keep_mask,
+    count_sorted,
     expert_capacity,
     rank_counts,
     route,
@@ -102,6 +103,20 @@ def test_losses_zero_without_tokens_or_coef():
     x_TH, w_EH = _inputs(3)
     out = route(x_TH, w_EH, top_k=2)
     assert out.aux_loss.item() == 0 and out.z_loss.item() == 0
+
+
+@pytest.mark.parametrize("case", ["random", "one_bin", "sentinels", "empty"])
+def test_count_sorted_matches_bincount_without_the_sentinels(case):
+    """Bin counts of sorted ids by binary search: ids past the bins (the sentinel of left-out
+    slots) are not counted, empty bins are 0, whatever the skew."""
+    gen = torch.Generator().manual_seed(3)
+    ids = {"random": torch.randint(0, 7, (50,), generator=gen), "one_bin": torch.full((40,), 2),
+           "sentinels": torch.cat([torch.randint(0, 7, (10,), generator=gen), torch.full((30,), 7)]),
+           "empty": torch.zeros(0, dtype=torch.int64)}[case]
+    want = torch.bincount(ids[ids < 7], minlength=7)
+    for dtype in (torch.int64, torch.int32):
+        got = count_sorted(ids.sort().values.to(dtype), 7)
+        assert got.dtype == torch.int64 and got.tolist() == want.tolist()
 
 
 def test_metadata_sorted_stably_by_expert():
