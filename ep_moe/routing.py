@@ -194,9 +194,9 @@ def capacity_keep_mask(
         order_N = torch.argsort(ids_N, stable=True)
     else:
         raise ValueError(f"drop_policy={drop_policy!r}: use 'probs' or 'position'")
-    counts_E = count_ids(ids_N, num_experts)
-    starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_ids_N = ids_N[order_N]
+    counts_E = count_sorted(sorted_ids_N, num_experts)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
     rank_in_expert_N = torch.arange(ids_N.numel(), device=ids_N.device) - starts_E[sorted_ids_N]
     keep_N = torch.empty_like(ids_N, dtype=torch.bool)
     keep_N[order_N] = rank_in_expert_N < capacity
