@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check and EP benchmark in one go, for a 2- or 4-GPU machine (within ~9 minutes on 4x H100):
 #   1. installs the wheels in .whl/ (deepspeed and the dependencies the image lacks) into /tmp/site;
-#   2. runs the GPU tests (tests/gpu, tests/kernels; -x; over 8 workers when pytest-xdist is there);
+#   2. runs the GPU tests (tests/gpu, tests/kernels; -x; over 8 workers, a file per worker, when pytest-xdist is there);
 #   3. runs benchmarks/bench_ep.py at EP = 1, 2, 4 (as many as there are GPUs) on all four shapes,
 #      with the ep_moe variants in $VARIANTS at EP>1 (and, with GRAPH=1, the sync-free ones
 #      captured in CUDA graphs: bench_ep --graph), kernel configs from $EP_MOE_CACHE_DIR (a
@@ -9,7 +9,7 @@
 #   4. copies the results JSON and the logs into $OUT (if set) and prints a summary table.
 #   EP1_RANKS [1]: GPUs of the EP=1 run; more run data-parallel replicas at once (bench_ep
 #   --ep-size 1), every GPU busy as at EP>1, the slowest one reported.
-# Every step has its own timeout (a bench BENCH_CAP_S [150]), cut to what is left of a BUDGET_S [530] s budget. Run from anywhere:
+# Every step has its own timeout (the tests TESTS_CAP_S [240], SIGINT so pytest still reports; a bench BENCH_CAP_S [150]), cut to what is left of a BUDGET_S [530] s budget. Run from anywhere:
 #   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 ROUNDS=3 TOKENS=8192 VARIANTS=nccl:1,ag:1,agce:1 GRAPH=1
 #                                   # IMPLS=ep_moe,plain,deepspeed EP_SIZES="1 2 4" TESTS="tests/gpu tests/kernels"
 set -uo pipefail
@@ -48,8 +48,9 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 nvidia-smi -L
 
-XDIST=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
-timeout "$(left 240)" python3 -m pytest -x -q -p no:cacheprovider $XDIST $TESTS 2>&1 \
+# loadfile: a module's tests on one worker, so test_ep_nccl.py's 4-GPU fixture runs once, not once per worker
+XDIST=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8 --dist loadfile")
+timeout -s INT "$(left "${TESTS_CAP_S:-240}")" python3 -m pytest -x -q -p no:cacheprovider $XDIST $TESTS 2>&1 \
   | grep -v DEBUG | tee "$LOGS/tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
