@@ -72,6 +72,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def row_dot_err(got: torch.Tensor, ref: torch.Tensor, dy_rows: torch.Tensor, y_rows: torch.Tensor) -> float:
+    """Error of per-row dot products ``<dy_rows[r], y_rows[r]>`` (a row weight's gradient)
+    against the norm of their terms, not of the dots: a dot may cancel to near zero (one
+    row: the whole vector), while rounding errs in proportion to the terms."""
+    terms = (dy_rows.double().abs() * y_rows.double().abs()).sum(1)
+    return ((got.double() - ref.double()).norm() / terms.norm().clamp_min(1e-30)).item()
+
+
 def make_problem(case: str, dtype: torch.dtype, gather: bool, scatter: bool, weights: bool):
     sizes, n, k = CASES[case]
     num_rows = sum(sizes)
@@ -108,13 +116,10 @@ def check_op(case, dtype, gather, scatter, weights, use_tma=None):
         assert torch.isfinite(got).all(), name
         assert rel_err(got, ref) < tol, name
     if weights:
-        # each row weight's gradient is one dot product, <dy row, unweighted output row>, which
-        # may cancel to near zero (a single row: the whole tensor): error against its terms
+        # each row weight's gradient is one dot product, <dy row, unweighted output row>
         y0_ref = grouped_gemm_reference(leaves64[0], leaves64[1], m_sizes, gather_index=g, scatter_index=s)
-        terms = (dy.double().abs() * y0_ref.abs()).sum(1)
-        got, ref = grads[2].double(), grads_ref[2]
-        assert torch.isfinite(got).all(), "d_row_weights"
-        assert ((got - ref).norm() / terms.norm().clamp_min(1e-30)).item() < tol, "d_row_weights"
+        assert torch.isfinite(grads[2]).all(), "d_row_weights"
+        assert row_dot_err(grads[2], grads_ref[2], dy, y0_ref) < tol, "d_row_weights"
 
 
 @pytest.mark.parametrize("gather", [False, True], ids=["", "gather"])

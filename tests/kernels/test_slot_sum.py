@@ -15,7 +15,7 @@ import torch
 from ep_moe.kernels.ops import DeferredWeightGrads, defer_weight_grads, grouped_gemm, grouped_gemm_slot_sum
 from ep_moe.kernels.permute import sum_slot_rows
 from ep_moe.routing import build_routing_metadata
-from test_grouped_gemm import DEVICE, DTYPES, TOL, configs_for, rel_err
+from test_grouped_gemm import DEVICE, DTYPES, TOL, configs_for, rel_err, row_dot_err
 
 TOP_K = 3
 NUM_EXPERTS = 4
@@ -51,10 +51,14 @@ def _slot_sum(meta, a, w, row_weights, dtype):
                                  configs_for(dtype))
 
 
-def _reference(meta, a, w, row_weights):
-    a, w, rw = a.double(), w.double(), row_weights.double()
+def _unweighted_rows(meta, a, w):
+    """Each routed row times its expert's weights, in float64."""
     experts = torch.repeat_interleave(torch.arange(w.shape[0], device=a.device), meta.counts_E)
-    rows = torch.einsum("rk,rnk->rn", a, w[experts]) * rw[:, None]
+    return torch.einsum("rk,rnk->rn", a.double(), w.double()[experts])
+
+
+def _reference(meta, a, w, row_weights):
+    rows = _unweighted_rows(meta, a, w) * row_weights.double()[:, None]
     out = torch.zeros(meta.num_tokens, w.shape[1], dtype=torch.float64, device=a.device)
     return out.index_add(0, meta.token_index_R, rows)
 
@@ -73,7 +77,11 @@ def _check_against_reference(meta, a, w, row_weights, dtype, wants_grad=(True, T
     assert rel_err(out, ref) < TOL[dtype]
     for got, want, t in zip(grads, ref_grads, graded):
         assert got.dtype == t.dtype and got.shape == t.shape
-        assert rel_err(got, want) < TOL[dtype]
+        if t is row_weights:  # one dot per row: <dy of its token, its unweighted output row>
+            y_rows = _unweighted_rows(meta, a.detach(), w.detach())
+            assert row_dot_err(got, want, dy[meta.token_index_R], y_rows) < TOL[dtype], "d_row_weights"
+        else:
+            assert rel_err(got, want) < TOL[dtype]
     return out, dict(zip([id(t) for t in graded], grads))
 
 
