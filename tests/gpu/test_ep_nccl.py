@@ -11,8 +11,8 @@ and accumulates the parameter gradients the group computes together. Every outpu
 gradient, router gradient and expert gradient must be within a relative (Frobenius)
 error of 2e-2. Two scenarios also run under ``torch.compile`` at the largest EP size, and
 two under a non-reentrant activation checkpoint. The shared fixture runs every scenario on
-every transport (about 3 minutes on 4x H200); ``EP_MOE_TEST_TRANSPORTS`` (comma-separated
-names of ``TRANSPORTS``) limits it to some, the others' tests then skip.
+every transport (1.5 to 3.5 minutes each on 4x H200, more on H100); ``EP_MOE_TEST_TRANSPORTS``
+(comma-separated names of ``TRANSPORTS``) limits it to some, the others' tests then skip.
 """
 
 from __future__ import annotations
