@@ -52,8 +52,8 @@ receiver's compute stream waits for every arrived flag and clears them, reads th
 and sets its inbox-free flag in every sender's workspace.
 
 Limits: NCCL still carries the layer's counts and the small message of expert ids and
-top-k weights (and their gradients), and the all-gather dispatch's backward
-reduce-scatters (under the dW GEMMs). The GPUs must reach each other's memory (NVLink or
+top-k weights (and, with the all-gather dispatch, their gradients), and the all-gather
+dispatch's backward reduce-scatters (under the dW GEMMs). The GPUs must reach each other's memory (NVLink or
 PCIe peer access); symmetric memory's rendezvous fails otherwise. The workspace grows,
 collectively and with a device sync, whenever a layer call needs more than it holds.
 A flag wait has no timeout: if a rank dies between two exchanges, its peers' streams

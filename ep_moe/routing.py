@@ -10,8 +10,9 @@ Legend of the shape suffixes used here and in ``dispatch.py`` / ``layer.py``::
 
 The router (:func:`route`) turns tokens into top-k expert ids and weights plus the two
 auxiliary losses. :func:`build_routing_metadata` turns the ids into what the grouped
-GEMM and the all-to-all need: per-expert counts, and for every routed row (sorted by
-expert, stable, so ties keep token order) its slot and its token. Everything stays on
+GEMM needs: per-expert counts, and for every routed row (sorted by expert, stable, so ties
+keep token order) its slot and its token. What a rank sends at EP>1 is ordered per (token,
+destination rank) instead (:class:`RankRouting`, :func:`build_rank_routing`). Everything stays on
 the device; the only host sync is the kept-row count when a capacity drops slots.
 """
 
@@ -54,11 +55,12 @@ class RoutingMetadata:
 
     Rows of expert ``e`` are ``counts_E[e]`` consecutive rows; since experts are laid out
     rank-major (rank p owns experts ``p*e .. p*e + e - 1``), rows are also grouped by the
-    rank that owns their expert, which is the send order of the all-to-all.
+    rank that owns their expert.
     """
 
     counts_E: torch.Tensor
-    """Routed (kept) rows per expert, int64; sums to R."""
+    """Routed (kept) rows per expert, int64; sums to R, or to fewer under a row bound
+    (:func:`ep_moe.gathered.gathered_routing`: R is then the bound)."""
     slot_index_R: torch.Tensor
     """Slot ``t*K + k`` of each routed row (int64): the scatter index back to slot order."""
     token_index_R: torch.Tensor
@@ -71,7 +73,7 @@ class RoutingMetadata:
     top_k: int
     """K."""
     source_ends_ES: Optional[torch.Tensor] = None
-    """All-gather dispatch only (:func:`ep_moe.gathered.gathered_routing`): [E, P] int32,
+    """All-gather dispatch only (:func:`ep_moe.gathered.gathered_routing`): [e, P] int32 (local experts),
     each expert's rows from the first w+1 source ranks in landing order."""
 
     @property
