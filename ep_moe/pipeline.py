@@ -212,6 +212,8 @@ class _ExpertPipeline(torch.autograd.Function):
             # while these rows still land: take them whole first
             grad_in = grads_in[c].wait() if ctx.saved[c].replay_may_recompute else grads_in[c]
             _backward_into(graph, grad_in, weights, weight_grads, ctx.share_sms, plan)
+            if ctx.saved[c].replay_may_recompute:  # and it may have staged its own combines where
+                exchange.begin()  # this chunk's go next: stage again once the peers pulled them
             rows_back.append(exchange.combine(_grad_or_zeros(rows_SH), c, "rows") if need_rows[c] else None)
             weights_back.append(None)
             if need_weights[c]:  # back to the senders, under the dW GEMMs

@@ -358,6 +358,12 @@ SCENARIOS = {
     # chunks without tokens (12 tokens per rank in 16 chunks): nothing lands or leaves there
     "all_gather_ce_more_chunks_than_tokens_triton": dict(top_k=2, backend="triton", dispatch="all_gather",
                                                          transport="copy_engine", overlap_chunks=16),
+    # the all-to-all on the copy engines (CopyEngineExchange, same double): chunks staged side
+    # by side in one buffer, a rank with no tokens, every token to one rank with own rows first
+    "all_to_all_ce_overlap2": dict(top_k=2, transport="copy_engine", overlap_chunks=2),
+    "empty_rank_all_to_all_ce": dict(top_k=2, transport="copy_engine"),
+    "skewed_all_to_all_ce_own_first_triton": dict(top_k=2, backend="triton", transport="copy_engine",
+                                                  own_rows_first=True),
 }
 
 
@@ -801,6 +807,8 @@ def test_torch_compile_of_the_ep_layer_matches_eager(backend, world_size, dispat
 
 CHECKPOINTED_DISPATCH = {
     "all_to_all": dict(dispatch="all_to_all"),
+    # rank 1's copy engines lag (LaggingFileWorkspace): a recompute's regions must be pulled before restaged
+    "all_to_all_ce": dict(dispatch="all_to_all", transport="copy_engine"),
     "all_gather": dict(dispatch="all_gather"),
     # the forward's reduce-scatter leaves from the down projection (triton) on the copy engines
     "all_gather_ce": dict(dispatch="all_gather", transport="copy_engine", backend="triton"),
@@ -823,7 +831,7 @@ def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
     layer = MoELayer(_config(top_k=2, overlap_chunks=2, **kwargs), dist.group.WORLD)
     gen = torch.Generator().manual_seed(200 + rank)
     x, g = torch.randn(19, H, generator=gen), torch.randn(19, H, generator=gen)
-    with file_workspaces(layer.ep_group) if kwargs.get("transport") == "copy_engine" else nullcontext():
+    with file_workspaces(layer.ep_group, lagging_rank=1) if kwargs.get("transport") == "copy_engine" else nullcontext():
         plain = _run_layer(layer, x, g), _param_grads(layer)
         layer.zero_grad(set_to_none=True)
         forwards = []

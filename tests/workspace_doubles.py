@@ -20,12 +20,13 @@ import os
 import shutil
 import tempfile
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ep_moe import layer as layer_module
-from ep_moe.copy_engine import SymmetricWorkspace
+from ep_moe.copy_engine import _DONE, SymmetricWorkspace
 from ep_moe.dispatch import PendingExchange
 
 WAIT_S = 60.0
@@ -57,7 +58,28 @@ class HostWorkspace(SymmetricWorkspace):
         # compute stream, unordered with the flags the copy stream waits for and raises.
         assert rank == self.rank or getattr(self, "_in_copying", False), \
             f"rank {self.rank} touches rank {rank}'s workspace outside copying(): not on the copy engines"
-        return super().view(rank, byte_offset, rows, row_shape, dtype)
+        out = super().view(rank, byte_offset, rows, row_shape, dtype)
+        if rank == self.rank and not getattr(self, "_in_copying", False) and out.numel():
+            self._staging_at(byte_offset, byte_offset + out.numel() * out.element_size())
+        return out
+
+    # The all-to-all's protocol, checked: a rank stages bytes again only once every peer has
+    # pulled the exchange that last staged them (its DONE flag has reached that exchange).
+
+    def _staging_at(self, start: int, end: int) -> None:
+        staged = self.__dict__.setdefault("_staged", {})  # (start, end) -> exchange (epoch) that raised them
+        for (a, b), epoch in staged.items():
+            behind = [q for q in self._peers() if self.flag(self.rank, _DONE + q).item() < epoch]
+            assert not (a < end and start < b and behind), \
+                (f"rank {self.rank} stages bytes [{start}, {end}) again while ranks {behind} have not pulled "
+                 f"exchange {epoch}, which staged [{a}, {b}) there")
+        self._pending_stage = (start, end)
+
+    def signal_ready(self, epoch: int) -> None:
+        pending = self.__dict__.pop("_pending_stage", None)
+        if pending is not None:
+            self.__dict__.setdefault("_staged", {})[pending] = epoch
+        super().signal_ready(epoch)
 
     def keep_for_copies(self, t: torch.Tensor) -> None:
         pass
@@ -79,6 +101,7 @@ class FileWorkspace(HostWorkspace):
         self.group, self.device, self.directory, self.user = group, torch.device("cpu"), directory, user
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.stream, self.capacity, self.epoch, self._buffers, self._generation = None, 0, 0, [], 0
+        self._allocation, self._captured, self._retired = None, False, []
 
     def _allocate(self, nbytes: int) -> list[torch.Tensor]:
         self._generation += 1
@@ -103,17 +126,31 @@ class FileWorkspace(HostWorkspace):
             time.sleep(1e-4)
 
 
+class LaggingFileWorkspace(FileWorkspace):
+    """A :class:`FileWorkspace` whose pulls start ``LAG_S`` late: a rank whose copy engines
+    fall behind, so that its peers run ahead and restage a region it has not pulled yet
+    unless the protocol makes them wait."""
+
+    LAG_S = 0.05
+
+    def wait_ready(self, source: int, epoch: int) -> None:
+        time.sleep(self.LAG_S)
+        super().wait_ready(source, epoch)
+
+
 @contextlib.contextmanager
-def file_workspaces(group):
-    """Inside the block, layers on ``group`` take :class:`FileWorkspace` s (collective)."""
+def file_workspaces(group, lagging_rank: Optional[int] = None):
+    """Inside the block, layers on ``group`` take :class:`FileWorkspace` s (collective);
+    ``lagging_rank``'s pull late (:class:`LaggingFileWorkspace`)."""
     folder = [tempfile.mkdtemp(prefix="ep_moe_ws_") if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(folder, src=dist.get_global_rank(group, 0), group=group)
     workspaces: dict[tuple[str, str], FileWorkspace] = {}
+    kind = LaggingFileWorkspace if dist.get_rank(group) == lagging_rank else FileWorkspace
 
     def for_group(cls, group, device, user):
         key = (group.group_name, user)
         if key not in workspaces:
-            workspaces[key] = FileWorkspace(group, folder[0], user)
+            workspaces[key] = kind(group, folder[0], user)
         return workspaces[key]
 
     saved = layer_module.copy_engine_supported, SymmetricWorkspace.__dict__["for_group"]

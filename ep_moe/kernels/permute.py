@@ -129,7 +129,13 @@ def _gather(src: torch.Tensor, idx: torch.Tensor, use_triton: bool,
             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     if use_triton:
         return launch_gather_rows(src.contiguous(), idx, out=out)
-    return src.index_select(0, idx) if out is None else torch.index_select(src, 0, idx, out=out)
+    if out is None:
+        return src.index_select(0, idx)
+    # ``out`` may be a send buffer in a workspace that other chunks' buffers share: fill it as
+    # the kernel does, without bumping the version counter its views share (autograd would take
+    # the next chunk's fill for an in-place change of the rows this one returned)
+    with torch.autograd._unsafe_preserve_version_counter(out):
+        return torch.index_select(src, 0, idx, out=out)
 
 
 def _sum_slots(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int, use_triton: bool) -> torch.Tensor:
