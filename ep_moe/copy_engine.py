@@ -189,7 +189,8 @@ class SymmetricWorkspace:
     """One rank's symmetric-memory buffer for an EP group (flags, then data), the stream
     its copies run on, the all-to-all's sequence number and the flag protocols of the
     module docstring. It grows on demand; growing is collective and every rank asks for
-    the same size."""
+    the same size. A buffer that a CUDA graph was captured with stays mapped when the
+    workspace grows past it: the graph's replays still copy and signal there."""
 
     def __init__(self, group: ProcessGroup, device: torch.device) -> None:
         self.group, self.device = group, device
@@ -201,6 +202,8 @@ class SymmetricWorkspace:
         self._memops = _StreamMemOps()
         self._buffers: list[torch.Tensor] = []  # every rank's buffer, flat uint8, mapped here
         self._allocation = None
+        self._captured = False  # a CUDA graph holds the current buffers' addresses
+        self._retired: list = []  # earlier (allocation, buffers) that captured graphs replay into
 
     @classmethod
     def for_group(cls, group: ProcessGroup, device: torch.device, user: str) -> "SymmetricWorkspace":
@@ -215,14 +218,18 @@ class SymmetricWorkspace:
         """Make room for ``nbytes`` of data (collective when it grows: same ``nbytes``
         everywhere). Growing waits for every rank's device, then starts the flags over;
         it cannot happen while a CUDA graph is captured."""
+        capturing = self._capturing()
         if self._buffers and nbytes <= self.capacity:  # the flags exist even for 0 bytes of data
+            self._captured |= capturing
             return
-        if self._capturing():
+        if capturing:
             raise RuntimeError(f"the copy-engine workspace must grow to {nbytes} bytes while a CUDA graph is "
                                "captured; run the layer once eagerly with the same shapes before capturing")
         if self._buffers:  # peers may still be pulling from the old buffers
             self._quiesce()
-            self._buffers, self._allocation = [], None
+            if self._captured:  # and graphs captured with them may replay: keep them mapped
+                self._retired.append((self._allocation, list(self._buffers)))
+            self._buffers, self._allocation, self._captured = [], None, False
         capacity = _round_up(int(nbytes * _GROWTH), 1 << 21)
         self._buffers = self._allocate(_FLAGS + capacity)
         flags = self._buffers[self.rank][:_FLAGS].view(torch.int32)

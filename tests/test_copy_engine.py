@@ -7,8 +7,10 @@ tests/gpu/test_ep_nccl.py."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -37,7 +39,7 @@ class _ThreadWorkspace(HostWorkspace):
 
     def __init__(self, world: _World, rank: int) -> None:
         self.world, self.rank, self.size, self.capacity, self.epoch = world, rank, world.size, 0, 0
-        self.stream, self._buffers = None, []
+        self.stream, self._buffers, self._allocation, self._captured, self._retired = None, [], None, False, []
 
     def _allocate(self, nbytes: int) -> list[torch.Tensor]:
         self.world.buffers[self.rank] = torch.full((nbytes,), 255, dtype=torch.uint8)  # garbage
@@ -350,5 +352,34 @@ def test_gather_refuses_more_chunks_than_it_has_flags_for(fake_groups):
     def rank_fn(rank, workspace):
         with pytest.raises(ValueError, match="at most 32 chunks, got 33; lower MoEConfig.overlap_chunks"):
             CopyEngineGather(_FakeGroup(2), workspace, [1] * 33, 4)
+
+    _run_ranks(2, rank_fn)
+
+
+@pytest.mark.parametrize("captured", [True, False], ids=["captured", "eager"])
+def test_growing_keeps_the_buffers_a_captured_graph_replays_into(captured):
+    """A CUDA graph holds the workspace's addresses: growing after a capture keeps the old
+    buffers alive (every rank's view of them), and without one lets them go."""
+    def rank_fn(rank, workspace):
+        workspace.reserve(1000)
+        old = [weakref.ref(b) for b in workspace._buffers]
+        workspace._capturing = lambda: captured
+        workspace.reserve(500)  # fits: no growth, and (captured) a graph now holds these buffers
+        workspace._capturing = lambda: False
+        workspace.reserve(4 * workspace.capacity)
+        workspace.world.barrier.wait()  # every rank grew: the shared list holds only new buffers
+        gc.collect()
+        return [ref() is not None for ref in old], workspace._captured
+
+    for alive, still_captured in _run_ranks(2, rank_fn):
+        assert alive == [captured, captured] and not still_captured
+
+
+def test_growing_while_a_graph_is_captured_is_refused():
+    def rank_fn(rank, workspace):
+        workspace.reserve(100)
+        workspace._capturing = lambda: True
+        with pytest.raises(RuntimeError, match=f"must grow to {4 * workspace.capacity} bytes while a CUDA graph"):
+            workspace.reserve(4 * workspace.capacity)
 
     _run_ranks(2, rank_fn)
