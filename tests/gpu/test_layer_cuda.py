@@ -8,6 +8,8 @@ here with no group, so no collective: it must match the EP=1 path on the same to
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -81,11 +83,19 @@ def test_checkpointed_layer_matches_plain_and_frees_its_activations(path, chunks
 
     def forward_holding(mode):
         def run(x_in):
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            y = layer(x_in) if mode == "plain" else checkpoint(layer, x_in, use_reentrant=False)
-            torch.cuda.synchronize()
-            held[mode] = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+            # no garbage collection inside the window: freeing an earlier test's leftovers there
+            # (a layer whose _experts_local is its own bound method is a reference cycle) would
+            # shrink what the forward seems to hold
+            gc.collect()
+            gc.disable()
+            try:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                y = layer(x_in) if mode == "plain" else checkpoint(layer, x_in, use_reentrant=False)
+                torch.cuda.synchronize()
+                held[mode] = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+            finally:
+                gc.enable()
             return y
         return run
 
