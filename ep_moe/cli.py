@@ -38,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="tokens per rank to tune for (default: the standard row buckets)")
     tune.add_argument("--dtype", default="bfloat16", choices=sorted(ELEMENT_BYTES))
     tune.add_argument("--force", action="store_true", help="retune even if cached")
-    tune.add_argument("--timeout", type=float, default=3600.0, help="seconds other ranks wait for rank 0")
+    tune.add_argument("--timeout", type=float, default=3600.0,
+                      help="seconds rank 0 may wait for cache locks and tuning shares (the other ranks: "
+                           "that plus a grace)")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     cache = sub.add_parser("cache", help="inspect or clear the autotune cache")

@@ -12,7 +12,8 @@
 # --force to retune.
 #
 # Environment:
-#   NPROC             processes to start (default: the GPU count from `nvidia-smi -L`, at least 1)
+#   NPROC             processes to start (default: the GPUs of CUDA_VISIBLE_DEVICES, else the
+#                     count from `nvidia-smi -L`, at least 1)
 #   EP_MOE_CACHE_DIR  cache directory (default ~/.cache/ep_moe/autotune; keep it node-local
 #                     or on a shared file system: writes are atomic under a file lock)
 #   TORCHRUN, EP_MOE  launcher and autotune command, split on spaces (default: `torchrun` and
@@ -34,10 +35,13 @@ if [[ $# -eq 0 || " $* " == *" -h "* || " $* " == *" --help "* ]]; then
     exit $(( $# == 0 ? 2 : 0 ))
 fi
 
-if [[ -z "${NPROC:-}" ]]; then
+if [[ -z "${NPROC:-}" && -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then  # the GPUs this job may use
+    IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+    NPROC=${#visible[@]}
+elif [[ -z "${NPROC:-}" ]]; then
     NPROC=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
-    (( NPROC >= 1 )) || NPROC=1
 fi
+(( NPROC >= 1 )) || NPROC=1
 read -ra torchrun <<< "${TORCHRUN:-torchrun}"
 read -ra ep_moe <<< "${EP_MOE:-ep-moe}"
 

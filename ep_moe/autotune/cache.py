@@ -147,6 +147,8 @@ def parse_record(data: Any, key: CacheKey | None = None) -> Table:
         raise BadCacheFile("not a JSON object")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise BadCacheFile(f"schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    if not isinstance(data.get("key"), dict):
+        raise BadCacheFile("no key object")
     if key is not None and data.get("key") != key.to_dict():
         raise BadCacheFile("its key differs from the expected one (edited or foreign file)")
     buckets = data.get("buckets")
@@ -186,7 +188,7 @@ def _read_json(path: Path) -> Any:
         raise BadCacheFile(f"unreadable: {e}") from None
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, an over-long number, too deep nesting
         raise BadCacheFile(f"not valid JSON (truncated or corrupt): {e}") from None
 
 
@@ -255,6 +257,28 @@ class ConfigCache:
             self._write(key, table)
         finally:
             lock.release()
+
+    def merge(self, key: CacheKey, table: Table, lock_timeout: float) -> bool:
+        """Add ``table``'s buckets to what the file of ``key`` holds (re-read under the key's
+        lock, so buckets another process wrote are kept). Gives up with a warning when the
+        lock stays held ``lock_timeout`` seconds; returns whether it wrote."""
+        try:
+            lock = self._lock(key, lock_timeout)
+        except filelock.Timeout:
+            logger.warning("ep_moe autotune cache: %s stayed locked for %ss; not updated", self.path(key),
+                           lock_timeout)
+            return False
+        try:
+            now = self._read(key)
+            merged = {**(now[0] if now else {}), **table}
+            if lock is None:
+                self._memory[key.digest()] = merged
+            else:
+                self._write(key, merged)
+            return True
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _write(self, key: CacheKey, table: Table) -> None:
         """Atomic write (caller holds the lock); an OSError switches to memory-only."""
@@ -336,15 +360,19 @@ class ConfigCache:
         prefix = [p for p in files if p.name.startswith(name) or p.stem.rsplit("-", 1)[-1].startswith(name)]
         return prefix[0] if len(prefix) == 1 else None
 
-    def clear(self) -> int:
-        """Delete every cache, lock and temp file of the directory; returns how many."""
-        if not self.directory.is_dir():
-            return 0
+    def clear(self, lock_timeout: float = 10.0) -> int:
+        """Delete every cache file of the directory, each under its lock (one held longer
+        than ``lock_timeout`` seconds is skipped with a warning); returns how many. Lock and
+        temp files stay: other processes may hold or be writing them."""
         removed = 0
-        for pattern in ("*.json", "*.json.lock", ".*.tmp"):
-            for p in self.directory.glob(pattern):
-                p.unlink(missing_ok=True)
-                removed += 1
+        for path in self.files():
+            lock = filelock.FileLock(str(path) + ".lock", timeout=lock_timeout)
+            try:
+                with lock:
+                    path.unlink(missing_ok=True)
+                    removed += 1
+            except filelock.Timeout:
+                logger.warning("ep_moe autotune cache: %s is locked (being tuned?); not deleted", path)
         self._memory.clear()
         return removed
 

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import socket
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
@@ -46,6 +47,7 @@ from ep_moe.autotune.space import (
     bucket_bounds,
     bucket_for,
     heuristic_table,
+    table_misfit,
 )
 from ep_moe.kernels.config import GemmConfigs
 
@@ -56,7 +58,18 @@ ENV_FORCE = "EP_MOE_FORCE_AUTOTUNE"
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+    value = os.environ.get(name, "").strip().lower()
+    if value not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        logger.warning("ep_moe autotune: %s=%r is neither on (1, true, yes, on) nor off (0, false, no, "
+                       "off); taken as off", name, value)
+    return value in ("1", "true", "yes", "on")
+
+
+def _publish_grace(timeout: float) -> float:
+    """How much longer than ``timeout`` the other ranks wait for rank 0, whose waits for cache
+    locks and tuning shares end by ``timeout``: time to publish what it has, so that a held
+    lock leaves every rank on the same fallback rather than some on a WarmupTimeout."""
+    return min(30.0, 0.5 * timeout)
 
 
 class WarmupTimeout(RuntimeError):
@@ -171,10 +184,10 @@ def resolve(problem: GemmProblem, device: torch.device | None = None, *, tune: b
     key = make_key(problem, dev)
     disabled = _env_flag(ENV_DISABLE)
     force = force and tune and not disabled
-    cached = None if disabled or force else default_cache().load(key)
+    cached = None if disabled or force else _fitting(default_cache().load(key), problem, dev, "cache")
     if cached and (not tune or set(buckets) <= cached.keys()):
         return ResolvedConfigs("cache", cached)
-    shipped = None if force or cached else load_shipped(key)
+    shipped = None if force or cached else _fitting(load_shipped(key), problem, dev, "shipped configs")
     if shipped:
         return ResolvedConfigs("shipped", shipped)
     if tune and not disabled:
@@ -186,6 +199,15 @@ def resolve(problem: GemmProblem, device: torch.device | None = None, *, tune: b
     if cached:
         return ResolvedConfigs("cache", cached)
     return ResolvedConfigs("heuristic", heuristic_table(problem, dev))
+
+
+def _fitting(table: Table | None, problem: GemmProblem, dev: DeviceLimits, where: str) -> Table | None:
+    """``table`` if every config of it fits the device, else None with a warning."""
+    misfit = table and table_misfit(table, problem, dev)
+    if misfit:
+        logger.warning("ep_moe autotune: ignoring the %s of %s: %s", where, problem, misfit)
+        return None
+    return table
 
 
 def collect_problems(model_or_shapes: Any) -> list[GemmProblem]:
@@ -255,7 +277,8 @@ def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout
     Args:
         model_or_shapes: a module whose submodules have ``gemm_problems()``, or problems.
         group: process group whose rank 0 tunes; default the world.
-        timeout: seconds the other ranks wait for rank 0 (and rank 0 for a cache lock).
+        timeout: seconds rank 0 may wait for cache locks and tuning shares in all; the
+            other ranks wait for it that long plus a grace (at most 30 s) to publish.
         num_tokens: tokens per rank to tune for (int or several); the bucket is the
             power of two nearest tokens x top_k. None: the standard buckets.
         force: retune even if cached (also ``EP_MOE_FORCE_AUTOTUNE=1``).
@@ -270,6 +293,8 @@ def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout
     """
     problems = collect_problems(model_or_shapes)
     buckets = {p: target_buckets(p, num_tokens) for p in problems}  # bad input fails on every rank
+    if not timeout > 0:
+        raise ValueError(f"warmup: timeout={timeout!r}; give seconds > 0")
     force = force or _env_flag(ENV_FORCE)  # read once: split tuning turns force off after the shares
     device = device or default_device()
     dev_key = _device_key(device)
@@ -301,13 +326,14 @@ def _exchange_key(ranks: list[int]) -> str:
     return f"ep_moe/autotune/warmup/{group_id}/{count}"
 
 
-def _wait_for_root(store, keys: list[str], root: int, timeout: float) -> None:
+def _wait_for_root(store, keys: list[str], root: int, timeout: float, grace: float = 0.0) -> None:
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+        store.wait(keys, datetime.timedelta(seconds=timeout + grace))
     except RuntimeError as e:  # DistStoreError on timeout; a lost store reads the same
         raise WarmupTimeout(
             f"ep_moe warmup: rank {dist.get_rank()} got no configs from rank {root} within "
-            f"timeout={timeout}s (rank 0 stalled or died while tuning). Raise `timeout`, or fill "
+            f"timeout={timeout}s{f' (+{grace}s)' if grace else ''} (rank 0 stalled or died while tuning). "
+            f"Raise `timeout`, or fill "
             f"the cache beforehand with `ep-moe autotune` on each node. Cause: {e}") from e
 
 
@@ -319,15 +345,15 @@ def _warmup_group(buckets, group, timeout, force, tuner, device, split):
     is_root = dist.get_rank() == ranks[0]
     key = _exchange_key(ranks)
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store of init_process_group
+    deadline = time.monotonic() + timeout  # rank 0's waits for locks and shares end by it
     tuned_by_shares: set[int] = set()
     if split:
-        tuned_by_shares = _tune_node_share(buckets, key, store, ranks[0], is_root, force, tuner, device, timeout)
-        force = False  # the shares were (re)tuned just now; rank 0 reads them from the cache
+        tuned_by_shares = _tune_node_share(buckets, key, store, ranks[0], is_root, force, tuner, device, deadline)
     if is_root:
-        payload = _root_payload(buckets, device, force, tuner, timeout, tuned_by_shares)
+        payload = _root_payload(buckets, device, force, tuner, deadline, tuned_by_shares)
         store.set(key, json.dumps(payload))
     else:
-        _wait_for_root(store, [key], ranks[0], timeout)
+        _wait_for_root(store, [key], ranks[0], timeout, _publish_grace(timeout))
         payload = json.loads(store.get(key))
     if not payload["ok"]:
         logger.warning("ep_moe autotune: rank 0 failed (%s); every rank uses heuristic configs",
@@ -342,11 +368,15 @@ def _warmup_group(buckets, group, timeout, force, tuner, device, split):
             logger.warning("ep_moe autotune: tuning %s failed on rank 0 (%s); every rank uses "
                            "heuristic configs", problem, resolved[problem].error)
     if not is_root and _is_other_node_leader(payload["host"]):
-        _write_node_cache(payload["problems"], device)
+        _write_node_cache(payload["problems"], device, timeout)
     return resolved
 
 
-def _tune_node_share(buckets, key, store, root, is_root, force, tuner, device, timeout) -> set[int]:
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _tune_node_share(buckets, key, store, root, is_root, force, tuner, device, deadline) -> set[int]:
     """Split tuning: each rank on rank 0's node tunes ``problems[LOCAL_RANK::LOCAL_WORLD_SIZE]``
     into the node cache and reports which of them it tuned; rank 0 waits for the shares (at
     most ``timeout``; it tunes anything missing itself afterwards) and returns the indices
@@ -355,34 +385,34 @@ def _tune_node_share(buckets, key, store, root, is_root, force, tuner, device, t
     if is_root:
         store.set(f"{key}/host", socket.gethostname())
     else:
-        _wait_for_root(store, [f"{key}/host"], root, timeout)
+        _wait_for_root(store, [f"{key}/host"], root, _left(deadline))
         if store.get(f"{key}/host").decode() != socket.gethostname():
             return set()
     problems = list(buckets)
     tuned = [i for i in range(local_rank, len(problems), local_world)
              if _resolve_or_fallback(problems[i], device, buckets[problems[i]], force, tuner,
-                                     timeout).source == "tuned"]
+                                     _left(deadline)).source == "tuned"]
     store.set(f"{key}/share/{local_rank}", json.dumps(tuned))
     if not is_root:
         return set()
     shares = [f"{key}/share/{i}" for i in range(local_world)]
     try:
-        store.wait(shares, datetime.timedelta(seconds=timeout))
+        store.wait(shares, datetime.timedelta(seconds=_left(deadline)))
     except RuntimeError:
         logger.warning("ep_moe autotune: not every local rank finished its tuning share within "
-                       "timeout=%ss; rank 0 tunes what is missing", timeout)
+                       "the timeout; rank 0 tunes what is missing")
     return {i for share in shares if store.check([share]) for i in json.loads(store.get(share))}
 
 
-def _root_payload(buckets, device, force, tuner, timeout, tuned_by_shares: set[int]) -> dict[str, Any]:
+def _root_payload(buckets, device, force, tuner, deadline, tuned_by_shares: set[int]) -> dict[str, Any]:
     """What rank 0 publishes: plain JSON-able data, never our objects. Problems a split
     tuning share tuned in this warmup are reported as ``tuned`` (rank 0 reads them back
-    from the cache)."""
+    from the cache, even with ``force``; it retunes the others)."""
     try:
         dev = _limits(_device_key(device))
         items = []
         for i, (p, b) in enumerate(buckets.items()):
-            r = _resolve_or_fallback(p, device, b, force, tuner, timeout)
+            r = _resolve_or_fallback(p, device, b, force and i not in tuned_by_shares, tuner, _left(deadline))
             if i in tuned_by_shares and r.source == "cache":
                 r = dataclasses.replace(r, source="tuned")
             items.append({"problem": asdict(p), "key": make_key(p, dev).to_dict(), "resolved": r.to_dict()})
@@ -395,13 +425,16 @@ def _is_other_node_leader(root_host: str) -> bool:
     return os.environ.get("LOCAL_RANK") == "0" and socket.gethostname() != root_host
 
 
-def _write_node_cache(items: list[dict[str, Any]], device: torch.device) -> None:
-    """Local rank 0 of another node: store rank 0's tables whose key matches this node's."""
+def _write_node_cache(items: list[dict[str, Any]], device: torch.device, lock_timeout: float) -> None:
+    """Local rank 0 of another node: add rank 0's tables whose key matches this node's to its
+    cache (buckets the node has of its own are kept; a lock held ``lock_timeout`` seconds
+    skips that file with a warning)."""
     dev = _limits(_device_key(device))
     cache = default_cache()
     for item in items:
         key = CacheKey.from_dict(item["key"])
         resolved = ResolvedConfigs.from_dict(item["resolved"])
         if resolved.source in ("cache", "tuned") and make_key(key.problem(), dev) == key:
-            if cache.load(key) != resolved.table:
-                cache.store(key, resolved.table)
+            have = cache.load(key) or {}
+            if any(have.get(b) != t for b, t in resolved.table.items()):
+                cache.merge(key, resolved.table, lock_timeout)

@@ -112,8 +112,9 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden_size", "intermediate_size", "top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelShape.{name}={getattr(self, name)}: must be >= 1")
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"ModelShape.{name}={value!r}: must be an integer >= 1")
         if self.top_k > self.num_experts:
             raise ValueError(f"ModelShape.top_k={self.top_k} exceeds num_experts={self.num_experts}")
 
@@ -121,9 +122,14 @@ class ModelShape:
     def from_dict(cls, data: dict[str, Any]) -> "ModelShape":
         """Build from a JSON object; unknown fields raise ``ValueError`` naming them."""
         names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict):
+            raise ValueError(f"model shape: expected a JSON object with fields {sorted(names)}, got {data!r}")
         unknown = set(data) - names - {"comment"}
         if unknown:
             raise ValueError(f"model shape has unknown fields {sorted(unknown)}; known: {sorted(names)}")
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        if required - set(data):
+            raise ValueError(f"model shape lacks fields {sorted(required - set(data))}")
         return cls(**{k: v for k, v in data.items() if k in names})
 
     def problems(self, ep_size: int, dtype: str) -> list[GemmProblem]:
@@ -229,6 +235,19 @@ def config_smem(config: KernelConfig, which: Pass, problem: GemmProblem) -> int:
     """Shared memory of ``config``'s pipelined tiles for ``problem``'s dtype (the kernels'
     own estimate, :func:`ep_moe.kernels.config.smem_bytes`)."""
     return smem_bytes(config, which, element_bytes(problem.dtype))
+
+
+def table_misfit(table: "Table", problem: GemmProblem, dev: DeviceLimits) -> str | None:
+    """Why a stored table cannot run ``problem`` on ``dev`` (a config whose tiles overflow
+    its shared memory), or None when every config fits."""
+    for bucket, tuned in sorted(table.items()):
+        for which in PASSES:
+            config = tuned.configs.for_pass(which)
+            need = config_smem(config, which, problem)
+            if need > dev.smem_per_block:
+                return (f"bucket {bucket}, {which} {config.short()} needs {need} bytes of shared memory, "
+                        f"the device has {dev.smem_per_block}")
+    return None
 
 
 def default_config(problem: GemmProblem, which: Pass, dev: DeviceLimits) -> KernelConfig:

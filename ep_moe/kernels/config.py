@@ -45,6 +45,10 @@ class KernelConfig:
     ignored (plain pointers) where the device, Triton or the interpreter lacks them."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # strict: a cache file's 4.0 or "no" is not a config
+            want = bool if f.name == "use_tma" else int
+            if type(getattr(self, f.name)) is not want:
+                raise ValueError(f"KernelConfig.{f.name}={getattr(self, f.name)!r}: must be {want.__name__}")
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):

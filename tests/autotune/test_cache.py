@@ -6,7 +6,9 @@ import dataclasses
 import json
 import logging
 import shutil
+import time
 
+import filelock
 import pytest
 from _dist import STUB_CONFIGS, TINY, TINY_UP, CountingTuner, tune_calls
 
@@ -79,7 +81,12 @@ BAD_FILES = {
     "wrong_schema": lambda text: text.replace(f'"schema_version": {SCHEMA_VERSION}', '"schema_version": 999'),
     "foreign_key": lambda text: text.replace('"n": 64', '"n": 65'),
     "bad_config": lambda text: text.replace('"BLOCK_M": 16', '"BLOCK_M": 17'),
+    "float_field": lambda text: text.replace('"num_stages": 1', '"num_stages": 1.5'),
+    "string_flag": lambda text: text.replace('"use_tma": false', '"use_tma": "no"'),
     "list": lambda text: "[1, 2, 3]",
+    "key_not_object": lambda text: json.dumps({**json.loads(text), "key": "edited"}),
+    "huge_number": lambda text: "[" + "9" * 5000 + "]",
+    "deep_nesting": lambda text: "[" * 200000,
 }
 
 
@@ -136,8 +143,28 @@ def test_find_list_clear(tmp_path):
     assert cache.files() == [cache.path(key)]
     assert cache.find(key.digest()) == cache.path(key) == cache.find(key.file_name())
     assert cache.find("down-e4") == cache.path(key) and cache.find("nothing") is None
-    assert cache.clear() == 2  # the file and its lock
+    assert cache.clear() == 1  # the cache file; its lock file stays (another process may hold it)
     assert cache.files() == [] and cache.load(key) is None
+
+
+def test_clear_leaves_a_file_that_is_being_tuned(tmp_path, caplog):
+    cache, key = ConfigCache(tmp_path), make_key(TINY, DEV)
+    cache.store(key, stub_table(tmp_path))
+    with filelock.FileLock(str(cache.path(key)) + ".lock"), caplog.at_level(logging.WARNING):
+        assert ConfigCache(tmp_path).clear(lock_timeout=0.1) == 0
+    assert "is locked" in caplog.text and cache.files() == [cache.path(key)]
+
+
+def test_merge_keeps_the_buckets_on_file_and_gives_up_on_a_held_lock(tmp_path, caplog):
+    cache, key = ConfigCache(tmp_path), make_key(TINY, DEV)
+    cache.store(key, stub_table(tmp_path, buckets=(16,)))
+    assert cache.merge(key, stub_table(tmp_path, buckets=(128,)), lock_timeout=1.0)
+    assert sorted(ConfigCache(tmp_path).load(key)) == [16, 128]
+    with filelock.FileLock(str(cache.path(key)) + ".lock"), caplog.at_level(logging.WARNING):
+        start = time.monotonic()
+        assert not cache.merge(key, stub_table(tmp_path, buckets=(4096,)), lock_timeout=0.2)
+        assert time.monotonic() - start < 5
+    assert "stayed locked" in caplog.text and sorted(ConfigCache(tmp_path).load(key)) == [16, 128]
 
 
 def test_shipped_matches_ignoring_versions(tmp_path, monkeypatch):

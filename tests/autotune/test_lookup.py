@@ -143,7 +143,35 @@ def test_other_node_leader_stores_rank0_tables_whose_key_matches(isolated):
     foreign = dataclasses.replace(make_key(TINY_UP, DEV), device_name="NVIDIA H200")
     items = [{"key": k.to_dict(), "resolved": ResolvedConfigs(source, table).to_dict()}
              for k, source in ((key, "tuned"), (foreign, "tuned"))]
-    _write_node_cache(items, torch.device("cpu"))
-    assert ConfigCache(cache_dir()).load(key) == table
+    ConfigCache(cache_dir()).store(key, {16: TunedBucket(configs=OTHER)})  # the node's own bucket
+    _write_node_cache(items, torch.device("cpu"), lock_timeout=5.0)
+    assert ConfigCache(cache_dir()).load(key) == {16: TunedBucket(configs=OTHER), **table}
     assert ConfigCache(cache_dir()).load(foreign) is None
     assert len(list(cache_dir().glob("*.json"))) == 1
+
+
+def test_cached_configs_that_overflow_the_device_are_not_served(isolated, caplog, monkeypatch):
+    from ep_moe.autotune import coordinate
+
+    monkeypatch.setitem(coordinate._LIMITS, ("cpu", -1), dataclasses.replace(DEV, smem_per_block=232448))
+    huge = KernelConfig(BLOCK_M=256, BLOCK_N=256, BLOCK_K=256, num_warps=8, num_stages=4)
+    store(cache_dir(), {128: TunedBucket(configs=GemmConfigs(forward=huge))})
+    with caplog.at_level(logging.WARNING):
+        resolved = get_kernel_configs(TINY, 128, device=torch.device("cpu"))
+    assert resolved.forward != huge and "needs 2097152 bytes of shared memory, the device has 232448" in caplog.text
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("ON", True), ("0", False), ("off", False),
+                                       ("no", False), ("", False), ("maybe", False)])
+def test_env_flags(monkeypatch, caplog, value, on):
+    from ep_moe.autotune.coordinate import ENV_FORCE, _env_flag
+
+    monkeypatch.setenv(ENV_FORCE, value)
+    with caplog.at_level(logging.WARNING):
+        assert _env_flag(ENV_FORCE) is on
+    assert ("neither on" in caplog.text) == (value == "maybe")
+
+
+def test_warmup_refuses_a_timeout_that_is_not_positive(isolated):
+    with pytest.raises(ValueError, match="timeout=-1; give seconds > 0"):
+        warmup([TINY], timeout=-1)

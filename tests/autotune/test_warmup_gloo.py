@@ -10,17 +10,20 @@ import dataclasses
 import os
 import time
 
+import filelock
 import pytest
 import torch.distributed as dist
 from _dist import STUB_CONFIGS, TINY, TINY_UP, CountingTuner, run_processes, set_cache_env, tune_calls
 
-from ep_moe.autotune import WarmupTimeout, get_kernel_configs, warmup
+from ep_moe.autotune import WarmupTimeout, device_limits, get_kernel_configs, warmup
+from ep_moe.autotune.cache import ConfigCache, cache_dir, make_key
 from ep_moe.autotune.space import heuristic_configs
 
 NPROCS = 4
 SPLIT_PROBLEMS = [TINY, TINY_UP] + [dataclasses.replace(TINY, top_k=k) for k in (1, 3, 4)]
 STALL_TIMEOUT = 3.0
 STALL_DELAY = 8.0
+LOCK_TIMEOUT = 2.0
 
 
 def _scenarios(rank, tmp):
@@ -51,6 +54,23 @@ def _scenarios(rank, tmp):
     except WarmupTimeout as e:
         out["stall"] = {"raised": str(e)}
     out["stall"]["seconds"] = time.monotonic() - start
+    # 3b. Another process holds the cache lock rank 0 needs: rank 0 stops waiting by the
+    # timeout and publishes the fallback, which the others (waiting a grace longer) take.
+    set_cache_env(tmp / "locked")
+    lock = filelock.FileLock(str(ConfigCache(cache_dir()).path(make_key(TINY, device_limits()))) + ".lock")
+    if rank == 1:
+        lock.acquire()
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        resolved = warmup([TINY], num_tokens=64, timeout=LOCK_TIMEOUT, tuner=CountingTuner(str(tmp / "locked.log")))
+        out["locked"] = {"source": resolved[TINY].source, "error": resolved[TINY].error}
+    except WarmupTimeout as e:
+        out["locked"] = {"source": None, "error": str(e)}
+    out["locked"]["seconds"] = time.monotonic() - start
+    dist.barrier()
+    if rank == 1:
+        lock.release()
     # 4. Split tuning over the node's ranks: each problem tuned once, by its share's owner.
     set_cache_env(tmp / "split")
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(NPROCS))
@@ -83,8 +103,6 @@ def test_only_rank0_tunes_and_all_ranks_agree(runs):
 def test_rank0_failure_same_fallback_everywhere(runs):
     tmp, results = runs
     assert [c.split()[0] for c in tune_calls(tmp / "fail.log")] == ["0"]
-    from ep_moe.autotune import device_limits
-
     expected = heuristic_configs(TINY, 128, device_limits()).forward.to_dict()
     for r in results:
         assert r["fail"]["source"] == "fallback" and "stub tuning failure" in r["fail"]["error"]
@@ -99,6 +117,16 @@ def test_rank0_stall_times_out_elsewhere(runs):
         stall = r["stall"]
         assert stall["raised"] and "within timeout=3.0s" in stall["raised"]
         assert STALL_TIMEOUT - 0.5 <= stall["seconds"] < STALL_DELAY, stall
+
+
+@pytest.mark.distributed
+def test_a_held_cache_lock_leaves_every_rank_on_the_same_fallback(runs):
+    tmp, results = runs
+    assert tune_calls(tmp / "locked.log") == []
+    for r in results:
+        locked = r["locked"]
+        assert locked["source"] == "fallback" and "Timeout" in locked["error"], locked
+        assert locked["seconds"] < LOCK_TIMEOUT + 10, locked
 
 
 @pytest.mark.distributed
