@@ -105,16 +105,18 @@ def groups_from_mesh(mesh: DeviceMesh, *, ep_axis: str = "ep", edp_axis: str = "
                                 ep_size=ep_mesh.size(), edp_size=edp_mesh.size())
 
 
-def resolve_ep_group(ep_group: Union[None, ProcessGroup, DeviceMesh]) -> Optional[ProcessGroup]:
-    """The process group behind ``ep_group``: None (EP=1), a group, or a 1-D DeviceMesh."""
+def resolve_ep_group(ep_group: Union[None, ProcessGroup, DeviceMesh], name: str = "ep_group",
+                     axis: str = "ep") -> Optional[ProcessGroup]:
+    """The process group behind ``ep_group``: None (one rank), a group, or a 1-D DeviceMesh
+    (``name`` and ``axis`` word the errors)."""
     if ep_group is None or isinstance(ep_group, ProcessGroup):
         return ep_group
     if isinstance(ep_group, DeviceMesh):
         if ep_group.ndim != 1:
-            raise ValueError(f"ep_group is a {ep_group.ndim}-D DeviceMesh; pass its expert-parallel "
-                             "axis, e.g. mesh['ep'] (a 1-D mesh)")
+            raise ValueError(f"{name} is a {ep_group.ndim}-D DeviceMesh; pass one axis of it, e.g. "
+                             f"mesh['{axis}'] (a 1-D mesh)")
         return ep_group.get_group()
-    raise ValueError(f"ep_group must be None, a ProcessGroup or a 1-D DeviceMesh, got {type(ep_group).__name__}")
+    raise ValueError(f"{name} must be None, a ProcessGroup or a 1-D DeviceMesh, got {type(ep_group).__name__}")
 
 
 def mark_expert_param(param: nn.Parameter) -> nn.Parameter:
@@ -156,8 +158,8 @@ def _all_reduce_mean(grads: list[torch.Tensor], group: Optional[ProcessGroup], r
 
 def sync_gradients(
     model: nn.Module,
-    ep_group: Optional[ProcessGroup],
-    edp_group: Optional[ProcessGroup],
+    ep_group: Union[None, ProcessGroup, DeviceMesh],
+    edp_group: Union[None, ProcessGroup, DeviceMesh],
     *,
     sync_dense: bool = True,
 ) -> None:
@@ -167,11 +169,19 @@ def sync_gradients(
     ``sync_dense``): all-reduce over all ranks of the default group, which must be the
     ``ep_size * edp_size`` data-parallel ranks. Both are then divided by that number (see
     the module docstring for why expert gradients are divided by it and not by
-    ``edp_size``). ``None`` stands for a group of one rank. Call on every rank.
+    ``edp_size``). ``None`` stands for a group of one rank; a 1-D DeviceMesh (``mesh["ep"]``,
+    ``mesh["edp"]``) for its group. Call on every rank.
     """
+    ep_group, edp_group = resolve_ep_group(ep_group), resolve_ep_group(edp_group, "edp_group", "edp")
     ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
     edp_size = 1 if edp_group is None else dist.get_world_size(edp_group)
     num_replicas = ep_size * edp_size
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if sync_dense and world != num_replicas:
+        raise ValueError(f"sync_gradients: the default group has {world} ranks, but ep_size * edp_size = "
+                         f"{ep_size} * {edp_size} = {num_replicas}; dense gradients are averaged over the "
+                         "default group, so it must hold exactly this model's data-parallel ranks. Pass "
+                         "sync_dense=False and average them over your data-parallel group yourself (e.g. DDP)")
     _all_reduce_mean(_grads(model, expert=True), edp_group, edp_size > 1, num_replicas)
     if sync_dense:
         _all_reduce_mean(_grads(model, expert=False), None, num_replicas > 1, num_replicas)

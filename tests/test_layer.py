@@ -453,9 +453,18 @@ def _extras_world4(rank):
     sync_gradients(layer, groups.ep_group, groups.edp_group)
     out["edp_grads"] = _param_grads(layer)
 
-    mesh_groups = groups_from_mesh(init_ep_mesh(2, device_type="cpu"))
+    mesh = init_ep_mesh(2, device_type="cpu")
+    mesh_groups = groups_from_mesh(mesh)
     out["group_ranks"] = [dist.get_process_group_ranks(g) for g in (groups.ep_group, groups.edp_group,
                                                                     mesh_groups.ep_group, mesh_groups.edp_group)]
+    layer.zero_grad(set_to_none=True)  # the same step, synced through the mesh's axes
+    _run_layer(layer, inputs[rank], grads[rank])
+    sync_gradients(layer, mesh["ep"], mesh["edp"])
+    out["mesh_grads"] = _param_grads(layer)
+    try:  # dense gradients averaged over 4 ranks but divided by 2: refused
+        sync_gradients(layer, groups.ep_group, None)
+    except ValueError as err:
+        out["sync_error"] = str(err)
 
     bias_layer = MoELayer(_config(top_k=2, expert_bias=True, bias_update_rate=0.1), dist.group.WORLD)
     bias_layer.load_state_dict(state, strict=False)  # no expert_bias key: bias starts at 0
@@ -649,6 +658,9 @@ def test_edp_gradient_sync_averages_over_all_ranks(ep4_results):
             if key.startswith("experts."):
                 assert int(key.rsplit(".", 1)[1]) // (E // 2) == ep_rank
             _close(grad, ref_grads[key] / 4)
+        for key, grad in res["mesh_grads"].items():
+            torch.testing.assert_close(grad, res["edp_grads"][key])
+        assert "the default group has 4 ranks, but ep_size * edp_size = 2 * 1 = 2" in res["sync_error"]
 
 
 @pytest.mark.distributed
