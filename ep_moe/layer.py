@@ -311,6 +311,7 @@ class GroupedExperts(nn.Module):
             num_local_experts, config.hidden_size, config.intermediate_size, **factory)))
         self.register_state_dict_post_hook(_split_experts_hook)
         self.register_load_state_dict_pre_hook(_stack_experts_hook)
+        self.register_load_state_dict_post_hook(_mark_experts_hook)
 
     def global_ids(self) -> range:
         """Global ids of the local experts."""
@@ -382,6 +383,12 @@ def _split_experts_hook(module: GroupedExperts, state_dict, prefix, local_metada
             state_dict[f"{prefix}{name}.{g}"] = stacked[j]
 
 
+def _mark_experts_hook(module: GroupedExperts, incompatible_keys) -> None:
+    """load_state_dict(assign=True) puts new Parameters in place: tag those as experts too."""
+    mark_expert_param(module.gate_up)
+    mark_expert_param(module.down)
+
+
 def _stack_experts_hook(module: GroupedExperts, state_dict, prefix, local_metadata, strict,
                         missing_keys, unexpected_keys, error_msgs) -> None:
     """load_state_dict: pick this rank's ``gate_up.{g}`` / ``down.{g}`` keys, stack them,
@@ -402,7 +409,8 @@ def _stack_experts_hook(module: GroupedExperts, state_dict, prefix, local_metada
                 local.append(current[j])
         for key in per_expert:
             del state_dict[key]
-        state_dict[prefix + name] = torch.stack([t.to(current.device) for t in local])
+        # on a meta module (built to load with assign=True) the loaded tensors stay where they are
+        state_dict[prefix + name] = torch.stack([t if current.is_meta else t.to(current.device) for t in local])
 
 
 class SharedExperts(nn.Module):

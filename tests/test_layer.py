@@ -231,6 +231,21 @@ def test_state_dict_uses_global_expert_ids_and_round_trips():
         other.load_state_dict(sd)
 
 
+def test_assign_load_into_a_meta_layer_keeps_weights_and_expert_tags():
+    """load_state_dict(assign=True), e.g. into a layer built on the meta device: the stacked
+    experts are the loaded tensors (not moved to meta), and the new Parameters stay tagged
+    as experts (sync_gradients, DDP's ignore list and the trainer's checkpoints rely on it)."""
+    torch.manual_seed(2)
+    layer = MoELayer(_config(top_k=2))
+    for device in ("meta", "cpu"):
+        other = MoELayer(_config(top_k=2), device=device)
+        other.load_state_dict(layer.state_dict(), assign=True)
+        assert expert_param_names(other) == expert_param_names(layer) == ["experts.gate_up", "experts.down"]
+        assert all(p.device.type == "cpu" for p in other.parameters())
+        x = torch.randn(5, H)
+        torch.testing.assert_close(other(x), layer(x))
+
+
 def test_init_is_seeded_and_experts_differ():
     torch.manual_seed(3)
     a = MoELayer(_config(top_k=2)).state_dict()
