@@ -502,6 +502,21 @@ class MoELayer(nn.Module):
         self._token_counts_seen: set[int] = set()  # checked equal over the EP group (dispatch="all_gather")
         self.reset_parameters()
 
+    def _apply(self, fn, recurse=True):
+        # ``expert_bias`` accumulates steps of ``bias_update_rate`` (1e-3): it keeps
+        # ``router_dtype`` when ``.to(dtype)``, ``.half()`` or ``.bfloat16()`` cast the layer,
+        # and follows only their device (in bf16, steps round away once |bias| >= 0.5)
+        bias = self._buffers.get("expert_bias")
+        if bias is not None:
+            self._buffers["expert_bias"] = None  # skipped by Module._apply, keeps its place
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            if bias is not None:
+                moved = fn(bias)
+                self._buffers["expert_bias"] = moved if moved.dtype == bias.dtype else bias.to(moved.device)
+        return self
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Documented init (see the class docstring); draws from the default RNG."""
@@ -839,8 +854,9 @@ class MoELayer(nn.Module):
         load_E = self._load_since_update.clone()
         if group_size(group) > 1:
             dist.all_reduce(load_E, group=group)
-        load_E = load_E.to(self.expert_bias.dtype)
-        self.expert_bias += self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
+        load_E = load_E.double()  # counts compared exactly, whatever the bias's dtype
+        step_E = self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
+        self.expert_bias += step_E.to(self.expert_bias.dtype)
         self._load_since_update.zero_()
 
 

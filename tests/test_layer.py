@@ -231,6 +231,25 @@ def test_state_dict_uses_global_expert_ids_and_round_trips():
         other.load_state_dict(sd)
 
 
+@pytest.mark.parametrize("cast", ["to_bfloat16", "half"])
+def test_expert_bias_stays_in_router_dtype_when_the_layer_is_cast(cast):
+    """.to(bf16) / .half() cast weights and activations, not the balancing bias: its small
+    steps would round away (and the load counts tie) in half precision."""
+    torch.manual_seed(5)
+    layer = MoELayer(_config(top_k=2, expert_bias=True, bias_update_rate=1e-3))
+    layer.expert_bias.fill_(0.75)
+    names = [name for name, _ in layer.named_buffers()]
+    layer = layer.to(torch.bfloat16) if cast == "to_bfloat16" else layer.half()
+    assert layer.expert_bias.dtype == torch.float32 and layer.router.weight.dtype != torch.float32
+    assert [name for name, _ in layer.named_buffers()] == names
+    layer.train()
+    layer(torch.randn(64, H).to(layer.router.weight.dtype))
+    before = layer.expert_bias.clone()
+    layer.update_expert_bias()
+    step = layer.expert_bias - before
+    assert step.abs().max() == pytest.approx(1e-3, rel=1e-3) and (step != 0).any()
+
+
 def test_assign_load_into_a_meta_layer_keeps_weights_and_expert_tags():
     """load_state_dict(assign=True), e.g. into a layer built on the meta device: the stacked
     experts are the loaded tensors (not moved to meta), and the new Parameters stay tagged
