@@ -24,6 +24,7 @@ experts: each rank picks its experts' keys and ignores the others (resharding on
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Optional, Union
@@ -171,6 +172,7 @@ class MoEConfig:
     ``last_stats.num_dropped``."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -226,6 +228,29 @@ class MoEConfig:
             if self.ep_size < 1 or self.num_experts % self.ep_size != 0:
                 raise ValueError(f"MoEConfig.num_experts={self.num_experts} is not divisible by "
                                  f"ep_size={self.ep_size}; pick an ep_size that divides num_experts")
+
+    def _check_types(self) -> None:
+        """Numbers and flags of the right type (a TOML or ``--set`` string, None where a
+        number belongs, a bool for an int), before the range checks compare them."""
+        optional = {"capacity_factor", "all_gather_row_bound", "shared_intermediate_size", "ep_size"}
+        kinds = {**dict.fromkeys(("hidden_size", "intermediate_size", "num_experts", "top_k", "num_shared_experts",
+                                  "shared_intermediate_size", "ep_size", "overlap_chunks"), "an int"),
+                 **dict.fromkeys(("aux_loss_coef", "z_loss_coef", "bias_update_rate", "init_std", "capacity_factor",
+                                  "all_gather_row_bound"), "a finite number"),
+                 **dict.fromkeys(("norm_topk_prob", "expert_bias", "own_rows_first"), "True or False")}
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if value is None and name in optional:
+                continue
+            if kind == "True or False":
+                ok = isinstance(value, bool)
+            elif kind == "an int":
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok:
+                raise ValueError(f"MoEConfig.{name}={value!r}: must be {kind}"
+                                 f"{', or None' if name in optional else ''}")
 
     @property
     def gate_up_size(self) -> int:

@@ -321,6 +321,16 @@ def test_ep_layout_expert_then_data():
     (dict(top_k=2, dispatch="all_gather", own_rows_first=True),
      r"own_rows_first=True does not apply to dispatch='all_gather'; leave it at False or use dispatch='all_to_all'"),
     (dict(top_k=2, dispatch="all_gather", all_gather_row_bound=0.0), r"all_gather_row_bound=0.0: must be > 0"),
+    # wrong types (e.g. strings from a config file or --set), before any comparison
+    (dict(top_k=2, capacity_factor="1.25"), r"capacity_factor='1.25': must be a finite number, or None"),
+    (dict(top_k=2, capacity_factor=float("inf")), r"capacity_factor=inf: must be a finite number, or None"),
+    (dict(top_k=2, aux_loss_coef=None), r"aux_loss_coef=None: must be a finite number$"),
+    (dict(top_k=2, init_std=None), r"init_std=None: must be a finite number"),
+    (dict(top_k=2, ep_size="2"), r"ep_size='2': must be an int, or None"),
+    (dict(top_k=2, num_shared_experts=1, shared_intermediate_size=12.5),
+     r"shared_intermediate_size=12.5: must be an int, or None"),
+    (dict(top_k=True), r"top_k=True: must be an int"),
+    (dict(top_k=2, expert_bias=1), r"expert_bias=1: must be True or False"),
 ])
 def test_config_errors(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
