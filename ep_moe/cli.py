@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     cache_sub.add_parser("list", help="one line per cache file")
     show = cache_sub.add_parser("show", help="print one cache file")
     show.add_argument("key", help="file name, digest, or a unique prefix of either")
-    cache_sub.add_parser("clear", help="delete every cache file")
+    cache_sub.add_parser("clear", help="delete every cache file (each under its lock; lock files stay)")
     cache_sub.add_parser("path", help="print the cache directory")
     return parser
 
