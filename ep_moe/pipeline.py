@@ -204,14 +204,21 @@ class _ExpertPipeline(torch.autograd.Function):
         weight_grads = DeferredWeightGrads(weights, private_leaves=True)  # the stand-ins
         for c, (plan, graph, own_graph) in enumerate(zip(plans, ctx.graphs, ctx.own_graphs)):
             ctx.saved[c].unpack()  # in this (the outer) graph task, before the chunk's own backward call
-            if own_graph is not None:  # its gradients are here: no wait for the exchange
-                own_grad = _own_slice(grads_back[c], plan.own, "sent")
+            recomputes = ctx.saved[c].replay_may_recompute
+            own_grad = None if own_graph is None else _own_slice(grads_back[c], plan.own, "sent")
+            if own_graph is not None and not recomputes:  # its gradients are here: no wait for the exchange
                 _backward_into(own_graph, own_grad, weights, weight_grads, exchange.uses_sms)
             out_SH, rows_SH, row_weights_S = graph
             # a recompute inside the replay would dispatch into this chunk's landing flag
             # while these rows still land: take them whole first
-            grad_in = grads_in[c].wait() if ctx.saved[c].replay_may_recompute else grads_in[c]
-            _backward_into(graph, grad_in, weights, weight_grads, ctx.share_sms, plan)
+            grad_in = grads_in[c].wait() if recomputes else grads_in[c]
+            if own_graph is not None and recomputes:
+                # every backward call recomputes the checkpointed forward (collectives
+                # included): one call for both graphs, so that a rank with own rows
+                # recomputes as often as one without
+                _backward_together([own_graph, graph], [own_grad, grad_in], weights, weight_grads, ctx.share_sms)
+            else:
+                _backward_into(graph, grad_in, weights, weight_grads, ctx.share_sms, plan)
             if ctx.saved[c].replay_may_recompute:  # and it may have staged its own combines where
                 exchange.begin()  # this chunk's go next: stage again once the peers pulled them
             rows_back.append(exchange.combine(_grad_or_zeros(rows_SH), c, "rows") if need_rows[c] else None)
@@ -333,17 +340,32 @@ def _backward_into(graph: tuple, grad: "torch.Tensor | PendingExchange", weights
     """Backward of one recorded expert graph ``(out, rows, row_weights)`` with ``grad`` (or
     what a pending exchange brings, for ``plan``'s rows), its weight gradients queued in
     ``weight_grads``."""
-    out, rows, row_weights = graph
-    inputs = [t for t in (rows, row_weights, *weights) if t.requires_grad]
+    inputs = _graph_inputs([graph], weights)
     pending = grad if isinstance(grad, PendingExchange) else None
     arrival = None
     if pending is not None:
         grad, arrival = _rows_of(pending, plan)
     if inputs:
         with defer_weight_grads(weight_grads), _sharing_sms(share_sms), rows_arriving(grad, arrival):
-            torch.autograd.backward(out, grad, inputs=inputs)
+            torch.autograd.backward(graph[0], grad, inputs=inputs)
     if pending is not None:
         pending.wait()  # the deferred dW GEMMs read the gradient rows too
+
+
+def _backward_together(graphs: list[tuple], grads: list[torch.Tensor], weights: list[torch.Tensor],
+                       weight_grads: DeferredWeightGrads, share_sms: bool) -> None:
+    """Backward of several recorded expert graphs with their (arrived) gradients in one
+    backward call, one graph task; weight gradients queued in ``weight_grads``."""
+    inputs = _graph_inputs(graphs, weights)
+    if inputs:
+        with defer_weight_grads(weight_grads), _sharing_sms(share_sms):
+            torch.autograd.backward([g[0] for g in graphs], grads, inputs=inputs)
+
+
+def _graph_inputs(graphs: list[tuple], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What the backward of recorded graphs ``(out, rows, row_weights)`` computes gradients for."""
+    return [t for _, rows, row_weights in graphs for t in (rows, row_weights) if t.requires_grad] + [
+        w for w in weights if w.requires_grad]
 
 
 def _sharing_sms(share: bool):

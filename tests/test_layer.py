@@ -868,6 +868,8 @@ CHECKPOINTED_DISPATCH = {
     "all_gather": dict(dispatch="all_gather"),
     # the forward's reduce-scatter leaves from the down projection (triton) on the copy engines
     "all_gather_ce": dict(dispatch="all_gather", transport="copy_engine", backend="triton"),
+    # rank 1 has no tokens, so no own rows: it must recompute as often as rank 0, which has
+    "own_first_empty_rank": dict(dispatch="all_to_all", own_rows_first=True),
 }
 
 
@@ -886,7 +888,8 @@ def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
     kwargs = CHECKPOINTED_DISPATCH[dispatch]
     layer = MoELayer(_config(top_k=2, overlap_chunks=2, **kwargs), dist.group.WORLD)
     gen = torch.Generator().manual_seed(200 + rank)
-    x, g = torch.randn(19, H, generator=gen), torch.randn(19, H, generator=gen)
+    tokens = 0 if dispatch == "own_first_empty_rank" and rank == 1 else 19
+    x, g = torch.randn(tokens, H, generator=gen), torch.randn(tokens, H, generator=gen)
     with file_workspaces(layer.ep_group, lagging_rank=1) if kwargs.get("transport") == "copy_engine" else nullcontext():
         plain = _run_layer(layer, x, g), _param_grads(layer)
         layer.zero_grad(set_to_none=True)
