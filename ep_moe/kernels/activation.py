@@ -83,6 +83,8 @@ def swiglu(h: torch.Tensor, num_rows: torch.Tensor | None = None) -> torch.Tenso
     ``num_rows``: a count still on the device (0-dim integer tensor) when only the first
     rows of ``h`` are in use (the grouped GEMM's ``bounded_rows``): the output rows past
     it, and the gradient rows past it, are left unwritten, and no time is spent on them."""
+    if not h.dtype.is_floating_point:
+        raise ValueError(f"swiglu expects floating-point activations, got {h.dtype}")
     if h.dim() != 2 or h.shape[1] % 2 or h.stride(1) != 1:
         raise ValueError(f"swiglu expects a row-contiguous [rows, 2I] tensor, got shape {tuple(h.shape)} "
                          f"and strides {h.stride()}")

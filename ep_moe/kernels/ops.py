@@ -575,6 +575,9 @@ def grouped_gemm(
                          "pass unique_gather=False")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend={backend!r}: use 'auto', 'triton' or 'torch'")
+    if configs is not None and not isinstance(configs, GemmConfigs):
+        raise ValueError(f"configs must be a GemmConfigs (forward, dx and dw KernelConfigs) or None, got "
+                         f"{type(configs).__name__}; wrap one config c as GemmConfigs(forward=c, dx=c, dw=c)")
     use_triton = backend == "triton" or (backend == "auto" and (x.is_cuda or interpreter_active()))
     if backend == "triton" and not (x.is_cuda or interpreter_active()):
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1); use backend='torch' on CPU")
@@ -582,6 +585,8 @@ def grouped_gemm(
         return grouped_gemm_reference(x, w, m_sizes, gather_index=gather_index,
                                       scatter_index=scatter_index, row_weights=row_weights)
     op = torch.ops.ep_moe.grouped_gemm_fwd if torch.compiler.is_compiling() else _EagerGroupedGemm.apply
+    if x.stride(-1) != 1:  # the row gathers of the backward (dW, sorted dX) read rows as contiguous
+        x = x.contiguous()
     return op(
         x, w, _as_int32(m_sizes), _as_int32(gather_index), _as_int32(scatter_index),
         None if row_weights is None else row_weights.contiguous(),  # the kernels index it with stride 1

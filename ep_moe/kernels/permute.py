@@ -182,6 +182,10 @@ def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "
     Differentiable; the backward sums each token's K row gradients in slot order (no
     atomics). ``backend``: ``"triton"`` (the kernels above) or ``"torch"``.
     """
+    _check_backend("permute_tokens", backend)
+    if x_TH.dim() != 2 or x_TH.shape[0] != meta.num_tokens:
+        raise ValueError(f"permute_tokens: x_TH is {tuple(x_TH.shape)}; pass the [T, H] tokens meta routes "
+                         f"(T = meta.num_tokens = {meta.num_tokens})")
     want = (meta.token_index_R.shape[0],) + tuple(x_TH.shape[1:])
     for name, given in (("out", out), ("gathered", gathered)):
         if given is not None and (tuple(given.shape) != want or given.dtype != x_TH.dtype
@@ -200,6 +204,7 @@ def gather_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", num_rows: torch.T
     (0-dim). Returns [R, H] for meta's R rows, of which only the first ``num_rows`` are
     written on the Triton path (the torch path gathers all); not differentiable: cut it
     and pass it to :func:`permute_tokens` as ``gathered`` once the count is known."""
+    _check_backend("gather_tokens", backend)
     if backend == "triton":
         return launch_gather_rows(x_TH.contiguous(), meta.token_index_R, limit=num_rows)
     return x_TH.index_select(0, meta.token_index_R)
@@ -209,4 +214,13 @@ def sum_slot_rows(rows_RH: torch.Tensor, meta: "RoutingMetadata", backend: str =
     """Routed rows summed per token, [T, H]: ``y[t] = sum_k rows_RH[row of slot t*K+k]``
     in slot order, dropped slots contributing zero. Rows must already carry their top-k
     weights. Differentiable; the backward gathers ``grad[meta.token_index_R]``."""
+    _check_backend("sum_slot_rows", backend)
+    if rows_RH.dim() != 2 or rows_RH.shape[0] < meta.token_index_R.shape[0]:
+        raise ValueError(f"sum_slot_rows: rows_RH is {tuple(rows_RH.shape)}; pass [R, H] with at least the "
+                         f"R = {meta.token_index_R.shape[0]} routed rows of meta")
     return _SumSlotRows.apply(rows_RH, meta, backend == "triton")
+
+
+def _check_backend(caller: str, backend: str) -> None:
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"{caller}: backend={backend!r}; use 'triton' or 'torch'")

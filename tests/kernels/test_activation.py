@@ -69,3 +69,8 @@ def test_swiglu_with_a_device_row_count(used_share):
 def test_swiglu_rejects_a_bad_row_count():
     with pytest.raises(ValueError, match="num_rows must be a one-element integer tensor.*m_sizes.sum"):
         swiglu(torch.randn(4, 8, device=DEVICE), torch.tensor([1.0, 2.0], device=DEVICE))
+
+
+def test_integer_input_is_refused():
+    with pytest.raises(ValueError, match="swiglu expects floating-point activations, got torch.int32"):
+        swiglu(torch.ones(2, 4, dtype=torch.int32))

@@ -475,6 +475,8 @@ def _args(**over):
         ({}, dict(scatter_index=torch.tensor([0, 1, 2, 3, 4, 4])), "permutation"),
         ({}, dict(row_weights=torch.rand(5)), "row_weights must be 1-D with 6"),
         ({}, dict(backend="cuda"), "backend='cuda'"),
+        ({}, dict(configs=KernelConfig()), "configs must be a GemmConfigs .* got KernelConfig; wrap one config"),
+        ({}, dict(configs={}), "configs must be a GemmConfigs"),
     ],
 )
 def test_bad_input_names_the_argument(over, kwargs, match):
@@ -548,3 +550,24 @@ def test_every_config_field_reaches_the_launch(monkeypatch):
         assert {k: kwargs[k] for k in expected} == expected, name
         assert kwargs["USE_TMA"] is False  # asked for none; the interpreter/CPU has none anyway
     assert set(launches) == {"rows", "dw"}
+
+
+@pytest.mark.parametrize("layout", ["transposed", "every_other_column"])
+def test_gathered_x_with_strided_columns_gets_right_gradients(layout):
+    """The backward's row gathers (dW, the sorted dX) read rows as contiguous: an x whose
+    columns are strided is made contiguous first, not read as if it were."""
+    base = torch.randn(48, 10, device=DEVICE) if layout == "transposed" else torch.randn(10, 96, device=DEVICE)
+    x = (base.t() if layout == "transposed" else base[:, ::2]).requires_grad_()
+    assert x.shape == (10, 48) and x.stride(-1) != 1
+    w = (torch.randn(2, 24, 48, device=DEVICE) / 7).requires_grad_()
+    m_sizes = torch.tensor([5, 9], dtype=torch.int32, device=DEVICE)
+    gather = torch.randint(0, 10, (14,), device=DEVICE)
+    y = grouped_gemm(x, w, m_sizes, gather_index=gather, configs=configs_for(torch.float32), backend="triton")
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, w), dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = grouped_gemm_reference(x64, w64, m_sizes, gather_index=gather)
+    refs = torch.autograd.grad(ref, (x64, w64), dy.double())
+    assert rel_err(y, ref) < TOL[torch.float32]
+    for got, want in zip(grads, refs):
+        assert rel_err(got, want) < TOL[torch.float32]

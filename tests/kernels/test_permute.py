@@ -158,3 +158,20 @@ def test_gather_rows_with_a_device_row_count(used):
     launch_gather_rows(src, idx, scale, out=out, limit=torch.tensor(used, device=DEVICE), scale_by_out_row=True)
     want = src[idx[:used].long()] * scale[:used, None]
     assert torch.allclose(out[:used], want, rtol=1e-6, atol=0) and bool((out[used:] == -7.0).all())
+
+
+def test_bad_input_names_the_argument():
+    """Tokens or rows that do not match ``meta`` (the Triton path would read past them) and
+    unknown backends are refused by name."""
+    meta = make_meta(5, 2, "mixed", torch.Generator().manual_seed(0))
+    x = torch.randn(5, 8, device=DEVICE)
+    rows = permute_tokens(x, meta, "torch")
+    with pytest.raises(ValueError, match=r"permute_tokens: x_TH is \(4, 8\); pass the \[T, H\] tokens .* = 5"):
+        permute_tokens(x[:4], meta, "triton")
+    with pytest.raises(ValueError, match=r"permute_tokens: x_TH is \(5, 2, 4\)"):
+        permute_tokens(x.view(5, 2, 4), meta, "triton")
+    with pytest.raises(ValueError, match=r"sum_slot_rows: rows_RH is .*at least the R = "):
+        sum_slot_rows(rows[:-1], meta, "triton")
+    for call in (lambda: permute_tokens(x, meta, "Triton"), lambda: sum_slot_rows(rows, meta, "auto")):
+        with pytest.raises(ValueError, match=r"backend='(Triton|auto)'; use 'triton' or 'torch'"):
+            call()
