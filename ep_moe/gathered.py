@@ -24,8 +24,8 @@ by that bound and the grouped GEMMs' tile loops by the counts on the device
 given gradients); rows past a set bound are dropped, the last experts' last slots first,
 and counted.
 
-Every rank must pass the same number of tokens (a fixed micro-batch): checked with one
-host-side all-gather the first time the layer sees a token count.
+Every rank must pass the same number of tokens (a fixed micro-batch): checked on every
+call by :class:`TokenCountCheck`, with a host sync only when a rank's count changes.
 """
 
 from __future__ import annotations
@@ -76,20 +76,51 @@ class GatherExchange:
                                                            async_op=True))
 
 
-def check_equal_tokens(num_tokens: int, group: ProcessGroup, device: torch.device, seen: set[int]) -> None:
-    """Raise unless every rank of ``group`` has ``num_tokens`` tokens: a host-side
-    all-gather (a sync), only the first time a count is met (``seen`` remembers it).
-    Collective on that call."""
-    if num_tokens in seen:
-        return
-    mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    all_gather_single(every, mine, group=group)
-    counts = every.tolist()
-    if len(set(counts)) != 1:
-        raise ValueError(f"MoEConfig.dispatch='all_gather' needs the same number of tokens on every rank of the "
-                         f"EP group, got {counts}; pad the batches to one size or use dispatch='all_to_all'")
-    seen.add(num_tokens)
+class TokenCountCheck:
+    """That every rank of the EP group passes the same number of tokens, checked on every
+    call without a host sync while the count stays the same.
+
+    :meth:`start` all-gathers the counts (call it before the router: the collective runs
+    under it); :meth:`finish` checks them before any collective sized by the count. A rank
+    reads them on the host (a sync) only when its count differs from the last one the group
+    agreed on (the first call, a short last batch) and raises a clear ``ValueError`` if they
+    differ. A rank whose count did not change compares them on the device: on CUDA a
+    device-side assert stops it (its peers with the new count raise the error), on the CPU
+    it raises the same error. No rank goes on to a collective its peers do not join."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.agreed: Optional[int] = None  # the count of the last call, equal on every rank
+        self._in_flight: Optional[tuple[int, torch.Tensor, PendingExchange]] = None
+
+    @torch.compiler.disable  # an async collective: eager under torch.compile
+    def start(self, num_tokens: int, device: torch.device) -> None:
+        """Start the all-gather of this rank's ``num_tokens`` (collective)."""
+        mine = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
+        every = mine.new_empty(dist.get_world_size(self.group))
+        work = all_gather_single(every, mine, group=self.group, async_op=True)
+        self._in_flight = (num_tokens, mine, PendingExchange(every, work))  # mine: held until the wait
+
+    def finish(self) -> None:
+        """Wait for the counts :meth:`start` gathered and check them (see the class)."""
+        if self._in_flight is None:
+            raise RuntimeError("TokenCountCheck.finish() without start()")
+        num_tokens, _, pending = self._in_flight
+        self._in_flight = None
+        every = pending.wait()
+        if num_tokens == self.agreed and every.is_cuda:
+            torch._assert_async(every.eq(num_tokens).all(), _unequal_tokens_message("a peer's differs"))
+            return
+        counts = every.tolist()
+        if len(set(counts)) != 1:
+            self.agreed = None  # a later call on the CPU or the GPU reads the counts again
+            raise ValueError(_unequal_tokens_message(counts))
+        self.agreed = num_tokens
+
+
+def _unequal_tokens_message(counts) -> str:
+    return (f"MoEConfig.dispatch='all_gather' needs the same number of tokens on every rank of the EP group, "
+            f"got {counts}; pad the batches to one size or use dispatch='all_to_all'")
 
 
 def row_bound(bound: Optional[float], num_tokens: int, top_k: int, ep_size: int, num_local: int) -> int:

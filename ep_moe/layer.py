@@ -47,7 +47,7 @@ from ep_moe.dispatch import (
     start_dispatch_packed,
     start_gather_counts,
 )
-from ep_moe.gathered import GatherExchange, check_equal_tokens, gathered_routing, row_bound
+from ep_moe.gathered import GatherExchange, TokenCountCheck, gathered_routing, row_bound
 from ep_moe.kernels.activation import swiglu
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm, grouped_gemm_slot_sum
@@ -524,7 +524,8 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = None
         self.last_stats: Optional[MoEStats] = None
-        self._token_counts_seen: set[int] = set()  # checked equal over the EP group (dispatch="all_gather")
+        gathers = config.dispatch == "all_gather" and self.ep_size > 1
+        self._token_count_check = TokenCountCheck(self.ep_group) if gathers else None
         self.reset_parameters()
 
     def _apply(self, fn, recurse=True):
@@ -605,7 +606,7 @@ class MoELayer(nn.Module):
            goes once to every rank that holds one of its experts (``all_to_all_single``,
            uneven splits), with its local expert ids and top-k weights there. With
            ``dispatch="all_gather"`` instead: every rank gets every token of the group
-           (no host sync; :mod:`ep_moe.gathered`).
+           (no host sync while the token count stays the same; :mod:`ep_moe.gathered`).
         4. Experts (on the arrived rows at EP>1): GEMM1 (gate_up) with gather on load;
            activation; GEMM2 (down) with the top-k weights multiplied in (fp32), scattered
            to slot order at EP=1; each row's slots summed.
@@ -615,6 +616,8 @@ class MoELayer(nn.Module):
         self._check_input(x)
         cfg = self.config
         x_TH = x.reshape(-1, cfg.hidden_size).to(self.compute_dtype())
+        if self._token_count_check is not None:  # the counts travel while the router runs
+            self._token_count_check.start(x_TH.shape[0], x_TH.device)
         router = route(
             x_TH, self.router.weight, top_k=cfg.top_k, score_func=cfg.score_func,
             norm_topk_prob=cfg.norm_topk_prob, aux_loss_coef=cfg.aux_loss_coef,
@@ -657,7 +660,7 @@ class MoELayer(nn.Module):
                             row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
         return sum_slot_rows(y_RH, meta, backend)
 
-    @torch.compiler.disable  # async collectives, a first-call host read: eager, as the a2a path
+    @torch.compiler.disable  # async collectives, a host read when the count changes: eager, as the a2a path
     def _experts_gathered(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         """EP>1 by all-gather (:mod:`ep_moe.gathered`): every token of the group through this
@@ -667,7 +670,7 @@ class MoELayer(nn.Module):
         dropped past the row bound)."""
         cfg, num_local = self.config, self.num_local_experts
         num_tokens, top_k = router.topk_ids_TK.shape
-        check_equal_tokens(num_tokens, self.ep_group, x_TH.device, self._token_counts_seen)
+        self._token_count_check.finish()  # before any collective sized by the count
         ids_TK = router.topk_ids_TK.to(torch.int32)
         if keep_TK is not None:
             ids_TK = ids_TK.masked_fill(~keep_TK, -1)

@@ -539,10 +539,13 @@ def _extras_world4(rank):
     with file_workspaces(bounded_ce.ep_group):
         out["bounded_ce_run"] = _run_layer(bounded_ce, inputs[rank], grads[rank])
     out["bounded_ce_rows"] = [p.grad.clone() for p in bounded_ce.parameters()]
+    # rank 1 keeps the count the group agreed on (12 tokens), the others pass a short batch:
+    # every rank raises before any collective sized by the count, so the group stays lined up
     try:
-        bounded(inputs[rank][: 1 + (rank == 1)])
+        bounded(inputs[rank][: 3 if rank == 1 else 1])
     except ValueError as err:
         out["unequal_tokens_error"] = str(err)
+    out["equal_again_shape"] = tuple(bounded(inputs[rank][:1]).shape)
 
     # The all-gather dispatch's default buffers at EP=4, top-2 of 8: 4x the average rows.
     with warnings.catch_warnings(record=True) as caught:
@@ -786,8 +789,9 @@ def test_all_gather_warns_of_worst_case_buffers_unless_bounded(ep4_results):
 def test_all_gather_needs_equal_token_counts(ep4_results):
     for res in ep4_results:
         assert re.search(r"dispatch='all_gather' needs the same number of tokens on every rank of the EP group, "
-                         r"got \[4, 8, 4, 4\]; pad the batches to one size or use dispatch='all_to_all'",
+                         r"got \[4, 12, 4, 4\]; pad the batches to one size or use dispatch='all_to_all'",
                          res["unequal_tokens_error"])
+        assert res["equal_again_shape"] == (1, 4, H)
 
 
 @pytest.mark.distributed
