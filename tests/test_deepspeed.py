@@ -151,14 +151,18 @@ def test_expert_layout_inference(make, expected):
     expert = _init_(make(), 0)
     layout = infer_expert_layout(expert, H)
     assert (layout.activation, layout.intermediate_size, layout.up, layout.down, layout.gate) == expected
-    # the mapped weights compute the expert
+    # the expert's weights under DeepSpeed's MoE keys load (strictly) into weights that compute
+    # the expert, and the layer's state dict gives them back under the same keys
     moe = MoE(H, expert, num_experts=1, k=1, drop_tokens=False)
-    with torch.no_grad():
-        moe.layer.router.weight.zero_()
-        moe.layer.experts.gate_up[0].copy_(layout.gate_up_weight(expert))
-        moe.layer.experts.down[0].copy_(layout.down_weight(expert))
+    deepspeed_keys = {"deepspeed_moe.gate.wg.weight": torch.zeros(1, H),
+                      **{f"deepspeed_moe.experts.deepspeed_experts.0.{k}": v for k, v in expert.state_dict().items()}}
+    moe.load_state_dict(deepspeed_keys)
     x = torch.randn(7, H)
     torch.testing.assert_close(moe(x)[0], expert(x))
+    saved = moe.state_dict()
+    assert saved.keys() == deepspeed_keys.keys()
+    for key, value in deepspeed_keys.items():
+        torch.testing.assert_close(saved[key], value, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("expert,kwargs,pattern", [
@@ -262,12 +266,8 @@ def test_replace_matches_deepspeed(deepspeed, k):
 
 def _expert_grads(layout, expert: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """A DeepSpeed expert's gradients in ep_moe's layout (zeros for an expert no row reached)."""
-    def grad(name):
-        weight = expert.get_submodule(name).weight
-        return torch.zeros_like(weight) if weight.grad is None else weight.grad
-
-    gate_up = grad(layout.up) if layout.gate is None else torch.cat([grad(layout.gate), grad(layout.up)])
-    return gate_up, grad(layout.down)
+    return layout.from_state({name: torch.zeros_like(p) if p.grad is None else p.grad
+                              for name, p in expert.named_parameters()})
 
 
 def test_replace_rejects_a_bare_layer(deepspeed):
@@ -337,7 +337,8 @@ def test_replace_at_ep2_and_engine(deepspeed):
     for key, value in after[0].items():
         torch.testing.assert_close(after[1][key], value)
     changed = [k for k in after[0] if not torch.equal(after[0][k], results[0]["before"][k])]
-    assert "moes.0.layer.experts.gate_up.0" in changed and "moes.0.layer.router.weight" in changed
+    assert "moes.0.deepspeed_moe.experts.deepspeed_experts.0.gate_proj.weight" in changed
+    assert "moes.0.deepspeed_moe.gate.wg.weight" in changed
 
 
 def _comparable(model) -> dict[str, torch.Tensor]:
@@ -351,16 +352,18 @@ def _comparable(model) -> dict[str, torch.Tensor]:
             out[f"{i}.down"] = moe.layer.experts.down.detach().clone()
         else:
             layout = infer_expert_layout(moe.deepspeed_moe.experts.deepspeed_experts[0], H)
-            experts = moe.deepspeed_moe.experts.deepspeed_experts
+            weights = [layout.from_state(e.state_dict()) for e in moe.deepspeed_moe.experts.deepspeed_experts]
             out[f"{i}.router"] = moe.deepspeed_moe.gate.wg.weight.detach().clone()
-            out[f"{i}.gate_up"] = torch.stack([layout.gate_up_weight(e).detach() for e in experts])
-            out[f"{i}.down"] = torch.stack([layout.down_weight(e).detach() for e in experts])
+            out[f"{i}.gate_up"] = torch.stack([gate_up for gate_up, _ in weights])
+            out[f"{i}.down"] = torch.stack([down for _, down in weights])
     return out
 
 
-def _engine_worker(rank, world_size, ep_size):
+def _engine_worker(rank, world_size, ep_size, ckpt_dir, reshard_ep_size):
     """One step of the DeepSpeed engine (ZeRO 0, fp32, client SGD) on DeepSpeed's own
-    ep_size MoE model and on its replacement, from the same weights and tokens."""
+    ep_size MoE model and on its replacement, from the same weights and tokens; then each
+    engine's ``save_checkpoint`` loaded by ``load_checkpoint`` into fresh replaced models, at
+    ep_size and (ours) at ``reshard_ep_size``."""
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
     from deepspeed.utils import groups
 
@@ -385,15 +388,28 @@ def _engine_worker(rank, world_size, ep_size):
     ours.load_state_dict(ds_model.state_dict())
     replace_deepspeed_moe(ours)
     x = torch.randn(3, 4, H, generator=torch.Generator().manual_seed(rank))
+
+    def engine_of(model):
+        return deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                    config={"train_micro_batch_size_per_gpu": 1})[0]
+
     for key, model in (("ds", ds_model), ("ours", ours)):
         out[f"{key}_before"] = _comparable(model)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                          config={"train_micro_batch_size_per_gpu": 1})
+        engine = engine_of(model)
         out[f"{key}_has_moe"] = engine.has_moe_layers
         y, l_aux, _ = engine(x)
         engine.backward(y.square().mean() + 0.1 * l_aux.sum())
         engine.step()
         out[f"{key}_after"] = _comparable(model)
+        engine.save_checkpoint(f"{ckpt_dir}/{key}")
+    # into fresh replaced models (other weights): ours with its optimizer state, DeepSpeed's
+    # own weights-only (its optimizer has other parameters), ours again at another ep_size
+    for key, load_from, size in (("ours", "ours", ep_size), ("ds", "ds", ep_size), ("resharded", "ours",
+                                                                                    reshard_ep_size)):
+        fresh = TwoMoEModel(DeepSpeedMoE, k=1, ep_size=size, seed=99)
+        replace_deepspeed_moe(fresh)
+        path, _ = engine_of(fresh).load_checkpoint(f"{ckpt_dir}/{load_from}", load_optimizer_states=key == "ours")
+        out[f"{key}_loaded"] = _comparable(fresh) if path is not None else None
     layer = ours.moes[0].layer
     out["ep_group_is_deepspeeds"] = layer.ep_group is groups._get_expert_parallel_group(name)
     out["tags"] = {(p.allreduce, p.group_name) for p in layer.experts.parameters()}
@@ -403,12 +419,14 @@ def _engine_worker(rank, world_size, ep_size):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_engine_step_matches_deepspeed(deepspeed, world_size):
+def test_engine_step_and_checkpoints_match_deepspeed(deepspeed, world_size, tmp_path):
     """Under deepspeed.initialize at ep_size=2 the replaced layers take DeepSpeed's step:
     expert gradients all-reduced over the expert-data-parallel group only, scaled as
-    DeepSpeed scales its own experts' (and the rest as usual)."""
-    ep_size = 2
-    results = run_distributed(_engine_worker, world_size, ep_size, timeout_s=120)
+    DeepSpeed scales its own experts' (and the rest as usual). The engine's checkpoints of
+    the replaced model and of DeepSpeed's own load into replaced models, also at another
+    ep_size."""
+    ep_size, reshard_ep_size = 2, 1 if world_size == 2 else 4
+    results = run_distributed(_engine_worker, world_size, ep_size, str(tmp_path), reshard_ep_size, timeout_s=180)
     for rank, res in enumerate(results):
         assert res["ds_has_moe"] and res["ours_has_moe"]
         assert res["ep_group_is_deepspeeds"]
@@ -431,3 +449,20 @@ def test_engine_step_matches_deepspeed(deepspeed, world_size):
                 assert not torch.equal(value, results[(rank + 1) % ep_size]["ours_after"][key])
             else:
                 torch.testing.assert_close(value, results[0]["ours_after"][key], atol=0, rtol=0)
+    # the checkpoints: each engine's weights back exactly, on every rank
+    for res in results:
+        for key, want in (("ours_loaded", res["ours_after"]), ("ds_loaded", res["ds_after"])):
+            assert res[key] is not None and res[key].keys() == want.keys(), key
+            for name in want:
+                torch.testing.assert_close(res[key][name], want[name], atol=0, rtol=0, msg=lambda m: f"{key} {name}")
+    # and at reshard_ep_size each rank holds the global experts of its new EP rank
+    local = E // reshard_ep_size
+    for rank, res in enumerate(results):
+        for name, value in res["resharded_loaded"].items():
+            if name.endswith(("gate_up", "down")):
+                first = rank % reshard_ep_size * local
+                want = torch.cat([results[g // (E // ep_size)]["ours_after"][name][g % (E // ep_size)][None]
+                                  for g in range(first, first + local)])
+            else:
+                want = res["ours_after"][name]
+            torch.testing.assert_close(value, want, atol=0, rtol=0, msg=lambda m: f"resharded {name}")

@@ -61,20 +61,32 @@ against DeepSpeed's own MoE with ZeRO stage 0, fp32 and a client torch optimizer
 step at world 2 and 4, ``ep_size=2``); for ZeRO stage 1/2 pass DeepSpeed's MoE optimizer
 param groups (``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``,
 which reads the tags above) as for DeepSpeed's own MoE. ZeRO stage 3 is refused by the
-engine as for native MoE. ``engine.save_checkpoint`` does not know this layer's expert
-weights (DeepSpeed's per-expert checkpoint files expect its own module names): save them
-with ``torch.save(model.state_dict())`` on every expert-parallel rank instead.
+engine as for native MoE.
 :meth:`MoE.set_deepspeed_parallelism` raises (naming the fix) where this cannot work: a
 layer built before ``import deepspeed`` at ``ep_size > 1``, DeepSpeed groups that are not
 ep_moe's expert-then-data layout (``use_data_before_expert_parallelism=True`` with
 several EP groups), or a custom ``ep_group`` of other ranks.
+
+Checkpoints. :class:`MoE`'s ``state_dict`` has DeepSpeed's MoE keys: the router as
+``deepspeed_moe.gate.wg.weight``, local expert j's weights under
+``deepspeed_moe.experts.deepspeed_experts.{j}.``, named as in the expert module (an
+expert that could not be read: ``gate_up.weight`` and ``down.weight``). So
+``engine.save_checkpoint`` writes DeepSpeed's per-expert files and
+``engine.load_checkpoint`` reads them, at the same or another ``ep_size``, and a
+checkpoint of the model with DeepSpeed's own MoE layers loads into the replaced model
+(its weights: pass ``load_optimizer_states=False``, since its optimizer holds other
+parameters). Tested with ZeRO stage 0 at world 2 and 4. As for DeepSpeed's layer, these
+keys hold local expert ids, so a ``torch.save(model.state_dict())`` of each rank loads back
+at the same ``ep_size`` and rank only; ``moe.layer.state_dict()`` has ep_moe's keys (global
+expert ids: they reshard on load, :class:`ep_moe.MoELayer`). ``load_state_dict`` takes
+either.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Optional, Union, get_args
+from typing import Mapping, Optional, Union, get_args
 
 import torch
 import torch.distributed as dist
@@ -111,16 +123,23 @@ class ExpertLayout:
     gate: Optional[str] = None
     """Submodule of SwiGLU's separate gate Linear H -> I, if there is one."""
 
-    def gate_up_weight(self, expert: nn.Module) -> torch.Tensor:
-        """The expert's ``gate_up`` weight in ep_moe's layout, [2I or I, H]."""
-        up = expert.get_submodule(self.up).weight
-        if self.gate is None:
-            return up
-        return torch.cat([expert.get_submodule(self.gate).weight, up])
+    def from_state(self, state: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ep_moe's ``(gate_up [2I or I, H], down [H, I])`` of one expert from the expert
+        module's state-dict entries (``expert.state_dict()``, or its gradients by the same
+        keys). Raises ``KeyError`` for a missing weight."""
+        up = state[f"{self.up}.weight"]
+        gate_up = up if self.gate is None else torch.cat([state[f"{self.gate}.weight"], up])
+        return gate_up, state[f"{self.down}.weight"]
 
-    def down_weight(self, expert: nn.Module) -> torch.Tensor:
-        """The expert's ``down`` weight, [H, I]."""
-        return expert.get_submodule(self.down).weight
+    def to_state(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inverse of :meth:`from_state`: one expert's weights as the expert module's
+        state-dict entries (views of ``gate_up`` and ``down``)."""
+        state = {f"{self.down}.weight": down}
+        if self.gate is None:
+            state[f"{self.up}.weight"] = gate_up
+        else:
+            state[f"{self.gate}.weight"], state[f"{self.up}.weight"] = gate_up.chunk(2)
+        return state
 
 
 def _find(names_by_leaf: dict[str, str], candidates: tuple[str, ...]) -> Optional[str]:
@@ -359,6 +378,12 @@ class MoE(nn.Module):
         self.ep_size = ep_size
         self.num_local_experts = num_experts // ep_size
         self.expert_group_name = f"ep_size_{ep_size}"  # DeepSpeed's name of the expert groups
+        # the state dict in DeepSpeed's keys (module docstring); experts that could not be
+        # read keep ep_moe's two weights under names of their own
+        self._state_layout = self.expert_layout or ExpertLayout(activation, intermediate_size, up="gate_up",
+                                                                down="down")
+        self.register_state_dict_post_hook(_deepspeed_keys_hook)
+        self.register_load_state_dict_pre_hook(_ep_moe_keys_hook)
 
     @staticmethod
     def _layout(expert: Optional[nn.Module], hidden_size: int, intermediate_size: Optional[int],
@@ -416,8 +441,9 @@ class MoE(nn.Module):
                                  "(use_data_before_expert_parallel_=False)")
         self.layer.router.weight.copy_(ds_moe.deepspeed_moe.gate.wg.weight)
         for j, expert in enumerate(ds_moe.deepspeed_moe.experts.deepspeed_experts):
-            self.layer.experts.gate_up[j].copy_(self.expert_layout.gate_up_weight(expert))
-            self.layer.experts.down[j].copy_(self.expert_layout.down_weight(expert))
+            gate_up, down = self.expert_layout.from_state(expert.state_dict())
+            self.layer.experts.gate_up[j].copy_(gate_up)
+            self.layer.experts.down[j].copy_(down)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by ``deepspeed.initialize`` on every module that has it (call on every
@@ -476,6 +502,43 @@ class MoE(nn.Module):
         output = self.layer(hidden_states)
         stats = self.layer.last_stats
         return output, stats.aux_loss, stats.tokens_per_expert
+
+
+_DS_ROUTER_KEY = "deepspeed_moe.gate.wg.weight"
+_DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
+
+
+def _deepspeed_keys_hook(module: MoE, state_dict, prefix, local_metadata) -> None:
+    """state_dict: ep_moe's keys of ``layer`` -> DeepSpeed's MoE keys, the router as
+    ``deepspeed_moe.gate.wg.weight`` and local expert j as
+    ``deepspeed_moe.experts.deepspeed_experts.{j}.<its Linear>.weight``."""
+    layer = module.layer
+    state_dict[prefix + _DS_ROUTER_KEY] = state_dict.pop(prefix + "layer.router.weight")
+    for j, g in enumerate(layer.experts.global_ids()):
+        gate_up = state_dict.pop(f"{prefix}layer.experts.gate_up.{g}")
+        down = state_dict.pop(f"{prefix}layer.experts.down.{g}")
+        for key, value in module._state_layout.to_state(gate_up, down).items():
+            state_dict[f"{prefix}{_DS_EXPERT_PREFIX}{j}.{key}"] = value
+
+
+def _ep_moe_keys_hook(module: MoE, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                      error_msgs) -> None:
+    """load_state_dict: DeepSpeed's MoE keys -> ep_moe's (the inverse of
+    :func:`_deepspeed_keys_hook`); ep_moe's own keys pass as they are. An expert whose
+    weights are incomplete keeps its keys, which a strict load then reports."""
+    if prefix + _DS_ROUTER_KEY in state_dict:
+        state_dict[prefix + "layer.router.weight"] = state_dict.pop(prefix + _DS_ROUTER_KEY)
+    for j, g in enumerate(module.layer.experts.global_ids()):
+        expert_prefix = f"{prefix}{_DS_EXPERT_PREFIX}{j}."
+        keys = [k for k in state_dict if k.startswith(expert_prefix)]
+        try:
+            gate_up, down = module._state_layout.from_state({k[len(expert_prefix):]: state_dict[k] for k in keys})
+        except KeyError:
+            continue
+        for key in keys:
+            del state_dict[key]
+        state_dict[f"{prefix}layer.experts.gate_up.{g}"] = gate_up
+        state_dict[f"{prefix}layer.experts.down.{g}"] = down
 
 
 def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
