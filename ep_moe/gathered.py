@@ -88,17 +88,16 @@ class TokenCountCheck:
     device-side assert stops it (its peers with the new count raise the error), on the CPU
     it raises the same error. No rank goes on to a collective its peers do not join."""
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
+    def __init__(self) -> None:
         self.agreed: Optional[int] = None  # the count of the last call, equal on every rank
         self._in_flight: Optional[tuple[int, torch.Tensor, PendingExchange]] = None
 
     @torch.compiler.disable  # an async collective: eager under torch.compile
-    def start(self, num_tokens: int, device: torch.device) -> None:
-        """Start the all-gather of this rank's ``num_tokens`` (collective)."""
+    def start(self, num_tokens: int, group: ProcessGroup, device: torch.device) -> None:
+        """Start the all-gather of this rank's ``num_tokens`` over ``group`` (collective)."""
         mine = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
-        every = mine.new_empty(dist.get_world_size(self.group))
-        work = all_gather_single(every, mine, group=self.group, async_op=True)
+        every = mine.new_empty(dist.get_world_size(group))
+        work = all_gather_single(every, mine, group=group, async_op=True)
         self._in_flight = (num_tokens, mine, PendingExchange(every, work))  # mine: held until the wait
 
     def finish(self) -> None:

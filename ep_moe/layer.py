@@ -525,7 +525,7 @@ class MoELayer(nn.Module):
             self.expert_bias = None
         self.last_stats: Optional[MoEStats] = None
         gathers = config.dispatch == "all_gather" and self.ep_size > 1
-        self._token_count_check = TokenCountCheck(self.ep_group) if gathers else None
+        self._token_count_check = TokenCountCheck() if gathers else None
         self.reset_parameters()
 
     def _apply(self, fn, recurse=True):
@@ -617,7 +617,7 @@ class MoELayer(nn.Module):
         cfg = self.config
         x_TH = x.reshape(-1, cfg.hidden_size).to(self.compute_dtype())
         if self._token_count_check is not None:  # the counts travel while the router runs
-            self._token_count_check.start(x_TH.shape[0], x_TH.device)
+            self._token_count_check.start(x_TH.shape[0], self.ep_group, x_TH.device)
         router = route(
             x_TH, self.router.weight, top_k=cfg.top_k, score_func=cfg.score_func,
             norm_topk_prob=cfg.norm_topk_prob, aux_loss_coef=cfg.aux_loss_coef,
