@@ -25,7 +25,7 @@ given gradients); rows past a set bound are dropped, the last experts' last slot
 and counted.
 
 Every rank must pass the same number of tokens (a fixed micro-batch): checked on every
-call by :class:`TokenCountCheck`, with a host sync only when a rank's count changes.
+call by :class:`TokenCountCheck`, with a host sync only the first time a count is met.
 """
 
 from __future__ import annotations
@@ -78,18 +78,20 @@ class GatherExchange:
 
 class TokenCountCheck:
     """That every rank of the EP group passes the same number of tokens, checked on every
-    call without a host sync while the count stays the same.
+    call, with a host sync only the first time the group meets a count.
 
     :meth:`start` all-gathers the counts (call it before the router: the collective runs
     under it); :meth:`finish` checks them before any collective sized by the count. A rank
-    reads them on the host (a sync) only when its count differs from the last one the group
-    agreed on (the first call, a short last batch) and raises a clear ``ValueError`` if they
-    differ. A rank whose count did not change compares them on the device: on CUDA a
-    device-side assert stops it (its peers with the new count raise the error), on the CPU
-    it raises the same error. No rank goes on to a collective its peers do not join."""
+    reads them on the host (a sync) when its count is one the group has not agreed on yet
+    (the first call, the first short last batch) and raises a clear ``ValueError`` if they
+    differ. For a count agreed on before, the counts are compared on the device, which CUDA
+    graphs can capture: on CUDA a device-side assert stops the rank (a peer whose count is
+    new raises the error; where every rank's count is an old one, all stop at the assert),
+    on the CPU it raises the same error. No rank goes on to a collective its peers do not
+    join."""
 
     def __init__(self) -> None:
-        self.agreed: Optional[int] = None  # the count of the last call, equal on every rank
+        self.agreed: set[int] = set()  # counts every rank of the group has passed at once
         self._in_flight: Optional[tuple[int, torch.Tensor, PendingExchange]] = None
 
     @torch.compiler.disable  # an async collective: eager under torch.compile
@@ -107,14 +109,13 @@ class TokenCountCheck:
         num_tokens, _, pending = self._in_flight
         self._in_flight = None
         every = pending.wait()
-        if num_tokens == self.agreed and every.is_cuda:
+        if num_tokens in self.agreed and every.is_cuda:
             torch._assert_async(every.eq(num_tokens).all(), _unequal_tokens_message("a peer's differs"))
             return
         counts = every.tolist()
         if len(set(counts)) != 1:
-            self.agreed = None  # a later call on the CPU or the GPU reads the counts again
             raise ValueError(_unequal_tokens_message(counts))
-        self.agreed = num_tokens
+        self.agreed.add(num_tokens)
 
 
 def _unequal_tokens_message(counts) -> str:

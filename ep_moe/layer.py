@@ -606,7 +606,7 @@ class MoELayer(nn.Module):
            goes once to every rank that holds one of its experts (``all_to_all_single``,
            uneven splits), with its local expert ids and top-k weights there. With
            ``dispatch="all_gather"`` instead: every rank gets every token of the group
-           (no host sync while the token count stays the same; :mod:`ep_moe.gathered`).
+           (no host sync for a token count met before; :mod:`ep_moe.gathered`).
         4. Experts (on the arrived rows at EP>1): GEMM1 (gate_up) with gather on load;
            activation; GEMM2 (down) with the top-k weights multiplied in (fp32), scattered
            to slot order at EP=1; each row's slots summed.
@@ -660,7 +660,7 @@ class MoELayer(nn.Module):
                             row_weights=weights_N[meta.slot_index_R], backend=backend, configs=configs)
         return sum_slot_rows(y_RH, meta, backend)
 
-    @torch.compiler.disable  # async collectives, a host read when the count changes: eager, as the a2a path
+    @torch.compiler.disable  # async collectives, a host read for a new count: eager, as the a2a path
     def _experts_gathered(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         """EP>1 by all-gather (:mod:`ep_moe.gathered`): every token of the group through this
