@@ -165,6 +165,23 @@ def test_expert_layout_inference(make, expected):
         torch.testing.assert_close(saved[key], value, atol=0, rtol=0)
 
 
+def test_deepspeed_keys_load_only_what_the_layout_names():
+    """Keys of DeepSpeed's MoE that the expert layout does not name (a bias) stay and a strict
+    load reports them; a gate without its up loads nothing of gate_up, but the down loads."""
+    moe = MoE(H, SwiGLUExpert(), num_experts=2, k=1, drop_tokens=False)
+    full = moe.state_dict()
+    with_bias = {**full, "deepspeed_moe.experts.deepspeed_experts.0.down_proj.bias": torch.zeros(H)}
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\).*"deepspeed_moe.experts.deepspeed_experts.0.'
+                                           r'down_proj.bias"'):
+        moe.load_state_dict(with_bias)
+    partial = {k: torch.full_like(v, 7.0) for k, v in full.items() if not k.endswith("1.up_proj.weight")}
+    result = moe.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["layer.experts.gate_up.1"]
+    assert result.unexpected_keys == ["deepspeed_moe.experts.deepspeed_experts.1.gate_proj.weight"]
+    assert torch.all(moe.layer.experts.down == 7.0) and torch.all(moe.layer.experts.gate_up[0] == 7.0)
+    assert not torch.any(moe.layer.experts.gate_up[1] == 7.0)
+
+
 @pytest.mark.parametrize("expert,kwargs,pattern", [
     (mlp_expert(nn.SiLU()), {}, r"cannot tell the activation of expert Sequential.*pass activation='gelu'"),
     (mlp_expert(nn.GELU(approximate="tanh")), {}, r"nn.GELU\(approximate='tanh'\).*use nn.GELU\(\)"),
@@ -359,12 +376,13 @@ def _comparable(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _engine_worker(rank, world_size, ep_size, ckpt_dir, reshard_ep_size):
+def _engine_worker(rank, world_size, ep_size, ckpt_dir, reshard_ep_size, zero_stage):
     """One step of the DeepSpeed engine (ZeRO 0, fp32, client SGD) on DeepSpeed's own
     ep_size MoE model and on its replacement, from the same weights and tokens; then each
     engine's ``save_checkpoint`` loaded by ``load_checkpoint`` into fresh replaced models, at
     ep_size and (ours) at ``reshard_ep_size``."""
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from deepspeed.utils import groups
 
     deepspeed = _init_deepspeed()
@@ -389,9 +407,12 @@ def _engine_worker(rank, world_size, ep_size, ckpt_dir, reshard_ep_size):
     replace_deepspeed_moe(ours)
     x = torch.randn(3, 4, H, generator=torch.Generator().manual_seed(rank))
 
-    def engine_of(model):
-        return deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                    config={"train_micro_batch_size_per_gpu": 1})[0]
+    def engine_of(model):  # ZeRO 1/2 take DeepSpeed's MoE param groups, read from the expert tags
+        params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                         "name": "all"})
+        return deepspeed.initialize(model=model, optimizer=torch.optim.SGD(params, lr=1.0), config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": zero_stage},
+            "zero_allow_untested_optimizer": True})[0]
 
     for key, model in (("ds", ds_model), ("ours", ours)):
         out[f"{key}_before"] = _comparable(model)
@@ -418,15 +439,16 @@ def _engine_worker(rank, world_size, ep_size, ckpt_dir, reshard_ep_size):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_engine_step_and_checkpoints_match_deepspeed(deepspeed, world_size, tmp_path):
+@pytest.mark.parametrize("world_size,zero_stage", [(2, 0), (4, 0), (2, 1)])
+def test_engine_step_and_checkpoints_match_deepspeed(deepspeed, world_size, zero_stage, tmp_path):
     """Under deepspeed.initialize at ep_size=2 the replaced layers take DeepSpeed's step:
     expert gradients all-reduced over the expert-data-parallel group only, scaled as
     DeepSpeed scales its own experts' (and the rest as usual). The engine's checkpoints of
     the replaced model and of DeepSpeed's own load into replaced models, also at another
     ep_size."""
     ep_size, reshard_ep_size = 2, 1 if world_size == 2 else 4
-    results = run_distributed(_engine_worker, world_size, ep_size, str(tmp_path), reshard_ep_size, timeout_s=180)
+    results = run_distributed(_engine_worker, world_size, ep_size, str(tmp_path), reshard_ep_size, zero_stage,
+                              timeout_s=180)
     for rank, res in enumerate(results):
         assert res["ds_has_moe"] and res["ours_has_moe"]
         assert res["ep_group_is_deepspeeds"]

@@ -51,17 +51,18 @@ holds; the layer's code is ours). The engine then calls
 :meth:`MoE.set_deepspeed_parallelism`, which, as DeepSpeed's ``_create_process_groups``
 does, creates DeepSpeed's expert and expert-data-parallel groups named
 ``ep_size_<ep_size>`` (honouring the engine's ``use_data_before_expert_parallelism``),
-makes DeepSpeed's expert-parallel group the layer's all-to-all group, and tags the
-expert weights as DeepSpeed's ``Experts`` tags its own (``allreduce=False``,
-``group_name="ep_size_<ep_size>"``). The engine thus all-reduces expert gradients over
+makes DeepSpeed's expert-parallel group the layer's all-to-all group. The expert weights
+carry DeepSpeed's tags (``allreduce=False``, ``group_name="ep_size_<ep_size>"``) from the
+layer's construction, as DeepSpeed's ``Experts`` tags its own. The engine thus all-reduces expert gradients over
 the expert-data-parallel group only and divides them, like every other gradient, by the
 data-parallel world size, exactly as :func:`ep_moe.parallel.sync_gradients` does; the
 router and the rest of the model are averaged over all data-parallel ranks. Tested
 against DeepSpeed's own MoE with ZeRO stage 0, fp32 and a client torch optimizer (one
-step at world 2 and 4, ``ep_size=2``); for ZeRO stage 1/2 pass DeepSpeed's MoE optimizer
-param groups (``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``,
-which reads the tags above) as for DeepSpeed's own MoE. ZeRO stage 3 is refused by the
-engine as for native MoE.
+step at world 2 and 4, ``ep_size=2``) and with ZeRO stage 1 (world 2); for ZeRO stage 1/2
+pass DeepSpeed's MoE optimizer param groups
+(``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``, which reads
+the tags above) as for DeepSpeed's own MoE. ZeRO stage 3 is refused by the engine as for
+native MoE.
 :meth:`MoE.set_deepspeed_parallelism` raises (naming the fix) where this cannot work: a
 layer built before ``import deepspeed`` at ``ep_size > 1``, DeepSpeed groups that are not
 ep_moe's expert-then-data layout (``use_data_before_expert_parallelism=True`` with
@@ -75,7 +76,11 @@ expert that could not be read: ``gate_up.weight`` and ``down.weight``). So
 ``engine.load_checkpoint`` reads them, at the same or another ``ep_size``, and a
 checkpoint of the model with DeepSpeed's own MoE layers loads into the replaced model
 (its weights: pass ``load_optimizer_states=False``, since its optimizer holds other
-parameters). Tested with ZeRO stage 0 at world 2 and 4. As for DeepSpeed's layer, these
+parameters). Tested with ZeRO stage 0 at world 2 and 4 and stage 1 at world 2. One
+difference: ``save_checkpoint(exclude_frozen_parameters=True)`` still saves a frozen router
+(the engine leaves out frozen weights by parameter name, and the router's key is renamed).
+Keys the expert layout does not name (an expert's bias) are not taken: a strict load
+reports them. As for DeepSpeed's layer, these
 keys hold local expert ids, so a ``torch.save(model.state_dict())`` of each rank loads back
 at the same ``ep_size`` and rank only; ``moe.layer.state_dict()`` has ep_moe's keys (global
 expert ids: they reshard on load, :class:`ep_moe.MoELayer`). ``load_state_dict`` takes
@@ -123,23 +128,26 @@ class ExpertLayout:
     gate: Optional[str] = None
     """Submodule of SwiGLU's separate gate Linear H -> I, if there is one."""
 
+    @property
+    def gate_up_keys(self) -> tuple[str, ...]:
+        """The expert module's state-dict keys whose weights, stacked, are ``gate_up``."""
+        return (f"{self.up}.weight",) if self.gate is None else (f"{self.gate}.weight", f"{self.up}.weight")
+
+    @property
+    def down_key(self) -> str:
+        """The expert module's state-dict key of the ``down`` weight."""
+        return f"{self.down}.weight"
+
     def from_state(self, state: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """ep_moe's ``(gate_up [2I or I, H], down [H, I])`` of one expert from the expert
         module's state-dict entries (``expert.state_dict()``, or its gradients by the same
         keys). Raises ``KeyError`` for a missing weight."""
-        up = state[f"{self.up}.weight"]
-        gate_up = up if self.gate is None else torch.cat([state[f"{self.gate}.weight"], up])
-        return gate_up, state[f"{self.down}.weight"]
+        return torch.cat([state[key] for key in self.gate_up_keys]), state[self.down_key]
 
     def to_state(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
         """The inverse of :meth:`from_state`: one expert's weights as the expert module's
         state-dict entries (views of ``gate_up`` and ``down``)."""
-        state = {f"{self.down}.weight": down}
-        if self.gate is None:
-            state[f"{self.up}.weight"] = gate_up
-        else:
-            state[f"{self.gate}.weight"], state[f"{self.up}.weight"] = gate_up.chunk(2)
-        return state
+        return {**dict(zip(self.gate_up_keys, gate_up.chunk(len(self.gate_up_keys)))), self.down_key: down}
 
 
 def _find(names_by_leaf: dict[str, str], candidates: tuple[str, ...]) -> Optional[str]:
@@ -384,6 +392,12 @@ class MoE(nn.Module):
                                                                 down="down")
         self.register_state_dict_post_hook(_deepspeed_keys_hook)
         self.register_load_state_dict_pre_hook(_ep_moe_keys_hook)
+        ds_cls = _deepspeed_moe_class()
+        if ds_cls is not None and isinstance(self, ds_cls):
+            # tagged now, as DeepSpeed's Experts tags its own: the optimizer's param groups
+            # (split_params_into_different_moe_groups_for_optimizer) are built before
+            # deepspeed.initialize calls set_deepspeed_parallelism
+            self._tag_expert_params()
 
     @staticmethod
     def _layout(expert: Optional[nn.Module], hidden_size: int, intermediate_size: Optional[int],
@@ -486,10 +500,14 @@ class MoE(nn.Module):
                                  "replicas; build the layer without ep_group= (or with one of ranks "
                                  f"{ds_ep}) to train it under deepspeed.initialize")
             self.layer.ep_group = ds_ep_group  # same ranks, so ep_rank and the expert sharding hold
+        self._tag_expert_params()
+
+    def _tag_expert_params(self) -> None:
+        """Tag the expert weights as ``deepspeed.moe.experts.Experts`` tags its own."""
         for param in self.layer.parameters():
-            if is_expert_param(param):  # as deepspeed.moe.experts.Experts tags its own
+            if is_expert_param(param):
                 param.allreduce = False
-                param.group_name = name
+                param.group_name = self.expert_group_name
 
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -524,21 +542,20 @@ def _deepspeed_keys_hook(module: MoE, state_dict, prefix, local_metadata) -> Non
 def _ep_moe_keys_hook(module: MoE, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs) -> None:
     """load_state_dict: DeepSpeed's MoE keys -> ep_moe's (the inverse of
-    :func:`_deepspeed_keys_hook`); ep_moe's own keys pass as they are. An expert whose
-    weights are incomplete keeps its keys, which a strict load then reports."""
+    :func:`_deepspeed_keys_hook`); ep_moe's own keys pass as they are. Only the keys of the
+    expert layout are taken: any other key (an expert's bias, say) stays and a strict load
+    reports it as unexpected; so does a gate without its up, whose ``gate_up`` is then
+    reported missing."""
     if prefix + _DS_ROUTER_KEY in state_dict:
         state_dict[prefix + "layer.router.weight"] = state_dict.pop(prefix + _DS_ROUTER_KEY)
+    layout = module._state_layout
     for j, g in enumerate(module.layer.experts.global_ids()):
         expert_prefix = f"{prefix}{_DS_EXPERT_PREFIX}{j}."
-        keys = [k for k in state_dict if k.startswith(expert_prefix)]
-        try:
-            gate_up, down = module._state_layout.from_state({k[len(expert_prefix):]: state_dict[k] for k in keys})
-        except KeyError:
-            continue
-        for key in keys:
-            del state_dict[key]
-        state_dict[f"{prefix}layer.experts.gate_up.{g}"] = gate_up
-        state_dict[f"{prefix}layer.experts.down.{g}"] = down
+        gate_up_keys = [expert_prefix + key for key in layout.gate_up_keys]
+        if all(key in state_dict for key in gate_up_keys):
+            state_dict[f"{prefix}layer.experts.gate_up.{g}"] = torch.cat([state_dict.pop(k) for k in gate_up_keys])
+        if expert_prefix + layout.down_key in state_dict:
+            state_dict[f"{prefix}layer.experts.down.{g}"] = state_dict.pop(expert_prefix + layout.down_key)
 
 
 def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
