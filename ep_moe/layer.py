@@ -417,11 +417,12 @@ def _mark_experts_hook(module: GroupedExperts, incompatible_keys) -> None:
 def _stack_experts_hook(module: GroupedExperts, state_dict, prefix, local_metadata, strict,
                         missing_keys, unexpected_keys, error_msgs) -> None:
     """load_state_dict: pick this rank's ``gate_up.{g}`` / ``down.{g}`` keys, stack them,
-    and drop the other experts' keys (they belong to other ranks)."""
+    and drop the other experts' keys (they belong to other ranks). A missing expert is
+    reported by the key ``state_dict()`` gives it, and keeps its weights."""
     for name in ("gate_up", "down"):
         key_prefix = f"{prefix}{name}."
         per_expert = [k for k in state_dict if k.startswith(key_prefix) and k[len(key_prefix):].isdigit()]
-        if not per_expert or prefix + name in state_dict:
+        if prefix + name in state_dict:
             continue
         current = getattr(module, name).detach()
         local = []
@@ -519,10 +520,12 @@ class MoELayer(nn.Module):
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, device=device,
                                                             dtype=config.router_dtype))
-            self.register_buffer("_load_since_update", torch.zeros(
-                config.num_experts, device=device, dtype=torch.int64), persistent=False)
         else:
             self.expert_bias = None
+        # tokens per expert of this rank's training forwards since the last bias update:
+        # rank-local, so not a buffer (DDP's broadcast_buffers would copy rank 0's over it)
+        self._load_since_update = (torch.zeros(config.num_experts, device=device, dtype=torch.int64)
+                                   if config.expert_bias else None)
         self.last_stats: Optional[MoEStats] = None
         gathers = config.dispatch == "all_gather" and self.ep_size > 1
         self._token_count_check = TokenCountCheck() if gathers else None
@@ -541,6 +544,8 @@ class MoELayer(nn.Module):
             if bias is not None:
                 moved = fn(bias)
                 self._buffers["expert_bias"] = moved if moved.dtype == bias.dtype else bias.to(moved.device)
+        if self._load_since_update is not None:  # an int64 tensor: follows the device only
+            self._load_since_update = fn(self._load_since_update)
         return self
 
     @torch.no_grad()
@@ -553,6 +558,9 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.gate_up.weight.normal_(0.0, std)
             self.shared_experts.down.weight.normal_(0.0, std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+            self._load_since_update.zero_()
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the experts compute in: autocast's when it is on for the parameters'
@@ -871,14 +879,17 @@ class MoELayer(nn.Module):
         """Aux-loss-free balancing step: ``bias += rate * sign(mean_load - load)``.
 
         ``load`` is the tokens per expert counted over the training forwards since the last
-        update, all-reduced over ``group`` (default: the layer's EP group). The bias must
-        stay equal on every rank, so with expert-data parallelism pass a group spanning
-        all data-parallel ranks (e.g. ``torch.distributed.group.WORLD``). Call on every
-        rank of the group, e.g. after the optimizer step.
+        update, all-reduced over ``group``: every rank that trains this layer on its own
+        tokens, so that the bias stays equal on all of them. The default, when
+        ``torch.distributed`` is initialised, is the default group (every rank: EP, expert-
+        and plain data parallelism); with pipeline or tensor parallelism pass the group of
+        this layer's data-parallel replicas. Call on every rank of the group, e.g. after
+        the optimizer step.
         """
         if self.expert_bias is None:
             raise ValueError("update_expert_bias needs MoEConfig(expert_bias=True)")
-        group = self.ep_group if group is None else group
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
         load_E = self._load_since_update.clone()
         if group_size(group) > 1:
             dist.all_reduce(load_E, group=group)

@@ -64,13 +64,17 @@ def ep_layout(world_size: int, ep_size: int) -> tuple[list[list[int]], list[list
 def build_ep_groups(ep_size: int, *, world_size: Optional[int] = None) -> ExpertParallelGroups:
     """Create the EP and EDP groups of this rank (call on every rank, same arguments).
 
-    ``world_size`` defaults to the default group's size. Every rank takes part in the
-    creation of every group, as ``torch.distributed.new_group`` requires.
+    ``world_size`` defaults to the default group's size and must equal it (the groups
+    cover every rank). Every rank takes part in the creation of every group, as
+    ``torch.distributed.new_group`` requires.
     """
     if not dist.is_initialized():
         raise ValueError("build_ep_groups needs torch.distributed; call "
                          "torch.distributed.init_process_group first")
-    world_size = dist.get_world_size() if world_size is None else world_size
+    if world_size is not None and world_size != dist.get_world_size():
+        raise ValueError(f"build_ep_groups(world_size={world_size}) but the default group has "
+                         f"{dist.get_world_size()} ranks; the EP and EDP groups cover every rank: drop world_size=")
+    world_size = dist.get_world_size()
     rank = dist.get_rank()
     ep_ranks, edp_ranks = ep_layout(world_size, ep_size)
     ep_group = edp_group = None

@@ -302,6 +302,60 @@ def test_ep_layout_expert_then_data():
         ep_layout(4, 3)
 
 
+def _bias_under_ddp_worker(rank, world_size):
+    """EP=2 x EDP=2, the layer under DDP (experts ignored, buffers broadcast as by default):
+    two training steps, then the bias update with its default group."""
+    groups = build_ep_groups(2)
+    out = {}
+    try:
+        build_ep_groups(2, world_size=2)
+    except ValueError as err:
+        out["world_size_error"] = str(err)
+    torch.manual_seed(0)
+    layer = MoELayer(_config(top_k=2, expert_bias=True, bias_update_rate=0.1), groups.ep_group)
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        layer, expert_param_names(layer))
+    model = nn.parallel.DistributedDataParallel(layer)
+    counts = []
+    for step in range(2):
+        x = torch.randn(6 + 3 * rank + step, H, generator=torch.Generator().manual_seed(10 * rank + step))
+        (model(x).sum() + moe_aux_loss(layer)).backward()
+        counts.append(layer.last_stats.tokens_per_expert.clone())
+    out["own_counts"], out["load"] = sum(counts), layer._load_since_update.clone()
+    update_expert_biases(layer)
+    out["bias"] = layer.expert_bias.clone()
+    return out
+
+
+@pytest.mark.distributed
+def test_expert_bias_under_ddp_and_expert_data_parallelism():
+    """The load counts are this rank's own under DDP (not rank 0's broadcast buffers), and the
+    default update all-reduces them over every rank, so the bias is equal on all four and
+    follows the global load; build_ep_groups refuses a world_size short of the world."""
+    results = run_distributed(_bias_under_ddp_worker, 4, timeout_s=120)
+    for res in results:
+        assert torch.equal(res["load"], res["own_counts"])
+        assert re.search(r"build_ep_groups\(world_size=2\) but the default group has 4 ranks; .* drop world_size=",
+                         res["world_size_error"])
+    load = sum(res["own_counts"] for res in results).double()
+    want = (0.1 * torch.sign(load.mean() - load)).float()
+    for res in results:
+        torch.testing.assert_close(res["bias"], want, atol=0, rtol=0)
+
+
+def test_partial_load_names_the_missing_experts():
+    """A load without some experts reports them by their state_dict keys and keeps them."""
+    layer = MoELayer(_config(top_k=2))
+    before = layer.experts.gate_up.detach().clone()
+    state = {k: v for k, v in layer.state_dict().items() if k not in ("experts.gate_up.3", "experts.down.5")}
+    result = layer.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["experts.gate_up.3", "experts.down.5"]
+    dense_only = {k: v for k, v in state.items() if not k.startswith("experts.")}
+    result = layer.load_state_dict(dense_only, strict=False)
+    assert result.missing_keys == [f"experts.{name}.{g}" for name in ("gate_up", "down") for g in range(E)]
+    assert torch.equal(layer.experts.gate_up, before)
+
+
 @pytest.mark.parametrize("kwargs,pattern", [
     (dict(top_k=9), r"top_k=9 exceeds num_experts=8; lower top_k"),
     (dict(top_k=0), r"top_k=0: must be a positive int"),
