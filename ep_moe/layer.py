@@ -24,6 +24,8 @@ experts: each rank picks its experts' keys and ignores the others (resharding on
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ from ep_moe.copy_engine import CopyEngineExchange, CopyEngineGather, SymmetricWo
 from ep_moe.dispatch import (
     NcclExchange,
     SplitSizes,
+    all_gather_single,
     chunk_splits,
     group_size,
     pack_rows,
@@ -529,6 +532,7 @@ class MoELayer(nn.Module):
         self.last_stats: Optional[MoEStats] = None
         gathers = config.dispatch == "all_gather" and self.ep_size > 1
         self._token_count_check = TokenCountCheck() if gathers else None
+        self._config_agreed = self.ep_size == 1  # checked equal over the EP group on the first forward
         self.reset_parameters()
 
     def _apply(self, fn, recurse=True):
@@ -594,6 +598,24 @@ class MoELayer(nn.Module):
         if x.device != param.device:
             raise ValueError(f"x is on {x.device} but the layer is on {param.device}; move one of them")
 
+    @torch.compiler.disable  # a collective and a host read, once
+    def _agree_config(self, device: torch.device) -> None:
+        """Raise unless every rank of the EP group built this layer with the same config
+        (one small all-gather and a host read, on the first forward). Ranks whose settings
+        differ (``overlap_chunks``, ``top_k``, ``dispatch``, ...) would exchange messages of
+        different sizes, which aborts gloo and can hang NCCL."""
+        config = dataclasses.replace(self.config, ep_size=self.ep_size)  # None: the group's size
+        names = [field.name for field in dataclasses.fields(config)]
+        mine = torch.tensor([_digest(getattr(config, name)) for name in names], dtype=torch.int64, device=device)
+        every = mine.new_empty(self.ep_size * len(names))
+        all_gather_single(every, mine, group=self.ep_group)
+        differ = [name for name, column in zip(names, every.view(self.ep_size, -1).T.tolist()) if len(set(column)) > 1]
+        if differ:
+            mine_values = ", ".join(f"{name}={getattr(config, name)!r}" for name in differ)
+            raise ValueError(f"the MoEConfig of this layer differs across the EP group in {differ} (this rank: "
+                             f"{mine_values}); build the layer with the same MoEConfig on every rank")
+        self._config_agreed = True
+
     def _configs(self, backend: str, num_rows: int, device: torch.device
                  ) -> tuple[Optional[GemmConfigs], Optional[GemmConfigs]]:
         """(gate_up, down) kernel configs for a Triton call over ``num_rows`` rows."""
@@ -624,6 +646,8 @@ class MoELayer(nn.Module):
         self._check_input(x)
         cfg = self.config
         x_TH = x.reshape(-1, cfg.hidden_size).to(self.compute_dtype())
+        if not self._config_agreed:
+            self._agree_config(x_TH.device)
         if self._token_count_check is not None:  # the counts travel while the router runs
             self._token_count_check.start(x_TH.shape[0], self.ep_group, x_TH.device)
         router = route(
@@ -897,6 +921,11 @@ class MoELayer(nn.Module):
         step_E = self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
         self.expert_bias += step_E.to(self.expert_bias.dtype)
         self._load_since_update.zero_()
+
+
+def _digest(value) -> int:
+    """A 64-bit digest of a config value's repr, the same on every rank."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _check_copy_engine(group: ProcessGroup) -> None:

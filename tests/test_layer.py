@@ -343,6 +343,31 @@ def test_expert_bias_under_ddp_and_expert_data_parallelism():
         torch.testing.assert_close(res["bias"], want, atol=0, rtol=0)
 
 
+def _mismatched_config_worker(rank, world_size):
+    out = {}
+    x = torch.randn(5, H)
+    try:
+        MoELayer(_config(top_k=2, overlap_chunks=1 + rank, z_loss_coef=0.0), dist.group.WORLD)(x)
+    except ValueError as err:
+        out["error"] = str(err)
+    torch.manual_seed(0)  # the same config and weights everywhere: runs, the group still lined up
+    out["shape"] = tuple(MoELayer(_config(top_k=2, ep_size=None if rank else 2), dist.group.WORLD)(x).shape)
+    return out
+
+
+@pytest.mark.distributed
+def test_ep_group_must_share_one_config():
+    """Layers built with different settings on the ranks of an EP group raise on the first
+    forward, naming the fields, before any exchange sized by them; ep_size=None and the
+    group's size are the same setting."""
+    results = run_distributed(_mismatched_config_worker, 2, timeout_s=60)
+    for rank, res in enumerate(results):
+        assert re.search(r"MoEConfig of this layer differs across the EP group in \['overlap_chunks'\] \(this rank: "
+                         rf"overlap_chunks={1 + rank}\); build the layer with the same MoEConfig on every rank",
+                         res["error"])
+        assert res["shape"] == (5, H)
+
+
 def test_partial_load_names_the_missing_experts():
     """A load without some experts reports them by their state_dict keys and keeps them."""
     layer = MoELayer(_config(top_k=2))
