@@ -3,7 +3,8 @@
 One checkpoint is a directory ``{dir}/step_{step:08d}/``::
 
     dense.pt                  rank 0: replicated weights (everything but the experts), their
-                              AdamW state, optimizer hyper-parameters, and ``extra``
+                              AdamW state, optimizer hyper-parameters (a resumed run uses
+                              its own config's and warns where they differ), and ``extra``
                               (step, data position)
     experts-{p:03d}-of-{P:03d}.pt
                               EP rank p of the first EP group (global rank p): its experts'
@@ -18,7 +19,9 @@ and optimizer state the same way; so a checkpoint loads at any EP size that divi
 number of experts, each rank reading only the shards that hold its experts.
 
 Files are written into ``step_XXXXXXXX.partial/`` and renamed once every rank is done, so
-a directory without the suffix is complete. Under several nodes ``dir`` must be on a file
+a directory without the suffix is complete. Pruning (``keep``) only considers checkpoints
+up to the step just saved: newer ones (another run's, when this one resumed from an
+earlier step) are left alone. Under several nodes ``dir`` must be on a file
 system that every node sees.
 """
 
@@ -41,6 +44,9 @@ from ep_moe.parallel import is_expert_param
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# param_group entries that are not hyper-parameters of the run: which parameters, the lr the
+# schedule sets every step, and implementation choices that follow the device.
+_NOT_HYPER = frozenset({"params", "lr", "initial_lr", "fused", "foreach", "capturable", "differentiable"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +59,8 @@ class CheckpointConfig:
     """Save every this many steps, and after the last step; 0 saves only at the end,
     -1 never."""
     keep: int = 2
-    """Keep the newest this many checkpoints; 0 keeps all."""
+    """Keep the newest this many checkpoints up to the step just saved (newer ones, left by
+    another run, are never deleted); 0 keeps all."""
     resume: str = ""
     """``""``: start fresh; ``"latest"``: newest complete checkpoint in ``dir`` (fresh start
     if there is none, so a preempted job can be resubmitted unchanged); or a path to one
@@ -157,15 +164,23 @@ def save_checkpoint(root: Path, step: int, layout: Layout, model: nn.Module, opt
             {"step": step, "world_size": layout.world_size, "ep_size": layout.ep_size, **meta}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
-        _prune(root, keep)
+        _prune(root, keep, step)
     dist.barrier()
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, step: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints up to ``step`` (the one just saved, so
+    always kept); newer ones belong to another run (this one resumed from an earlier step)
+    and are never touched."""
     if keep:
-        for old in complete_checkpoints(root)[:-keep]:
+        for old in [p for p in complete_checkpoints(root) if checkpoint_step(p) <= step][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a ``step_XXXXXXXX`` checkpoint directory."""
+    return int(_STEP_DIR.match(path.name).group(1))
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -174,6 +189,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
     return sorted(found, key=lambda p: p.name)
+
+
+def newer_checkpoints(root: Path, step: int) -> list[Path]:
+    """Complete checkpoints under ``root`` past ``step``, oldest first."""
+    return [p for p in complete_checkpoints(root) if checkpoint_step(p) > step]
 
 
 def find_checkpoint(resume: str, root: Path) -> Optional[Path]:
@@ -217,7 +237,7 @@ def load_checkpoint(path: Path, layout: Layout, model: nn.Module,
             model_state.update(part["model"])
             optim_state.update(part["optimizer"])
     model.load_state_dict(model_state, strict=True)
-    _load_optimizer(model, optimizer, optim_state, dense["param_groups"])
+    _load_optimizer(model, optimizer, optim_state, dense["param_groups"], warn=layout.rank == 0)
     if int(meta["world_size"]) == layout.world_size:
         _set_rng_state(torch.load(path / f"rng-{layout.rank:05d}.pt", weights_only=True))
     else:
@@ -228,8 +248,10 @@ def load_checkpoint(path: Path, layout: Layout, model: nn.Module,
 
 
 def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, by_key: dict[str, dict[str, Any]],
-                    param_groups: list[dict[str, Any]]) -> None:
-    """Rebuild the index-keyed optimizer state dict from the per-key one, then load it."""
+                    param_groups: list[dict[str, Any]], warn: bool = True) -> None:
+    """Rebuild the index-keyed optimizer state dict from the per-key one, then load it with
+    the optimizer's own param groups; ``warn``: log the hyper-parameters that differ from
+    the checkpoint's ``param_groups``."""
     owners = _expert_modules(model)
     index = {id(p): i for i, p in enumerate(_param_order(optimizer))}
     state: dict[int, dict[str, Any]] = {}
@@ -246,7 +268,21 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, by_key: 
             continue
         state[index[id(param)]] = {k: (torch.stack([s[k] for s in slices]) if _per_expert(v) else v)
                                    for k, v in slices[0].items()}
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    # Hyper-parameters come from this run's config, not the checkpoint: only per-parameter
+    # state (moments, step counts) is restored. The learning rate is set every step from the
+    # schedule, and the implementation flags (fused, foreach) follow this run's device.
+    current = optimizer.state_dict()["param_groups"]
+    if len(current) != len(param_groups):
+        raise ValueError(f"checkpoint has {len(param_groups)} optimizer parameter groups, this model "
+                         f"{len(current)}")
+    if warn:
+        changed = sorted({f"{k}={saved[k]!r} -> {now[k]!r}" for saved, now in zip(param_groups, current)
+                          for k in saved.keys() & now.keys()
+                          if k not in _NOT_HYPER and saved[k] != now[k]})
+        if changed:
+            logger.warning("optimizer hyper-parameters differ from the checkpoint's; using this run's "
+                           "config: %s", ", ".join(changed))
+    optimizer.load_state_dict({"state": state, "param_groups": current})
 
 
 def _rng_state() -> dict[str, Any]:

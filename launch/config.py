@@ -12,15 +12,23 @@ Overrides, applied in order after the file:
   ``--set training.lr=1e-3``, ``--set data.path=corpus.txt``.
 - shorthands for the common ones: ``--steps``, ``--ep-size``, ``--data``, ``--resume``,
   ``--checkpoint-dir``, ``--metrics-file``.
+
+Every value (file or override) must have its field's type, checked before anything is
+built: an integer where the field is an int (``steps = 1e3`` is an error), a number where
+it is a float (integers are converted), true/false for a bool, a string for a str (a
+string of digits needs TOML quotes: ``--set "logging.sample_prompt='42'"``). ``[moe]`` is
+checked by ``MoEConfig``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 try:
     import tomllib
@@ -114,11 +122,13 @@ class LoggingConfig:
     and last step of the run."""
     metrics_file: str = ""
     """One JSON line per logged step and per evaluation, written by rank 0: a fresh run
-    truncates the file, a resumed run appends to it. Empty for none."""
+    truncates the file, a resumed run drops the records past its starting step and appends.
+    Empty for none."""
     progress_bar: bool = True
     """Show a tqdm bar on rank 0 (when its stderr is a terminal)."""
     eval_interval: int = 100
-    """Evaluate on held-out data every this many steps and at the end; 0 disables."""
+    """Evaluate on held-out data every this many steps and at the end; 0 disables (and then
+    the validation split may be shorter than one sequence)."""
     eval_batches: int = 4
     """Batches per rank in one evaluation."""
     sample_prompt: str = ""
@@ -159,15 +169,91 @@ class JobConfig:
 _SECTIONS = {f.name: f for f in dataclasses.fields(JobConfig)}
 
 
+def _describe(annotation: Any) -> str:
+    """What a value of ``annotation`` looks like in TOML, for error messages."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join("none" if a is type(None) else _describe(a) for a in args)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_describe(args[0])} values"
+        return f"a list of {len(args)} values ({', '.join(_describe(a) for a in args)})"
+    names = {int: "an integer", float: "a number", str: "a string (quote it)", bool: "true or false"}
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+class _WrongType(Exception):
+    pass
+
+
+def _coerce(value: Any, annotation: Any) -> Any:
+    """``value`` as a value of ``annotation`` (int -> float, list -> tuple), or raise
+    ``_WrongType``. Driven by the annotation alone, so a new config field is checked too."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin is Literal:
+        # Literal[...] members are str/int/bool here: compare type and value, so True != 1.
+        if any(type(value) is type(a) and value == a for a in args):
+            return value
+        raise _WrongType
+    if origin in (Union, types.UnionType):
+        for arm in args:
+            try:
+                return _coerce(value, arm)
+            except _WrongType:
+                pass
+        raise _WrongType
+    if annotation is type(None):
+        if value is None:
+            return value
+        raise _WrongType
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _WrongType
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0]) for v in value)
+        if len(value) != len(args):
+            raise _WrongType
+        return tuple(_coerce(v, a) for v, a in zip(value, args))
+    if origin is not None:  # dict[...], list[...]: the container type only
+        if isinstance(value, origin):
+            return value
+        raise _WrongType
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _WrongType
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _WrongType
+    if isinstance(annotation, type):
+        if isinstance(value, annotation):
+            return value
+        raise _WrongType
+    return value  # an annotation this checker does not know: leave it to the dataclass
+
+
 def _section(name: str, cls: type, table: dict[str, Any], source: str):
+    """Build the dataclass ``cls`` of table ``[name]``, checking every value against its
+    field's annotation first (so a wrong type fails here, naming the field, not later)."""
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - known)
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {', '.join(f'{name}.{k}' for k in unknown)}; "
                          f"[{name}] takes {', '.join(sorted(known))}")
-    if "betas" in table:
-        table = {**table, "betas": tuple(table["betas"])}
-    return cls(**table)
+    hints = typing.get_type_hints(cls)  # resolves the string annotations of `from __future__`
+    checked = {}
+    for key, value in table.items():
+        try:
+            checked[key] = _coerce(value, hints[key])
+        except _WrongType:
+            raise ValueError(f"{source}: {name}.{key}={value!r} ({type(value).__name__}) has the wrong type: "
+                             f"expected {_describe(hints[key])}") from None
+    return cls(**checked)
 
 
 def build_job_config(raw: dict[str, Any], source: str = "config") -> JobConfig:

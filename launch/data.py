@@ -144,10 +144,12 @@ class TokenBatches:
     """
 
     def __init__(self, tokens: torch.Tensor, *, seq_len: int, batch_size: int,
-                 dp_rank: int, dp_size: int, seed: int) -> None:
+                 dp_rank: int, dp_size: int, seed: int, split: str = "data", hint: str = "") -> None:
+        """``split`` names the stream and ``hint`` adds a remedy, in the error raised when
+        ``tokens`` is too short for one window."""
         if tokens.numel() <= seq_len + 1:
-            raise ValueError(f"the data has {tokens.numel()} tokens, fewer than seq_len + 2 = {seq_len + 2}: "
-                             f"lower training.seq_len or use more data")
+            raise ValueError(f"the {split} has {tokens.numel()} tokens, fewer than seq_len + 2 = {seq_len + 2}: "
+                             f"{hint + ', ' if hint else ''}lower training.seq_len or use more data")
         self.tokens = tokens
         self.seq_len = seq_len
         self.batch_size = batch_size

@@ -32,8 +32,8 @@ from torch.distributed import ProcessGroup
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from checkpoint import Layout, find_checkpoint, load_checkpoint, save_checkpoint
-from config import JobConfig
+from checkpoint import Layout, find_checkpoint, load_checkpoint, newer_checkpoints, save_checkpoint
+from config import JobConfig, TrainingConfig
 from data import TokenBatches, build_token_streams
 from model import MoETransformer
 
@@ -92,6 +92,14 @@ def init_distributed(job: JobConfig) -> Ranks:
                  edp_group=groups.edp_group if groups.edp_size > 1 else None)
 
 
+def build_optimizer(model: torch.nn.Module, tcfg: TrainingConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; matrices decay, vectors (norm weights) do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tcfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas, fused=device.type == "cuda")
+
+
 def _all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
     """Mean over all ranks (gloo has no AVG op, so SUM then divide)."""
     dist.all_reduce(values)
@@ -113,16 +121,21 @@ class Trainer:
             raise ValueError(f"the data has token ids up to {streams.vocab_size - 1} but model.vocab_size="
                              f"{job.model.vocab_size}; set model.vocab_size >= {streams.vocab_size}")
         self.byte_level = streams.byte_level
+        dp = dict(seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, dp_rank=self.ranks.rank,
+                  dp_size=self.ranks.world_size)
+        held_out = f"data.val_fraction={job.data.val_fraction} held out"
+        self.batches = TokenBatches(streams.train, seed=tcfg.seed, split=f"training split ({held_out})", **dp)
+        self.val_batches = None  # evaluation off (logging.eval_interval=0): no validation split needed
+        if job.logging.eval_interval:
+            self.val_batches = TokenBatches(
+                streams.val, seed=tcfg.seed + 1, split=f"validation split ({held_out})",
+                hint="raise data.val_fraction, set logging.eval_interval=0 (no evaluation)", **dp)
         self.model = MoETransformer(job.model, job.moe_config(), self.ranks.ep_group).to(self.ranks.device)
         self.model.checkpoint_blocks = tcfg.activation_checkpointing
         if tcfg.compile:
             for block in self.model.layers:
                 block.compile()  # in place: parameter names and checkpoints stay as they are
-        self.optimizer = self._build_optimizer()
-        dp = dict(seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, dp_rank=self.ranks.rank,
-                  dp_size=self.ranks.world_size)
-        self.batches = TokenBatches(streams.train, seed=tcfg.seed, **dp)
-        self.val_batches = TokenBatches(streams.val, seed=tcfg.seed + 1, **dp)
+        self.optimizer = build_optimizer(self.model, tcfg, self.ranks.device)
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * self.ranks.world_size
         self.layout = Layout(rank=self.ranks.rank, world_size=self.ranks.world_size,
                              ep_rank=self.ranks.ep_rank, ep_size=self.ranks.ep_size)
@@ -133,30 +146,28 @@ class Trainer:
 
     # --- setup -------------------------------------------------------------------------
 
-    def _build_optimizer(self) -> torch.optim.AdamW:
-        """AdamW; matrices decay, vectors (norm weights) do not."""
-        tcfg = self.job.training
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tcfg.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas,
-                                 fused=self.ranks.device.type == "cuda")
-
     def _resume(self) -> None:
         """Load the checkpoint named by ``checkpoint.resume``, if any (rank 0 picks it)."""
         ccfg = self.job.checkpoint
         box = [find_checkpoint(ccfg.resume, Path(ccfg.dir)) if self.ranks.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         path = box[0]
-        if path is None:
-            if ccfg.resume and self.ranks.rank == 0:
-                logger.info("no checkpoint in %s: starting from step 0", ccfg.dir)
+        if path is not None:
+            extra = load_checkpoint(path, self.layout, self.model, self.optimizer)
+            self.step = int(extra["step"])
+            self.batches.load_state_dict(extra["data"])
+        if self.ranks.rank != 0:
             return
-        extra = load_checkpoint(path, self.layout, self.model, self.optimizer)
-        self.step = int(extra["step"])
-        self.batches.load_state_dict(extra["data"])
-        if self.ranks.rank == 0:
+        if path is not None:
             logger.info("resumed from %s at step %d", path, self.step)
+        elif ccfg.resume:
+            logger.info("no checkpoint in %s: starting from step 0", ccfg.dir)
+        newer = newer_checkpoints(Path(ccfg.dir), self.step)
+        if newer:
+            logger.warning("%s holds complete checkpoints past the starting step %d, from another run: %s. "
+                           "They are left in place (a checkpoint this run saves at the same step replaces "
+                           "it), and resume='latest' would pick %s rather than this run's own checkpoints",
+                           ccfg.dir, self.step, ", ".join(p.name for p in newer), newer[-1].name)
 
     def _warmup_kernels(self) -> None:
         """Tune or load the Triton kernel configs once, before the first step (CUDA only):
@@ -176,12 +187,31 @@ class Trainer:
                         time.perf_counter() - start, len(resolved), ", ".join(sources))
 
     def _open_metrics(self):
-        """Rank 0's JSONL metrics file: truncated on a fresh start, appended to on resume."""
+        """Rank 0's JSONL metrics file: truncated on a fresh start, appended to on resume
+        after dropping the records past the resumed step (a crashed run's, which this run
+        logs again)."""
         path = self.job.logging.metrics_file
         if not path or self.ranks.rank != 0:
             return None
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "a" if self.step else "w", encoding="utf-8")
+        file = Path(path)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        if self.step and file.is_file():
+            kept, dropped = [], 0
+            for line in file.read_text(encoding="utf-8").splitlines():
+                try:
+                    keep = int(json.loads(line)["step"]) <= self.step
+                except (ValueError, KeyError, TypeError):  # e.g. a line cut short by a crash
+                    keep = False
+                if keep:
+                    kept.append(line + "\n")
+                else:
+                    dropped += 1
+            if dropped:
+                tmp = file.with_name(file.name + ".tmp")
+                tmp.write_text("".join(kept), encoding="utf-8")
+                os.replace(tmp, file)  # atomic: a crash leaves the old file or the new one
+                logger.info("%s: dropped %d records past step %d", file, dropped, self.step)
+        return open(file, "a" if self.step else "w", encoding="utf-8")
 
     # --- one step ----------------------------------------------------------------------
 

@@ -4,7 +4,13 @@
   the loss falls; resuming from a checkpoint logs exactly the losses of the uninterrupted
   run, also with activation checkpointing (and, to rounding, with compiled blocks); the
   EP=2 checkpoint also resumes at EP=1 (experts resharded on load).
-- in-process: config overrides and their errors, checkpoint discovery, data batches.
+- resuming from an earlier checkpoint of a directory that holds newer ones: pruning keeps
+  the newer ones and this run's own, the metrics file drops the records past the resumed
+  step; a resume takes the optimizer's hyper-parameters from the config, not the checkpoint.
+- a validation split too short for one sequence: named in the error, or not needed when
+  evaluation is off.
+- in-process: config overrides and their errors (type checks included), checkpoint
+  discovery, data batches.
 - ``launch/warmup_node.sh``: the first run tunes, the second is a pure cache hit.
 
 Each trainer run is a subprocess, so the Triton interpreter that ``conftest.py`` switches
@@ -13,7 +19,9 @@ on for this process is switched off for them (the trainer's CPU path is the torc
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,8 +29,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.distributed
 
@@ -57,14 +67,17 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.Comp
     return proc
 
 
+def _train_cmd(out: Path, *extra: str) -> list[str]:
+    return [str(BIN / "torchrun"), "--nproc-per-node", "2", "--standalone", "launch/train.py", *RUN_ARGS,
+            "--checkpoint-dir", str(out / "ckpt"), "--metrics-file", str(out / "metrics.jsonl"), *extra]
+
+
 def _train(out: Path, *extra: str) -> list[dict]:
     """Run the trainer on 2 gloo ranks (EP=2 unless ``extra`` says otherwise); return its
-    metrics records."""
-    metrics = out / "metrics.jsonl"
-    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--standalone", "launch/train.py", *RUN_ARGS,
-           "--checkpoint-dir", str(out / "ckpt"), "--metrics-file", str(metrics), *extra]
-    _run(cmd, _env(), timeout=300)
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics records. Rank 0's log goes to ``out / "train.log"``."""
+    proc = _run(_train_cmd(out, *extra), _env(), timeout=300)
+    (out / "train.log").write_text(proc.stdout)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def _by_step(records: list[dict], field: str) -> dict[int, float]:
@@ -147,6 +160,87 @@ def test_compiled_blocks_continue_the_run(full_run, tmp_path):
     assert _by_step(resumed, "loss") == pytest.approx(want, abs=1e-4)
 
 
+@pytest.fixture(scope="module")
+def branched_run(full_run, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A copy of the full run's checkpoints (10, 20, 30) and metrics, resumed by path from
+    step 10 up to step 16, saving every 3 steps and keeping 1: a run that branches off an
+    earlier step of a directory holding newer checkpoints (another run's, to this one)."""
+    out, _ = full_run
+    branch = tmp_path_factory.mktemp("branch")
+    shutil.copytree(out / "ckpt", branch / "ckpt")
+    shutil.copy(out / "metrics.jsonl", branch / "metrics.jsonl")
+    records = _train(branch, "--ep-size", "2", "--steps", "16", "--resume", str(branch / "ckpt" / "step_00000010"),
+                     "--set", "checkpoint.keep=1", "--set", "checkpoint.interval=3")
+    return branch, records
+
+
+def test_keep_prunes_only_up_to_the_saved_step(branched_run):
+    """keep=1 leaves the newest checkpoint up to the step just saved, not the newest in the
+    directory: the run's own step 16 stays, and so do the other run's 20 and 30, which
+    the start-up warning names."""
+    branch, _ = branched_run
+    assert sorted(p.name for p in (branch / "ckpt").iterdir()) == [f"step_{s:08d}" for s in (16, 20, 30)]
+    log = (branch / "train.log").read_text()
+    assert [Path(p).name for p in re.findall(r"saved (\S+)", log)] == [f"step_{s:08d}" for s in (12, 15, 16)]
+    assert re.search(r"WARNING .* past the starting step 10, from another run: step_00000020, step_00000030\..*"
+                     r"resume='latest' would pick step_00000030", log), log
+
+
+def test_resume_drops_metrics_past_the_resumed_step(full_run, branched_run):
+    """The metrics file of the resumed run keeps the records up to step 10 (the full run's)
+    and then holds this run's, each step once."""
+    _, records = full_run
+    _, resumed = branched_run
+    before = [r for r in records if r["step"] <= CKPT_EVERY]
+    assert resumed[:len(before)] == before
+    assert [r["step"] for r in resumed if "loss" in r] == list(range(1, 17))
+    assert [r["step"] for r in resumed if "val_loss" in r] == [10, 16]
+
+
+def test_resume_takes_optimizer_settings_from_the_config(full_run, launch_modules, tmp_path, caplog):
+    """A resume with other AdamW settings uses them (and says which differ), while the
+    per-parameter state comes from the checkpoint; a checkpoint's ``fused`` flag (here as
+    if saved on a GPU) does not carry over either."""
+    out, _ = full_run
+    checkpoint, config, _ = launch_modules
+    import model
+    import trainer
+
+    ckpt = tmp_path / "step_00000010"
+    shutil.copytree(out / "ckpt" / ckpt.name, ckpt)
+    dense = torch.load(ckpt / "dense.pt", weights_only=True)
+    for group in dense["param_groups"]:
+        group["fused"] = True
+    torch.save(dense, ckpt / "dense.pt")
+    job = config.parse_args(["--set", "training.weight_decay=0.0", "--set", "training.betas=[0.8, 0.99]"])
+    net = model.MoETransformer(job.model, job.moe_config(), None)
+    optimizer = trainer.build_optimizer(net, job.training, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger=checkpoint.logger.name):
+        extra = checkpoint.load_checkpoint(ckpt, checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1),
+                                           net, optimizer)
+    assert extra["step"] == CKPT_EVERY
+    groups = [(g["weight_decay"], g["betas"], g["fused"]) for g in optimizer.param_groups]
+    assert groups == [(0.0, (0.8, 0.99), False)] * 2
+    assert len(optimizer.state) == len(list(net.parameters()))
+    assert {int(state["step"]) for state in optimizer.state.values()} == {CKPT_EVERY}
+    assert "betas=(0.9, 0.95) -> (0.8, 0.99), weight_decay=0.1 -> 0.0" in caplog.text
+
+
+def test_short_validation_split(tmp_path):
+    """A file whose validation tail is shorter than one sequence: the error names the split
+    and data.val_fraction; with evaluation off the split is not needed and training runs."""
+    corpus = tmp_path / "small.txt"
+    corpus.write_bytes(b"count 1 2 3\n" * 1000)  # 12,000 bytes: 60 held out at 0.5%
+    args = ["--steps", "2", "--data", str(corpus), "--set", "data.val_fraction=0.005"]
+    proc = subprocess.run(_train_cmd(tmp_path, *args), cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert re.search(r"ValueError: the validation split \(data.val_fraction=0.005 held out\) has 60 tokens.*"
+                     r"raise data.val_fraction", proc.stdout + proc.stderr), proc.stderr[-3000:]
+    records = _train(tmp_path, *args, "--set", "logging.eval_interval=0")
+    assert [r["step"] for r in records] == [1, 2]
+
+
 # --- in-process checks of the launch modules -----------------------------------------------
 
 @pytest.fixture
@@ -173,6 +267,32 @@ def test_config_overrides(launch_modules):
         config.parse_args(["--steps", "0"])
     with pytest.raises(ValueError, match="top_k"):
         config.parse_args(["--set", "moe.top_k=9"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _OptionalField:
+    limit: Optional[int] = None
+
+
+def test_config_values_are_type_checked(launch_modules):
+    """A value of the wrong type fails in parsing, naming the field and the type it takes;
+    ints pass for floats (converted), TOML arrays become tuples."""
+    _, config, _ = launch_modules
+    wrong = {"training.steps=1e1": "an integer", 'training.lr="3e-3"': "a number",
+             "training.betas=[0.9]": "a list of 2 values", "training.betas=[0.9, '1']": "a list of 2 values",
+             "checkpoint.resume=true": "a string", "logging.sample_prompt=42": "a string",
+             "training.batch_size=4.0": "an integer", "training.steps=true": "an integer",
+             "model.qk_norm=1": "true or false", "training.device='gpu'": "one of 'auto', 'cpu', 'cuda'"}
+    for assignment, expected in wrong.items():
+        message = rf"{re.escape(assignment.partition('=')[0])}=.* has the wrong type: expected {re.escape(expected)}"
+        with pytest.raises(ValueError, match=message):
+            config.parse_args(["--set", assignment])
+    job = config.parse_args(["--set", "training.lr=1", "--set", "training.betas=[1, 0.99]"])
+    assert type(job.training.lr) is float and job.training.betas == (1.0, 0.99)
+    assert all(type(b) is float for b in job.training.betas)
+    assert config._section("x", _OptionalField, {"limit": None}, "test").limit is None
+    with pytest.raises(ValueError, match=r"x.limit=1.5 .*expected an integer or none"):
+        config._section("x", _OptionalField, {"limit": 1.5}, "test")
 
 
 def test_every_preset_parses(launch_modules):
