@@ -5,7 +5,8 @@ per token and destination rank; P ranks of the EP group). One EP>1 layer forward
 
 1. :func:`gather_counts`: every rank learns, per source and destination rank, how many
    rows and kept slots go there (:func:`ep_moe.routing.rank_counts`), for every chunk of
-   the pipeline at once, in one all-gather and the layer's single host sync.
+   the pipeline at once, in one all-gather and the layer's single host sync per call
+   (after the first call's config check).
 2. :func:`chunk_splits`: this rank's split sizes of a chunk, which ``all_to_all_single``
    needs; :func:`row_matrices`: every rank's, for the copy-engine exchange.
 3. :func:`start_dispatch`: rows (and their local expert ids and top-k weights) go to the

@@ -25,7 +25,8 @@ given gradients); rows past a set bound are dropped, the last experts' last slot
 and counted.
 
 Every rank must pass the same number of tokens (a fixed micro-batch): checked on every
-call by :class:`TokenCountCheck`, with a host sync only the first time a count is met.
+call by :class:`TokenCountCheck`, with a host sync only for a count the group has not
+agreed on yet.
 """
 
 from __future__ import annotations

@@ -977,7 +977,7 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor:
 
 def expert_load(model: nn.Module) -> torch.Tensor:
     """[num_layers, E] int64 tokens per global expert of each MoE layer's last forward
-    (this rank's tokens; all-reduce over the EP group for the global picture). Layers
+    (this rank's tokens; all-reduce over every rank for the whole job). Layers
     must share E; layers not yet run are skipped."""
     counts = [m.last_stats.tokens_per_expert for m in moe_layers(model) if m.last_stats is not None]
     if not counts:

@@ -72,12 +72,12 @@ class TrainingConfig:
     """``auto``: CUDA (NCCL, Triton kernels) when a GPU is visible, else CPU (gloo, torch)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: ``bfloat16`` autocasts attention and projections (weights and optimizer
-    stay fp32); the MoE layers compute in their parameter dtype. On CUDA, fp32 matmuls,
-    the Triton expert GEMMs included, use TF32 tensor cores."""
+    stay fp32); the MoE layers' experts compute in the autocast dtype too, their routers in
+    fp32. On CUDA, fp32 matmuls, the Triton expert GEMMs included, use TF32 tensor cores."""
     activation_checkpointing: bool = False
     """Recompute each transformer block in the backward instead of keeping its activations
-    (``torch.utils.checkpoint``, non-reentrant; the MoE layer's all-to-alls run again, and
-    at EP>1 the layer runs ``overlap_chunks + 2`` times: see the README)."""
+    (``torch.utils.checkpoint``, non-reentrant; the MoE layer's all-to-alls run again: it
+    is recomputed once, on torch < 2.8 once per chunk at EP>1; see the README)."""
     compile: bool = False
     """``torch.compile`` each transformer block (Dynamo breaks the graph at the MoE layer's
     host sync, collectives and Triton launches and compiles the rest)."""

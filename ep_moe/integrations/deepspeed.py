@@ -4,7 +4,8 @@
 ``(output, l_aux, exp_counts)``; :func:`replace_deepspeed_moe` swaps the DeepSpeed MoE
 layers of a built model for it, copying the weights. This module maps arguments and
 weights only; the math lives in :mod:`ep_moe.layer`. DeepSpeed itself is imported only
-by :func:`replace_deepspeed_moe`.
+by :func:`replace_deepspeed_moe`, :meth:`MoE.set_deepspeed_parallelism` and when an
+engine-class layer is unpickled.
 
 How DeepSpeed's gating maps onto :class:`ep_moe.MoEConfig` (``TopKGate`` in
 ``deepspeed/moe/sharded_moe.py``), with ``drop_tokens=False``:
@@ -53,7 +54,9 @@ does, creates DeepSpeed's expert and expert-data-parallel groups named
 ``ep_size_<ep_size>`` (honouring the engine's ``use_data_before_expert_parallelism``),
 makes DeepSpeed's expert-parallel group the layer's all-to-all group. The expert weights
 carry DeepSpeed's tags (``allreduce=False``, ``group_name="ep_size_<ep_size>"``) from the
-layer's construction, as DeepSpeed's ``Experts`` tags its own. The engine thus all-reduces expert gradients over
+layer's construction when ``deepspeed`` is imported by then (as DeepSpeed's ``Experts``
+tags its own; the ZeRO 1/2 param groups below read them), else from
+``set_deepspeed_parallelism``. The engine thus all-reduces expert gradients over
 the expert-data-parallel group only and divides them, like every other gradient, by the
 data-parallel world size, exactly as :func:`ep_moe.parallel.sync_gradients` does; the
 router and the rest of the model are averaged over all data-parallel ranks. Tested
