@@ -597,6 +597,9 @@ class MoELayer(nn.Module):
                              f"cast x with x.to({param.dtype}) or the layer with layer.to({x.dtype})")
         if x.device != param.device:
             raise ValueError(f"x is on {x.device} but the layer is on {param.device}; move one of them")
+        if self.compute_dtype() not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"the layer computes in {self.compute_dtype()}, but its experts run in float32, "
+                             "float16 or bfloat16; cast the layer (layer.float()) and x, or run under autocast")
 
     @torch.compiler.disable  # a collective and a host read, once
     def _agree_config(self, device: torch.device) -> None:

@@ -423,6 +423,9 @@ def test_layer_errors():
     with pytest.raises(ValueError, match=r"x dtype torch.float64 does not match the layer's parameter dtype "
                                          r"torch.float32; cast x"):
         layer(torch.randn(4, H, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"the layer computes in torch.float64, but its experts run in float32, "
+                                         r"float16 or bfloat16; cast the layer \(layer.float\(\)\) and x"):
+        MoELayer(_config(top_k=2), dtype=torch.float64)(torch.randn(4, H, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"ep_group has 1 ranks but MoEConfig.ep_size=2; pass a group of 2"):
         MoELayer(_config(top_k=2, ep_size=2))
     with pytest.raises(ValueError, match=r"ep_group must be None, a ProcessGroup or a 1-D DeviceMesh, got int"):
