@@ -16,12 +16,11 @@ E/P experts per rank) and ``--tokens`` tokens per rank, one forward+backward of 
 layer (router to combine, dX and every weight gradient) of:
 
 - ``ep_moe``: :class:`ep_moe.MoELayer` (Triton grouped GEMM on CUDA, reference on CPU);
-  at EP>1 one layer per ``--variants`` entry TRANSPORT:C[:own] (``MoEConfig.transport``
-  ``nccl`` or ``ce``, the copy engines, or ``ag``, ``MoEConfig.dispatch="all_gather"``
-  with C=1; tokens in C pipelined chunks, all-to-all
-  overlapped with the GEMMs; ``own``: ``MoEConfig.own_rows_first``), named ``ep_moe``
-  for ``nccl:1`` and ``ep_moe_<transport>_c<C>[_own]`` otherwise; with ``--compile``
-  each once more under ``torch.compile`` (``<name>+compile``);
+  at EP>1 one layer per ``--variants`` entry, a ``MoEConfig.dispatch`` by its short name
+  (``VARIANTS``: ``nccl`` the all-to-all, ``ag`` the all-gather, ``agce`` the all-gather on
+  the copy engines) or its full one, named ``ep_moe`` for the all-to-all and
+  ``ep_moe_<short name>`` otherwise; with ``--compile`` each once more under
+  ``torch.compile`` (``<name>+compile``);
 - ``plain``: the torchtitan-style layer of ``baselines.py`` (argsort permute, uneven
   ``all_to_all_single``, ``torch._grouped_mm`` SwiGLU experts);
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` (dropless, SwiGLU experts) when deepspeed
@@ -63,7 +62,7 @@ from baselines import PlainEPMoE, deepspeed_moe_like  # noqa: E402
 from common import REPO, SHAPES, MoEShape, environment, save_results  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
-from ep_moe.dispatch import chunk_splits, gather_counts, start_combine, start_dispatch  # noqa: E402
+from ep_moe.dispatch import gather_counts, rank_splits, start_combine, start_dispatch  # noqa: E402
 from ep_moe.parallel import build_ep_groups  # noqa: E402
 from ep_moe.routing import rank_counts, route  # noqa: E402
 
@@ -87,11 +86,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="time every layer this many times, in rotated order; report the median round")
     parser.add_argument("--impls", default="ep_moe,plain,deepspeed", help="which layers to time")
-    parser.add_argument("--variants", default="nccl:1",
-                        help="ep_moe variants at EP>1, comma-separated TRANSPORT:CHUNKS[:own] "
-                             "(MoEConfig transport 'nccl' or 'ce' (copy engines), or 'ag' for "
-                             "dispatch='all_gather', no own); overlap_chunks, own_rows_first); "
-                             "EP=1 runs nccl:1 only")
+    parser.add_argument("--variants", default="nccl",
+                        help="ep_moe variants at EP>1, comma-separated MoEConfig.dispatch values by short "
+                             "name, 'nccl' (all_to_all), 'ag' (all_gather), 'agce' (all_gather_copy_engine), "
+                             "or full name; EP=1 runs the all-to-all only")
     parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                         help="also time each ep_moe layer under torch.compile (named <layer>+compile), "
                              "optionally with a torch.compile mode such as reduce-overhead (CUDA graphs; "
@@ -219,8 +217,8 @@ def time_all_to_all(layer: MoELayer, x: torch.Tensor, per_slot: bool, args, devi
     with torch.no_grad():
         router = route(x, layer.router.weight, top_k=cfg.top_k)
         _, counts_P2 = rank_counts(router.topk_ids_TK, None, layer.num_local_experts, layer.ep_size)
-        counts_CPX = counts_P2[None, :, 1 if per_slot else 0, None]
-        splits = chunk_splits(gather_counts(counts_CPX, group), layer.ep_rank, 0)
+        counts_PX = counts_P2[:, 1 if per_slot else 0, None]
+        splits = rank_splits(gather_counts(counts_PX, group), layer.ep_rank)
         send_UH = torch.empty(sum(splits.send), cfg.hidden_size, device=device, dtype=x.dtype)
 
         def run():
@@ -230,48 +228,45 @@ def time_all_to_all(layer: MoELayer, x: torch.Tensor, per_slot: bool, args, devi
         return median_ms(run, lambda: None, args.iters, args.warmup, device)
 
 
-Variant = tuple[str, int, bool]
-"""(transport, chunks, own rows first) of an ep_moe layer."""
-TRANSPORTS = {"nccl": dict(transport="nccl"), "ce": dict(transport="copy_engine"), "ag": dict(dispatch="all_gather"),
-              "agce": dict(dispatch="all_gather", transport="copy_engine")}
-"""``--variants`` transport names: the MoEConfig settings each stands for ("ag": the
-all-gather dispatch, which takes no own rows; "agce": with its rows on the copy engines).
-The all-gather variants never sync with the host: ``--graph`` captures them."""
+VARIANTS = {"nccl": "all_to_all", "ag": "all_gather", "agce": "all_gather_copy_engine"}
+"""``--variants`` short names and the ``MoEConfig.dispatch`` each stands for. The all-gather
+variants never sync with the host: ``--graph`` captures them. (Before the EP slice was
+simplified, the old bench_ep took ``nccl:1``, ``ag:1`` and ``agce:1`` for these and named
+them ``ep_moe``, ``ep_moe_ag_c1`` and ``ep_moe_agce_c1``.)"""
 
 
-def parse_variants(spec: str) -> list[Variant]:
-    """``--variants`` as (transport, chunks, own rows first) tuples."""
+def parse_variants(spec: str) -> list[str]:
+    """``--variants`` as ``MoEConfig.dispatch`` values, in order, each once."""
     variants = []
     for item in spec.split(","):
-        parts = item.split(":")
-        transport, chunks, own = parts[0], parts[1] if len(parts) > 1 else "", parts[2:]
-        if transport not in TRANSPORTS or not chunks.isdigit() or own not in ([], ["own"]) \
-                or (transport.startswith("ag") and own):
-            raise SystemExit(f"--variants {item!r}: use TRANSPORT:CHUNKS or TRANSPORT:CHUNKS:own, "
-                             f"TRANSPORT one of {list(TRANSPORTS)} ('ag' and 'agce' without own)")
-        variants.append((transport, int(chunks), bool(own)))
+        dispatch = VARIANTS.get(item, item)
+        if dispatch not in VARIANTS.values():
+            hint = (" (the ':CHUNKS' and ':own' suffixes are gone with MoEConfig.overlap_chunks and "
+                    "own_rows_first, and the copy-engine all-to-all 'ce' with MoEConfig.transport)"
+                    if ":" in item or item == "ce" else "")
+            raise SystemExit(f"--variants {item!r}: use one of {list(VARIANTS)} or {list(VARIANTS.values())}{hint}")
+        if dispatch not in variants:
+            variants.append(dispatch)
     return variants
 
 
-def variant_name(variant: Variant) -> str:
-    transport, chunks, own = variant
-    if variant == ("nccl", 1, False):
+def variant_name(dispatch: str) -> str:
+    """The result name of the ep_moe layer with ``dispatch``."""
+    if dispatch == "all_to_all":
         return "ep_moe"
-    return f"ep_moe_{transport}_c{chunks}" + ("_own" if own else "")
+    return "ep_moe_" + next(short for short, full in VARIANTS.items() if full == dispatch)
 
 
-def sharing_modules(layer: MoELayer, variant: Variant) -> MoELayer:
-    """A layer with other transport and overlap settings that shares ``layer``'s modules
-    (same parameters)."""
-    transport, chunks, own = variant
-    config = dataclasses.replace(layer.config, **TRANSPORTS[transport], overlap_chunks=chunks, own_rows_first=own)
+def sharing_modules(layer: MoELayer, dispatch: str) -> MoELayer:
+    """A layer with another dispatch that shares ``layer``'s modules (same parameters)."""
+    config = dataclasses.replace(layer.config, dispatch=dispatch)
     variant = MoELayer(config, layer.ep_group, device="meta")
     variant.router, variant.experts, variant.shared_experts = layer.router, layer.experts, layer.shared_experts
     return variant
 
 
 def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtype, impls: list[str],
-                 variants: list[Variant], deepspeed, compile_mode: Optional[str] = None) -> tuple[MoELayer, dict]:
+                 variants: list[str], deepspeed, compile_mode: Optional[str] = None) -> tuple[MoELayer, dict]:
     """ep_moe's layer, and {name: (forward, params)} of the plain layer and of the other
     layers in ``impls`` (ep_moe once per variant, and with ``compile_mode`` once more under
     ``torch.compile`` in that mode), all with ep_moe's weights."""
@@ -284,7 +279,7 @@ def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtyp
     if "ep_moe" in impls:
         for variant in variants:
             name = variant_name(variant)
-            layers[name] = ours if name == "ep_moe" else sharing_modules(ours, variant)
+            layers[name] = ours if variant == ours.config.dispatch else sharing_modules(ours, variant)
     if "deepspeed" in impls and deepspeed is not None:
         layers["deepspeed"] = deepspeed_moe_like(ours)
     forwards = {name: (lambda x, m=m: m(x)[0]) if name == "deepspeed" else m for name, m in layers.items()}
@@ -297,13 +292,13 @@ def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtyp
     return ours, {name: (forwards[name], list(m.parameters())) for name, m in layers.items()}
 
 
-def graphed_layers(ours: MoELayer, variants: list[Variant], x: torch.Tensor) -> dict:
+def graphed_layers(ours: MoELayer, variants: list[str], x: torch.Tensor) -> dict:
     """{name+graph: (forward, params)}: the variants that never sync with the host (every
     one at EP=1, the all-gather variants at EP>1), each a layer sharing ``ours``'s modules
     captured forward and backward in CUDA graphs, for inputs like ``x``."""
     graphed = {}
     for variant in variants:
-        if ours.ep_size > 1 and not variant[0].startswith("ag"):
+        if ours.ep_size > 1 and variant == "all_to_all":
             continue
         layer = sharing_modules(ours, variant)
         sample = x.detach().clone().requires_grad_()
@@ -317,7 +312,7 @@ def bench_shape(shape: MoEShape, args, group, ep_size: int, device: torch.device
     """Validate and time every layer on one shape (EP ``group`` of ``ep_size`` ranks, None
     at EP=1); one result row per timed layer, times the slowest of every rank."""
     impls = args.impls.split(",")
-    variants = parse_variants(args.variants) if ep_size > 1 else [("nccl", 1, False)]
+    variants = parse_variants(args.variants) if ep_size > 1 else ["all_to_all"]
     ours, layers = build_layers(shape, group, device, dtype, impls, variants, deepspeed, args.compile)
     if args.autotune:
         from ep_moe.autotune import warmup
@@ -328,7 +323,7 @@ def bench_shape(shape: MoEShape, args, group, ep_size: int, device: torch.device
     x = torch.randn(args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
     dy = torch.randn(args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
     if args.graph and device.type == "cuda":
-        layers.update(graphed_layers(ours, variants if ep_size > 1 else [("nccl", 1, False)], x))
+        layers.update(graphed_layers(ours, variants, x))
 
     # Validate before timing: every layer against the plain one, largest error over ranks.
     errors = {"plain": (0.0, 0.0)}
@@ -372,7 +367,7 @@ def bench_shape(shape: MoEShape, args, group, ep_size: int, device: torch.device
                          tflops=flops / ms / 1e9, a2a_ms=a2a_ms, a2a_share=a2a_ms / ms, rel_err_y=err_y,
                          rel_err_dx=err_dx, valid=valid[name]))
         spread = f"  rounds {min(ms_rounds):.2f}-{max(ms_rounds):.2f}" if len(ms_rounds) > 1 else ""
-        print0(f"{shape.name:16s} {name:12s} EP={ep_size} fwd+bwd {ms:8.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s"
+        print0(f"{shape.name:16s} {name:17s} EP={ep_size} fwd+bwd {ms:8.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s"
                f"  a2a {a2a_ms:6.2f} ms ({100 * a2a_ms / ms:4.1f}%)  err y {err_y:.1e} dx {err_dx:.1e}"
                + ("" if valid[name] else "  INVALID: not timed") + spread)
     return rows
@@ -395,6 +390,7 @@ def main() -> int:
     try:
         world_size = dist.get_world_size()
         ep_size = args.ep_size or world_size
+        parse_variants(args.variants)  # a bad --variants fails before any shape runs
         group = ep_group_of(ep_size)
         replicas = world_size // ep_size
         names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")

@@ -8,7 +8,9 @@ tokens (CUDA-event medians) with what the caching allocator did meanwhile (new a
 segments, out-of-memory retries, reserved peak), the slots this rank's experts serve (load imbalance), then
 one profiled step of the EP=P layer split, from the CUDA kernel timeline, into compute
 kernels (union), communication kernels not overlapped by compute, and idle GPU time
-(host syncs and launch gaps). ``--dispatch all_gather`` profiles the all-gather dispatch.
+(host syncs and launch gaps). ``--dispatch`` picks the EP layer's ``MoEConfig.dispatch``
+(``all_to_all``, ``all_gather`` or ``all_gather_copy_engine``; the copy engines' memcpys
+count as compute there, only NCCL's kernels as communication).
 Optional: ``--top N`` GPU ops by time (of one EP=1 step, then one EP=P step; ``--launches S``
 also each kernel whose name contains S, in launch order), ``--cprofile N``
 Python functions by host time, ``--sync-check`` every host sync of one step with where it
@@ -196,10 +198,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--chunks", type=int, default=1)
-    parser.add_argument("--transport", default="nccl")
-    parser.add_argument("--own", action="store_true", help="MoEConfig.own_rows_first")
-    parser.add_argument("--dispatch", default="all_to_all", choices=("all_to_all", "all_gather"),
+    parser.add_argument("--dispatch", default="all_to_all",
+                        choices=("all_to_all", "all_gather", "all_gather_copy_engine"),
                         help="MoEConfig.dispatch of the EP layer")
     parser.add_argument("--top", type=int, default=0, help="rank 0 lists this many GPU ops by time")
     parser.add_argument("--launches", default="", help="with --top: rank 0 also lists, in launch order, the "
@@ -219,8 +219,7 @@ def main() -> None:
         shape = SHAPES[name]
         config = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                            num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0,
-                           backend="triton", overlap_chunks=args.chunks, transport=args.transport,
-                           own_rows_first=args.own)
+                           backend="triton")
         ep_config = dataclasses.replace(config, dispatch=args.dispatch)
         torch.manual_seed(0)
         ep_layer = MoELayer(ep_config, dist.group.WORLD, device="cuda", dtype=torch.bfloat16)
@@ -256,8 +255,7 @@ def main() -> None:
             print(f"--- {name} rank 0 GPU ops, one step at EP=1")
             kernel_breakdown(one_step, args.top, args.launches)
         if rank == 0:
-            print(f"--- {name} rank 0 GPU ops, one step (dispatch {args.dispatch}, transport {args.transport}, "
-                  f"chunks {args.chunks}, own rows first {args.own})")
+            print(f"--- {name} rank 0 GPU ops, one step (dispatch {args.dispatch})")
         row.update(kernel_breakdown(ep_step, args.top if rank == 0 else 0, args.launches if rank == 0 else ""))
         if args.cprofile:
             host_profile(ep_step, args.cprofile if rank == 0 else 0)
@@ -272,8 +270,7 @@ def main() -> None:
         rows = [None] * world
         dist.all_gather_object(rows, row)
         if rank == 0:
-            print(f"--- {name} (EP={world}, dispatch {args.dispatch}, chunks={args.chunks}, transport {args.transport}, "
-                  f"own rows first {args.own})", flush=True)
+            print(f"--- {name} (EP={world}, dispatch {args.dispatch})", flush=True)
             for r in rows:
                 print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                        for k, v in r.items()), flush=True)

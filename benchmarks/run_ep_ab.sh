@@ -1,21 +1,36 @@
 #!/usr/bin/env bash
 # Same-machine A/B of the EP layer: an old tree against this one, runs alternating, so that
 # host and machine noise (10 to 20% run to run at qwen3's size) falls on both sides alike.
+# Each side runs its OWN benchmarks/bench_ep.py and ep_moe (cd into the tree, PYTHONPATH=tree),
+# with --variants in that tree's syntax; the summary pairs the layers that run the same config.
 #
-# Prepare the old tree here (it travels with `carry`), then run on a GPU machine:
-#   git archive <old-rev> | (rm -rf .baseline && mkdir .baseline && tar -x -C .baseline)
-#   echo /.baseline/ >> "$(git rev-parse --git-dir)/info/exclude"
-#   bash benchmarks/run_ep_ab.sh
+# Old tree: a folder INSIDE this repo (only the working tree travels to a GPU machine; the
+# device tool takes an ignored folder named in its `carry`). Prepare it here, e.g. for the
+# last commit with MoEConfig.transport / overlap_chunks (dde521a):
+#   rm -rf .baseline && mkdir .baseline && git archive dde521a | tar -x -C .baseline
+#   x=$(git rev-parse --git-path info/exclude); grep -qxF /.baseline/ "$x" 2>/dev/null || echo /.baseline/ >> "$x"
+# then on a 4-GPU machine (device tool: kind nvidia-h100-x4, carry [".baseline"], timeout_s 540;
+# four bench_ep runs of about a minute each; results in /tmp, as the tool's $OUT takes 8 files):
+#   ROUNDS=2 ITERS=10 WARMUP=3 BENCH_CAP_S=180 OUT=/tmp/ep_ab bash benchmarks/run_ep_ab.sh; rc=$?
+#   tar -czf "$OUT/ep_ab.tgz" -C /tmp ep_ab; exit $rc
+# and afterwards `rm -rf .baseline` here. Old and new variants, paired (the defaults below):
+#   old tree (dde521a) bench_ep --variants nccl:1,ag:1,agce:1 -> layers ep_moe, ep_moe_ag_c1, ep_moe_agce_c1
+#   this tree          bench_ep --variants nccl,ag,agce       -> layers ep_moe, ep_moe_ag,    ep_moe_agce
+#   (MoEConfig dispatch all_to_all / all_gather / all_gather_copy_engine; old: transport="nccl",
+#   dispatch="all_gather" transport="nccl", dispatch="all_gather" transport="copy_engine", all
+#   with overlap_chunks=1). The summary drops the old names' "_c1" (one chunk) to pair them.
 # Environment (defaults in brackets):
 #   BASE [.baseline]  EP [all GPUs]  ROUNDS [2]  SHAPES [all]  ITERS [20]  WARMUP [5]
-#   OLD_VARIANTS, NEW_VARIANTS [nccl:1]: bench_ep --variants of each side (each tree's own
-#     syntax); layers of the same name are compared
+#   OLD_VARIANTS [nccl:1,ag:1,agce:1], NEW_VARIANTS [nccl,ag,agce]: bench_ep --variants of each
+#     side (each tree's own syntax)
 #   EP1 [0]: 1 also times this tree at EP=1 on the same machine (the EP=P / EP=1 ratio)
 #   EP1_RANKS [1]: GPUs of that EP=1 run; more run data-parallel replicas at once (bench_ep
 #     --ep-size 1), every GPU busy as at EP=P, the slowest one reported
 #   GRAPH [0]: 1 passes --graph (both sides and EP=1): the sync-free layers also run captured
 #     in CUDA graphs, as <layer>+graph, each compared with EP=1 graphed
-#   DEVICE [cuda]: cpu runs the same on gloo (a smoke test, e.g. SHAPES=tiny EP=2)
+#   BENCH_CAP_S [300]: the most seconds one bench_ep run may take
+#   DEVICE [cuda]: cpu runs the same on gloo (a smoke test, e.g. DEVICE=cpu SHAPES=tiny EP=2
+#     OLD_VARIANTS=nccl:1,ag:1 NEW_VARIANTS=nccl,ag: the copy engines need CUDA)
 #   OUT [/tmp/ep_ab]: results folder
 # Each round runs benchmarks/bench_ep.py --impls ep_moe of the old tree, then of this one;
 # the summary (and $OUT/ep_ab.json) gives every run's ms and the medians per side.
@@ -32,7 +47,7 @@ rm -f "$RESULTS"/ep"$EP"_*_r*.json* "$RESULTS"/ep1_new.json*
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 bench() {  # bench <tree> <ranks> <variants> <out json> <label> [bench_ep args]; full output in <out json>.log
-  (cd "$1" && PYTHONPATH=$1 timeout 300 python3 -m torch.distributed.run --nproc-per-node "$2" \
+  (cd "$1" && PYTHONPATH=$1 timeout "${BENCH_CAP_S:-300}" python3 -m torch.distributed.run --nproc-per-node "$2" \
     benchmarks/bench_ep.py --device "$DEVICE" --impls ep_moe --variants "$3" --iters "${ITERS:-20}" \
     --warmup "${WARMUP:-5}" --shapes "${SHAPES:-all}" --out "$4" $([ "${GRAPH:-0}" = 1 ] && echo --graph) \
     ${6:-} > "$4.log" 2>&1)
@@ -42,18 +57,24 @@ bench() {  # bench <tree> <ranks> <variants> <out json> <label> [bench_ep args];
 }
 
 for round in $(seq "${ROUNDS:-2}"); do
-  bench "$BASE" "$EP" "${OLD_VARIANTS:-nccl:1}" "$RESULTS/ep${EP}_old_r$round.json" "old r$round"
-  bench "$ROOT" "$EP" "${NEW_VARIANTS:-nccl:1}" "$RESULTS/ep${EP}_new_r$round.json" "new r$round"
+  bench "$BASE" "$EP" "${OLD_VARIANTS:-nccl:1,ag:1,agce:1}" "$RESULTS/ep${EP}_old_r$round.json" "old r$round"
+  bench "$ROOT" "$EP" "${NEW_VARIANTS:-nccl,ag,agce}" "$RESULTS/ep${EP}_new_r$round.json" "new r$round"
 done
 if [ "${EP1:-0}" = 1 ]; then
-  bench "$ROOT" "${EP1_RANKS:-1}" nccl:1 "$RESULTS/ep1_new.json" "new EP=1" "--ep-size 1"
+  bench "$ROOT" "${EP1_RANKS:-1}" nccl "$RESULTS/ep1_new.json" "new EP=1" "--ep-size 1"
 fi
 
 python3 - "$RESULTS" "$EP" <<'EOF'
 """Per (shape, layer): every run's ms (slowest rank) and the median of each side; with an
-EP=1 run, each side's median over this tree's EP=1 time."""
-import json, statistics, sys
+EP=1 run, each side's median over this tree's EP=1 time. Layers pair by name, an old tree's
+"_c1" (one chunk, before MoEConfig.overlap_chunks was removed) dropped: ep_moe_ag_c1 is ep_moe_ag."""
+import json, re, statistics, sys
 from pathlib import Path
+
+
+def layer(impl):
+    return re.sub(r"_c1(?=\+|$)", "", impl)
+
 
 folder, ep = Path(sys.argv[1]), sys.argv[2]
 runs, environment = {}, None
@@ -62,7 +83,7 @@ for path in sorted(folder.glob(f"ep{ep}_*_r*.json")):
     data = json.loads(path.read_text())
     environment = data["environment"]
     for row in data["results"]:
-        runs.setdefault((row["shape"], row["impl"]), {"old": [], "new": []})[side].append(row["ms"])
+        runs.setdefault((row["shape"], layer(row["impl"])), {"old": [], "new": []})[side].append(row["ms"])
 if not runs:
     sys.exit("no results")
 ep1_path = folder / "ep1_new.json"

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # GPU check and EP benchmark in one go, for a 2- or 4-GPU machine. The benchmarks take about 3.5 minutes
 # on a warm 4x H200 (EP1_RANKS=4, session 18); the whole GPU suite takes longer than its TESTS_CAP_S, as
-# tests/gpu/test_ep_nccl.py runs every transport (session 18, 4x H200: 99 s for nccl, 196 s for
-# all_gather_ce on a fresh machine): pick with EP_MOE_TEST_TRANSPORTS or TESTS, or skip (TESTS="--co -q tests/gpu").
+# tests/gpu/test_ep_nccl.py runs every dispatch (about 3.5 minutes on a fresh 4x H200, its fixture 111 s):
+# pick with EP_MOE_TEST_DISPATCHES (e.g. all_to_all,all_gather) or TESTS, or skip (TESTS="--co -q tests/gpu").
 #   1. installs the wheels in .whl/ (deepspeed and the dependencies the image lacks) into /tmp/site;
 #   2. runs the GPU tests (tests/gpu, tests/kernels; -x; over 8 workers, a file per worker, when pytest-xdist is there);
 #   3. runs benchmarks/bench_ep.py at EP = 1, 2, 4 (as many as there are GPUs) on all four shapes,
-#      with the ep_moe variants in $VARIANTS at EP>1 (and, with GRAPH=1, the sync-free ones
+#      with the ep_moe variants (dispatches) in $VARIANTS at EP>1 (and, with GRAPH=1, the sync-free ones
 #      captured in CUDA graphs: bench_ep --graph), kernel configs from $EP_MOE_CACHE_DIR (a
 #      cache benchmarks/run_autotune_gpu.sh filled, when run first on this machine) or shipped;
 #   4. copies the results JSON and the logs into $OUT (if set) and prints a summary table.
 #   EP1_RANKS [1]: GPUs of the EP=1 run; more run data-parallel replicas at once (bench_ep
 #   --ep-size 1), every GPU busy as at EP>1, the slowest one reported.
 # Every step has its own timeout (the tests TESTS_CAP_S [240], SIGINT so pytest still reports; a bench BENCH_CAP_S [150]), cut to what is left of a BUDGET_S [530] s budget. Run from anywhere:
-#   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 ROUNDS=3 TOKENS=8192 VARIANTS=nccl:1,ag:1,agce:1 GRAPH=1
+#   bash benchmarks/run_ep_gpu.sh   # defaults: ITERS=10 WARMUP=3 ROUNDS=3 TOKENS=8192 VARIANTS=nccl,ag,agce GRAPH=1
 #                                   # IMPLS=ep_moe,plain,deepspeed EP_SIZES="1 2 4" TESTS="tests/gpu tests/kernels"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ ITERS=${ITERS:-10}
 WARMUP=${WARMUP:-3}
 ROUNDS=${ROUNDS:-3}  # every layer timed ROUNDS times, order rotated (bench_ep --rounds)
 TOKENS=${TOKENS:-8192}
-VARIANTS=${VARIANTS:-nccl:1,ag:1,agce:1}  # all-to-all, all-gather on NCCL and on the copy engines (ce, the all-to-all's: slower)
+VARIANTS=${VARIANTS:-nccl,ag,agce}  # bench_ep --variants: the all-to-all, the all-gather on NCCL and on the copy engines
 GRAPH=${GRAPH:-1}
 IMPLS=${IMPLS:-ep_moe,plain,deepspeed}
 EP_SIZES=${EP_SIZES:-1 2 4}

@@ -1,64 +1,45 @@
-"""All-to-all between the GPUs of one node on the copy engines, through symmetric memory.
+"""The all-gather dispatch's row exchanges on the GPUs' copy engines, through symmetric memory
+(``MoEConfig.dispatch="all_gather_copy_engine"``).
 
-Why: NCCL's all-to-all runs as kernels, which need SMs. While a persistent grouped GEMM
-holds every SM those kernels hardly progress (``benchmarks/bench_a2a_overlap.py`` on 4x
-H200: 10% of a qwen3-sized dispatch hidden behind the experts' forward, none behind the
-dW GEMMs); GEMMs launched one program per tile let NCCL in (about 60% hidden behind dW),
-at some cost to the GEMMs. A ``cudaMemcpy`` between GPU memories over NVLink runs on the
-copy engines instead, with no SM (304 GB/s against NCCL's 281 for the bare copies in one
-run; 150 GB/s with this module's staging copy), and 30 to 94% of it hid behind the
-experts' work.
+Why: NCCL's collectives run as kernels, which need SMs, and a persistent grouped GEMM holds
+every SM until it ends: a collective queued beside it hardly progresses. A ``cudaMemcpy``
+between GPU memories over NVLink runs on the copy engines instead, with no SM, so the
+transfer of one source's tokens runs while the experts' first GEMM already computes on the
+tokens that have landed.
 
 How: every rank of the EP group holds one :class:`SymmetricWorkspace`, a buffer in
-symmetric memory that every peer can address, and a stream for its copies. An all-to-all
-is pulled:
+symmetric memory that every peer can address, and a stream for its copies. Flags are 32-bit
+words at the start of each workspace, written and awaited with CUDA stream memory operations
+(``cuStreamWriteValue32`` / ``cuStreamWaitValue32``), which the GPU's front end runs: no SM is
+needed anywhere, so nothing waits for a GEMM to give one back (a barrier kernel needs an SM;
+with the GEMMs holding them all, one per exchange made the layer up to 3.7x slower than NCCL
+when first measured).
 
-1. the sender stages the rows it sends in its own workspace, in its region for the
-   (direction, message, chunk) of the exchange, and raises its *ready* flag in every
-   peer's workspace;
-2. each receiver waits for a source's ready flag, copies its segment out of that
-   source's workspace into a fresh tensor (``copy_`` over NVLink: the copy engines), and
-   when it has pulled from everyone raises its *done* flag in every peer's workspace.
+The layer's exchanges are captured in CUDA graphs, whose replays cannot count on the host,
+so each flag is 0 or 1 and whoever waits for it takes it back:
 
-The flags are 32-bit words written and awaited with CUDA stream memory operations
-(``cuStreamWriteValue32`` / ``cuStreamWaitValue32``), which the GPU's front end runs: no
-SM is needed anywhere, so nothing waits for a GEMM to give one back. (A barrier kernel,
-symmetric memory's own, needs an SM; with the GEMMs holding them all, one per exchange
-made the layer up to 3.7x slower than NCCL in the first measurement.) The all-to-all's
-flag values are the exchange's sequence number, the same on every rank, so a flag only
-ever grows.
+- *Rows, pulled* (:meth:`CopyEngineGather.dispatch`). In the stager's workspace one *free*
+  flag per peer (1: that peer has pulled the rows staged last; 1 at the start): the stager's
+  compute stream waits for all of them and clears them before it stages (claims the region).
+  In each puller's workspace one *staged* flag per source, which the puller's copy stream
+  waits for and clears before it copies; after the copy it sets its free flag in the
+  source's workspace. The *landing* flag that the experts' GEMM polls
+  (:mod:`ep_moe.kernels.arrival`) is in the rank's own workspace, cleared on the compute
+  stream before the pulls are queued and raised to w after the w-th source.
+- *Sums, pushed* (the forward's reduce-scatter, :meth:`CopyEngineGather.departing`). Each rank
+  has an *inbox* of P-1 slots for the peers' token sums. Before a push the sender's copy
+  stream waits for its *inbox-free* flag for that receiver (in the sender's workspace, 1 at
+  the start) and clears it; after the copy it raises its *arrived* flag in the receiver's
+  workspace. The receiver's compute stream waits for every arrived flag and clears them,
+  reads the inbox, and sets its inbox-free flag in every sender's workspace.
 
-Every rank holds the row counts of every rank (:class:`CopyEngineExchange`'s matrices),
-so it knows where in a peer's workspace its rows lie, and all ranks size the workspace
-alike. A session (one forward or one backward of a layer's pipeline) stages each region
-at most once and starts by waiting for every peer's done flag of the previous session:
-no rank restages a region before every peer has pulled from it.
-
-The all-gather (:class:`CopyEngineGather`) is captured in CUDA graphs, whose replays
-cannot count on the host, so its handshake holds no sequence number: each flag is 0 or 1
-and whoever waits for it takes it back. Per chunk region, in the stager's workspace, one
-*free* flag per peer (1: that peer has pulled the region's last rows; 1 at the start):
-the stager's compute stream waits for all of them and clears them before it stages
-(claims the region). In each puller's workspace one *staged* flag per source, which the
-puller's copy stream waits for and clears before it copies; after the copy it sets its
-free flag in the source's workspace. The landing flags that the experts' GEMM polls
-(:mod:`ep_moe.kernels.arrival`) are one per chunk in the rank's own workspace, cleared on
-the compute stream before the pulls are queued and raised to w after the w-th source.
-The forward's reduce-scatter is pushed instead: each rank has, per chunk, an *inbox* of
-P-1 slots for the peers' token sums. Before a push the sender's copy stream waits for its
-*inbox-free* flag for that receiver (in the sender's workspace, 1 at the start) and clears
-it; after the copy it raises its *arrived* flag in the receiver's workspace. The
-receiver's compute stream waits for every arrived flag and clears them, reads the inbox,
-and sets its inbox-free flag in every sender's workspace.
-
-Limits: NCCL still carries the layer's counts and the small message of expert ids and
-top-k weights (and, with the all-gather dispatch, their gradients), and the all-gather
-dispatch's backward reduce-scatters (under the dW GEMMs). The GPUs must reach each other's memory (NVLink or
-PCIe peer access); symmetric memory's rendezvous fails otherwise. The workspace grows,
-collectively and with a device sync, whenever a layer call needs more than it holds.
-A flag wait has no timeout: if a rank dies between two exchanges, its peers' streams
-wait for it (NCCL's watchdog does not see these waits), so the job must be torn down
-from outside, as after a failed rank in any collective.
+Limits: NCCL still carries the expert ids and top-k weights (small, needed at once by the
+routing), their gradients, and the backward's reduce-scatter (under the dW GEMMs). The GPUs
+must reach each other's memory (NVLink or PCIe peer access); symmetric memory's rendezvous
+fails otherwise. The workspace grows, collectively and with a device sync, whenever a layer
+call needs more than it holds. A flag wait has no timeout: if a rank dies between two
+exchanges, its peers' streams wait for it (NCCL's watchdog does not see these waits), so the
+job must be torn down from outside, as after a failed rank in any collective.
 """
 
 from __future__ import annotations
@@ -78,22 +59,16 @@ from ep_moe.dispatch import PendingExchange
 from ep_moe.gathered import GatherExchange
 from ep_moe.kernels.arrival import Departure, Landing, rows_departing
 
-DISPATCH, COMBINE = "dispatch", "combine"
-"""Directions: rows to the experts' ranks (``matrix[q][p]`` rows from q to p), and back
-(the transpose)."""
 _ALIGN = 256  # bytes between regions: every dtype's element size divides it
 _MAX_RANKS = 128
-_MAX_CHUNKS = 32  # chunks of one all-gather exchange (MoEConfig.overlap_chunks)
-# The flags: 32-bit words at the start of every workspace, then the data.
-_READY, _DONE = 0, _MAX_RANKS  # + source / puller: the all-to-all's sequence numbers
-# the all-gather's 0/1 handshakes, + chunk * _MAX_RANKS + rank:
-_STAGED = 2 * _MAX_RANKS  # rows of a source staged (in the puller's workspace)
-_FREE = _STAGED + _MAX_CHUNKS * _MAX_RANKS  # a puller has pulled them (in the stager's)
-_ARRIVED = _FREE + _MAX_CHUNKS * _MAX_RANKS  # a sender's sums are in the inbox (the receiver's)
-_INBOX_FREE = _ARRIVED + _MAX_CHUNKS * _MAX_RANKS  # a receiver's inbox is free (in the sender's)
-_LANDED = _INBOX_FREE + _MAX_CHUNKS * _MAX_RANKS  # + chunk: sources landed (for the GEMMs)
-_FLAGS = 1 << 17  # bytes reserved for them
-assert 4 * (_LANDED + _MAX_CHUNKS) <= _FLAGS
+# The flags: 32-bit words at the start of every workspace (+ rank), then the data.
+_STAGED = 0  # rows of a source staged (in the puller's workspace)
+_FREE = _MAX_RANKS  # a puller has pulled them (in the stager's)
+_ARRIVED = 2 * _MAX_RANKS  # a sender's sums are in the inbox (the receiver's)
+_INBOX_FREE = 3 * _MAX_RANKS  # a receiver's inbox is free (in the sender's)
+_LANDED = 4 * _MAX_RANKS  # sources landed, for the GEMMs (no rank offset)
+_FLAGS = 1 << 12  # bytes reserved for them
+assert 4 * (_LANDED + 1) <= _FLAGS and _FLAGS % _ALIGN == 0
 _GROWTH = 1.25  # a workspace that must grow takes this much headroom
 _SUPPORTED: dict[str, tuple[bool, str]] = {}  # group name -> copy_engine_supported(group)
 _WORKSPACES: dict[tuple[str, int], "SymmetricWorkspace"] = {}
@@ -187,8 +162,7 @@ def copy_engine_supported(group: ProcessGroup) -> tuple[bool, str]:
 
 class SymmetricWorkspace:
     """One rank's symmetric-memory buffer for an EP group (flags, then data), the stream
-    its copies run on, the all-to-all's sequence number and the flag protocols of the
-    module docstring. It grows on demand; growing is collective and every rank asks for
+    its copies run on and the flag protocols of the module docstring. It grows on demand; growing is collective and every rank asks for
     the same size. A buffer that a CUDA graph was captured with stays mapped when the
     workspace grows past it: the graph's replays still copy and signal there."""
 
@@ -197,8 +171,6 @@ class SymmetricWorkspace:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.stream = torch.cuda.Stream(device)
         self.capacity = 0
-        self.epoch = 0
-        """Sequence number of the all-to-all's last exchange (its flags hold such numbers)."""
         self._memops = _StreamMemOps()
         self._buffers: list[torch.Tensor] = []  # every rank's buffer, flat uint8, mapped here
         self._allocation = None
@@ -206,10 +178,9 @@ class SymmetricWorkspace:
         self._retired: list = []  # earlier (allocation, buffers) that captured graphs replay into
 
     @classmethod
-    def for_group(cls, group: ProcessGroup, device: torch.device, user: str) -> "SymmetricWorkspace":
-        """The workspace of ``group`` on ``device`` for ``user`` (an exchange class: each
-        has its own, as their protocols differ), shared by every layer using it."""
-        key = (group.group_name, device.index, user)
+    def for_group(cls, group: ProcessGroup, device: torch.device) -> "SymmetricWorkspace":
+        """The workspace of ``group`` on ``device``, shared by every layer using it."""
+        key = (group.group_name, device.index)
         if key not in _WORKSPACES:
             _WORKSPACES[key] = cls(group, device)
         return _WORKSPACES[key]
@@ -235,9 +206,9 @@ class SymmetricWorkspace:
         flags = self._buffers[self.rank][:_FLAGS].view(torch.int32)
         flags.zero_()
         for free in (_FREE, _INBOX_FREE):  # every region free
-            flags[free: free + _MAX_CHUNKS * _MAX_RANKS].fill_(1)
+            flags[free: free + _MAX_RANKS].fill_(1)
         self._quiesce()  # every rank's flags are set before anyone raises one
-        self.capacity, self.epoch = capacity, 0
+        self.capacity = capacity
 
     def _capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
@@ -312,170 +283,63 @@ class SymmetricWorkspace:
         done.record(self.stream)
         return PendingExchange(out, event=done, landing=landing)
 
-    # The all-to-all's protocol: sequence numbers.
+    # The protocols: 0/1 flags, replayable in CUDA graphs.
 
-    def signal_ready(self, epoch: int) -> None:
-        """On the workspace's stream: tell every peer this rank staged exchange ``epoch``."""
-        for peer in self._peers():
-            self._signal(self.stream, peer, _READY + self.rank, epoch)
-
-    def wait_ready(self, source: int, epoch: int) -> None:
-        """On the workspace's stream: wait until ``source`` staged exchange ``epoch``."""
-        self._await(self.stream, _READY + source, epoch, equal=False)
-
-    def signal_done(self, epoch: int) -> None:
-        """On the workspace's stream: tell every peer this rank pulled exchange ``epoch``."""
-        for peer in self._peers():
-            self._signal(self.stream, peer, _DONE + self.rank, epoch)
-
-    def wait_done(self, epoch: int) -> None:
-        """On the current stream: wait until every peer pulled exchange ``epoch``."""
-        for peer in self._peers():
-            self._await(self._compute_stream(), _DONE + peer, epoch, equal=False)
-
-    # The all-gather's protocol: 0/1 flags, replayable in CUDA graphs.
-
-    def claim_region(self, chunk: int) -> None:
+    def claim_region(self) -> None:
         """On the current stream: wait until every peer has pulled what this rank last
-        staged in chunk ``chunk``'s region, then mark the region taken."""
+        staged, then mark the region taken."""
         compute = self._compute_stream()
         for peer in self._peers():
-            self._await(compute, _FREE + chunk * _MAX_RANKS + peer, 1, equal=True)
+            self._await(compute, _FREE + peer, 1, equal=True)
         for peer in self._peers():
-            self._signal(compute, self.rank, _FREE + chunk * _MAX_RANKS + peer, 0)
+            self._signal(compute, self.rank, _FREE + peer, 0)
 
-    def clear_landed(self, chunk: int) -> torch.Tensor:
-        """On the current stream: chunk ``chunk``'s landing flag = 0; returns the flag."""
-        self._signal(self._compute_stream(), self.rank, _LANDED + chunk, 0)
-        return self.flag(self.rank, _LANDED + chunk)
+    def clear_landed(self) -> torch.Tensor:
+        """On the current stream: the landing flag = 0; returns the flag."""
+        self._signal(self._compute_stream(), self.rank, _LANDED, 0)
+        return self.flag(self.rank, _LANDED)
 
-    def signal_staged(self, chunk: int) -> None:
-        """On the workspace's stream: tell every peer this rank staged chunk ``chunk``."""
+    def signal_staged(self) -> None:
+        """On the workspace's stream: tell every peer this rank staged its rows."""
         for peer in self._peers():
-            self._signal(self.stream, peer, _STAGED + chunk * _MAX_RANKS + self.rank, 1)
+            self._signal(self.stream, peer, _STAGED + self.rank, 1)
 
-    def await_staged(self, chunk: int, source: int) -> None:
-        """On the workspace's stream: wait until ``source`` staged chunk ``chunk``, and take
-        the flag back."""
-        index = _STAGED + chunk * _MAX_RANKS + source
-        self._await(self.stream, index, 1, equal=True)
-        self._signal(self.stream, self.rank, index, 0)
+    def await_staged(self, source: int) -> None:
+        """On the workspace's stream: wait until ``source`` staged its rows, and take the
+        flag back."""
+        self._await(self.stream, _STAGED + source, 1, equal=True)
+        self._signal(self.stream, self.rank, _STAGED + source, 0)
 
-    def signal_landed(self, chunk: int, sources: int) -> None:
-        """On the workspace's stream: chunk ``chunk``'s first ``sources`` pulled sources landed."""
-        self._signal(self.stream, self.rank, _LANDED + chunk, sources)
+    def signal_landed(self, sources: int) -> None:
+        """On the workspace's stream: the first ``sources`` pulled sources landed."""
+        self._signal(self.stream, self.rank, _LANDED, sources)
 
-    def signal_pulled(self, chunk: int, source: int) -> None:
-        """On the workspace's stream: tell ``source`` this rank has pulled its chunk ``chunk``."""
-        self._signal(self.stream, source, _FREE + chunk * _MAX_RANKS + self.rank, 1)
+    def signal_pulled(self, source: int) -> None:
+        """On the workspace's stream: tell ``source`` this rank has pulled its rows."""
+        self._signal(self.stream, source, _FREE + self.rank, 1)
 
-    def claim_inbox(self, chunk: int, receiver: int) -> None:
+    def claim_inbox(self, receiver: int) -> None:
         """On the workspace's stream: wait until ``receiver`` has read what this rank last
-        sent to its chunk ``chunk`` inbox, then mark it taken."""
-        index = _INBOX_FREE + chunk * _MAX_RANKS + receiver
-        self._await(self.stream, index, 1, equal=True)
-        self._signal(self.stream, self.rank, index, 0)
+        sent to its inbox, then mark it taken."""
+        self._await(self.stream, _INBOX_FREE + receiver, 1, equal=True)
+        self._signal(self.stream, self.rank, _INBOX_FREE + receiver, 0)
 
-    def signal_arrived(self, chunk: int, receiver: int) -> None:
+    def signal_arrived(self, receiver: int) -> None:
         """On the workspace's stream: tell ``receiver`` this rank's sums are in its inbox."""
-        self._signal(self.stream, receiver, _ARRIVED + chunk * _MAX_RANKS + self.rank, 1)
+        self._signal(self.stream, receiver, _ARRIVED + self.rank, 1)
 
-    def await_inbox(self, chunk: int) -> None:
-        """On the current stream: wait until every peer's sums are in this rank's chunk
-        ``chunk`` inbox, taking the flags back."""
+    def await_inbox(self) -> None:
+        """On the current stream: wait until every peer's sums are in this rank's inbox,
+        taking the flags back."""
         compute = self._compute_stream()
         for peer in self._peers():
-            index = _ARRIVED + chunk * _MAX_RANKS + peer
-            self._await(compute, index, 1, equal=True)
-            self._signal(compute, self.rank, index, 0)
+            self._await(compute, _ARRIVED + peer, 1, equal=True)
+            self._signal(compute, self.rank, _ARRIVED + peer, 0)
 
-    def free_inbox(self, chunk: int) -> None:
+    def free_inbox(self) -> None:
         """On the current stream, after the inbox was read: tell every peer it is free."""
         for peer in self._peers():
-            self._signal(self._compute_stream(), peer, _INBOX_FREE + chunk * _MAX_RANKS + self.rank, 1)
-
-
-def segment_layout(matrix: list[list[int]], me: int) -> list[tuple[int, int, int]]:
-    """Where rank ``me``'s rows of one exchange come from: ``(source rank, first row in the
-    source's staged rows, count)`` per source with rows, in the order they land in the
-    output (grouped by source rank). ``matrix[q][p]``: rows q sends p; a sender stages
-    its rows grouped by destination rank."""
-    return [(q, sum(matrix[q][:me]), matrix[q][me]) for q in range(len(matrix)) if matrix[q][me]]
-
-
-class CopyEngineExchange:
-    """The all-to-alls of one layer call's pipeline on the copy engines.
-
-    ``matrices[c][q][p]``: rows rank q sends rank p in chunk c's dispatch (every rank
-    holds all of them, from one all-gather of counts); ``row_bytes``: bytes per row of
-    each message kind (e.g. ``{"rows": H * 2, "weights": K * 4}``). Every rank's
-    workspace holds one region per (direction, kind, chunk), sized for what that rank
-    stages there; the workspace is sized for the largest rank. Every rank must make the
-    same sequence of :meth:`begin`, :meth:`dispatch` and :meth:`combine` calls."""
-
-    uses_sms = False
-    """Copies on the copy engines and stream memory operations: no SM needed."""
-
-    def __init__(self, workspace: SymmetricWorkspace, matrices: list[list[list[int]]],
-                 row_bytes: dict[str, int]) -> None:
-        self.workspace, self.row_bytes = workspace, row_bytes
-        self.rank = workspace.rank
-        ranks = range(len(matrices[0]))
-        self.matrices = {DISPATCH: matrices, COMBINE: [[list(col) for col in zip(*m)] for m in matrices]}
-        self.offsets: dict[tuple[str, str, int], list[int]] = {}
-        ends = [0 for _ in ranks]
-        for direction, per_chunk in self.matrices.items():
-            for kind, width in row_bytes.items():
-                for c, matrix in enumerate(per_chunk):
-                    self.offsets[(direction, kind, c)] = list(ends)
-                    ends = [_round_up(ends[q] + sum(matrix[q]) * width, _ALIGN) for q in ranks]
-        workspace.reserve(max(ends))
-
-    def begin(self) -> None:
-        """Start a session (a forward or a backward): the current stream waits until every
-        peer has pulled everything this rank staged before, so it may stage again."""
-        self.workspace.wait_done(self.workspace.epoch)
-
-    def staging(self, chunk: int, kind: str, rows: int, row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """Where :meth:`dispatch` stages chunk ``chunk``'s rows of ``kind``: a tensor
-        written there (after :meth:`begin`) is sent without a copy."""
-        return self.workspace.view(self.rank, self.offsets[(DISPATCH, kind, chunk)][self.rank], rows,
-                                   row_shape, dtype)
-
-    def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
-        """Send chunk ``chunk``'s rows of message ``kind`` (grouped by destination rank)
-        to the experts' ranks; they arrive grouped by source rank."""
-        return self._exchange(x, DISPATCH, kind, chunk)
-
-    def combine(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
-        """The reverse of :meth:`dispatch`: rows in arrival order go back to their senders
-        and arrive in each sender's send order."""
-        return self._exchange(x, COMBINE, kind, chunk)
-
-    def _exchange(self, x: torch.Tensor, direction: str, kind: str, chunk: int) -> PendingExchange:
-        ws, me = self.workspace, self.rank
-        matrix, offsets = self.matrices[direction][chunk], self.offsets[(direction, kind, chunk)]
-        row_shape, width = tuple(x.shape[1:]), self.row_bytes[kind]
-        if x.shape[0] != sum(matrix[me]) or math.prod(row_shape) * x.element_size() != width:
-            raise ValueError(f"{direction} of {kind!r}, chunk {chunk}: got {tuple(x.shape)} {x.dtype}, "
-                             f"expected {sum(matrix[me])} rows of {width} bytes")
-        staged = ws.view(me, offsets[me], x.shape[0], row_shape, x.dtype)
-        if x.shape[0] and staged.data_ptr() != x.data_ptr():
-            staged.copy_(x)
-        out = x.new_empty((sum(row[me] for row in matrix), *row_shape))
-        ws.epoch += 1
-        ws.follow_compute()  # staged, and `out` allocated
-        ws.signal_ready(ws.epoch)
-        with ws.copying():
-            landed = 0
-            for source, first, count in segment_layout(matrix, me):
-                if source != me:
-                    ws.wait_ready(source, ws.epoch)
-                src = ws.view(source, offsets[source] + first * width, count, row_shape, x.dtype)
-                out[landed: landed + count].copy_(src)
-                landed += count
-        ws.signal_done(ws.epoch)
-        return ws.finish(out)
+            self._signal(self._compute_stream(), peer, _INBOX_FREE + self.rank, 1)
 
 
 class CopyEngineGather(GatherExchange):
@@ -483,12 +347,12 @@ class CopyEngineGather(GatherExchange):
     all-gathers and the forward's reduce-scatter on the copy engines, each overlapped with
     the GEMM at its end; capturable in CUDA graphs.
 
-    A dispatch of chunk c's rows claims the chunk's region of this rank's workspace (waits
-    until every peer has pulled what was staged there last), stages this rank's [T, H] there
-    and copies them into its own slot of the output (all on the current stream, so the own
-    rows are there before any reader), then pulls the peers' rows on the copy engines in
-    landing order, the next rank first, raising the chunk's landing flag to w after the w-th
-    source (the 0/1 handshake of the module docstring). The exchange comes back with its
+    A dispatch of rows claims this rank's region of its workspace (waits until every peer
+    has pulled what was staged there last), stages this rank's [T, H] there and copies them
+    into its own slot of the output (all on the current stream, so the own rows are there
+    before any reader), then pulls the peers' rows on the copy engines in landing order, the
+    next rank first, raising the landing flag to w after the w-th source (the 0/1 handshake
+    of the module docstring). The exchange comes back with its
     :class:`~ep_moe.kernels.arrival.Landing`: the grouped GEMM that reads the rows first (the
     up projection in the forward, the down projection's dX in the backward) waits tile by
     tile for its source instead of the whole transfer (:mod:`ep_moe.kernels.arrival`);
@@ -499,73 +363,63 @@ class CopyEngineGather(GatherExchange):
     :class:`~ep_moe.kernels.arrival.Departure`), and as each source's [T, H] sums are queued
     the copy engines push them into that rank's *inbox* in its workspace (after waiting until
     it has read what it got there last) and raise its arrived flag. :meth:`combine` then waits
-    for every peer's sums on the device and adds them to the own ones; that wait is queued
-    on the compute stream at once, so with several chunks the next chunk's experts start
-    once this chunk's sums have arrived from every peer (one chunk is the faster setting
-    on this path, as measured). The expert ids and
-    top-k weights (small, needed at once by the routing) and the backward's reduce-scatters
+    for every peer's sums on the device and adds them to the own ones. The expert ids and
+    top-k weights (small, needed at once by the routing) and the backward's reduce-scatter
     (under the dW GEMMs already) stay on NCCL.
 
     Every rank must make the same sequence of :meth:`dispatch`, :meth:`departing` and
-    :meth:`combine` calls with the same chunk sizes ``rows_per_chunk``, at most
-    ``_MAX_CHUNKS`` chunks."""
+    :meth:`combine` calls with the same ``num_tokens``."""
 
-    def __init__(self, group: ProcessGroup, workspace: SymmetricWorkspace, rows_per_chunk: list[int],
-                 row_bytes: int) -> None:
+    def __init__(self, group: ProcessGroup, workspace: SymmetricWorkspace, num_tokens: int, row_bytes: int,
+                 landing: bool = True) -> None:
         super().__init__(group)
-        if len(rows_per_chunk) > _MAX_CHUNKS:
-            raise ValueError(f"the copy-engine all-gather takes at most {_MAX_CHUNKS} chunks, got "
-                             f"{len(rows_per_chunk)}; lower MoEConfig.overlap_chunks")
-        self.workspace, self.rank, self.rows_per_chunk = workspace, workspace.rank, rows_per_chunk
-        # per chunk: the staged rows [T, H], then the inbox of the peers' sums [P-1, T, H]
-        sizes = [rows * row_bytes for rows in rows_per_chunk] + [
-            (self.size - 1) * rows * row_bytes for rows in rows_per_chunk]
-        starts, end = [], 0
-        for nbytes in sizes:
-            starts.append(end)
-            end = _round_up(end + nbytes, _ALIGN)
-        self.offsets, self.inboxes = starts[:len(rows_per_chunk)], starts[len(rows_per_chunk):]
-        workspace.reserve(end)
-        self._departures: dict[int, Departure] = {}
-        self._pushed: dict[int, torch.cuda.Event] = {}  # per chunk: after its last push
+        self.workspace, self.rank, self.num_tokens = workspace, workspace.rank, num_tokens
+        self.landing = landing
+        """Whether the rows' dispatches hand them over while they land (their first reader is a
+        Triton grouped GEMM that waits source by source); else they come whole, after the
+        transfer (the reference GEMMs read them like any tensor)."""
+        # the staged rows [T, H], then the inbox of the peers' sums [P-1, T, H]
+        self.inbox_offset = _round_up(num_tokens * row_bytes, _ALIGN)
+        workspace.reserve(self.inbox_offset + (self.size - 1) * num_tokens * row_bytes)
+        self._departure: Optional[Departure] = None
+        self._pushed: Optional[torch.cuda.Event] = None  # after the last push
 
-    def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
+    def dispatch(self, x: torch.Tensor, kind: str) -> PendingExchange:
         """All-gather ``x`` [T, ...]: rows on the copy engines (landing source by source),
         anything else (``kind`` other than ``"rows"``) on NCCL."""
         if kind != "rows":
-            return super().dispatch(x, chunk, kind)
+            return super().dispatch(x, kind)
         ws, me, size = self.workspace, self.rank, self.size
         rows, row_shape = x.shape[0], tuple(x.shape[1:])
         x = x.detach()
-        ws.claim_region(chunk)
-        ws.view(me, self.offsets[chunk], rows, row_shape, x.dtype).copy_(x)
+        ws.claim_region()
+        ws.view(me, 0, rows, row_shape, x.dtype).copy_(x)
         out = x.new_empty((size * rows, *row_shape))
         out[me * rows: (me + 1) * rows].copy_(x)
-        landed = ws.clear_landed(chunk)
+        landed = ws.clear_landed()
         ws.follow_compute()  # staged, `out` allocated, the landing flag cleared
-        ws.signal_staged(chunk)
+        ws.signal_staged()
         with ws.copying():
             for w in range(1, size):
                 source = (me + w) % size
-                ws.await_staged(chunk, source)
-                out[source * rows: (source + 1) * rows].copy_(
-                    ws.view(source, self.offsets[chunk], rows, row_shape, x.dtype))
-                ws.signal_landed(chunk, w)
-                ws.signal_pulled(chunk, source)
-        return ws.finish(out, Landing(landed, 0, size))
+                ws.await_staged(source)
+                out[source * rows: (source + 1) * rows].copy_(ws.view(source, 0, rows, row_shape, x.dtype))
+                ws.signal_landed(w)
+                ws.signal_pulled(source)
+        return ws.finish(out, Landing(landed, 0, size) if self.landing else None)
 
     @contextlib.contextmanager
-    def departing(self, chunk: int, like: torch.Tensor):
-        """Around chunk ``chunk``'s expert function, whose output is like ``like`` [P*T, H]:
-        a slot-summing down projection inside sends each source's sums as it finishes them
-        (a chunk without tokens sends nothing: its combine is NCCL's)."""
-        if self.rows_per_chunk[chunk] == 0:
+    def departing(self, like: torch.Tensor):
+        """Around the expert function, whose output is like ``like`` [P*T, H]: a
+        slot-summing down projection inside sends each source's sums as it finishes them
+        (without tokens nothing is sent: the combine is NCCL's)."""
+        if self.num_tokens == 0:
             yield
             return
         out = torch.empty_like(like)
         departure = Departure(out, tuple(range(1, self.size)) + (0,), self.rank,
-                              lambda position: self._send(chunk, out, position))
-        self._departures[chunk] = departure
+                              lambda position: self._send(out, position))
+        self._departure = departure
         try:
             with rows_departing(departure):
                 yield
@@ -575,36 +429,37 @@ class CopyEngineGather(GatherExchange):
             # peers' sums in and free the inbox as the combine would, so the next call finds
             # the flags at rest. Stopped halfway through the sends (an error in the GEMM),
             # the exchange is left as after a failed rank in any collective.
-            del self._departures[chunk]
+            self._departure = None
             if departure.complete:
-                self._receive(chunk, like)
-                self.workspace.free_inbox(chunk)
+                self._receive(like)
+                self.workspace.free_inbox()
             raise
 
-    def _send(self, chunk: int, sums: torch.Tensor, position: int) -> None:
+    def _send(self, sums: torch.Tensor, position: int) -> None:
         """Push the sums of landing position ``position``'s tokens into that rank's inbox
         (on the copy engines, after the work queued so far)."""
         if position == 0:  # the own tokens' sums stay here
             return
-        ws, me, size, rows = self.workspace, self.rank, self.size, self.rows_per_chunk[chunk]
+        ws, me, size, rows = self.workspace, self.rank, self.size, self.num_tokens
         receiver = (me + position) % size
         slot = (me - receiver) % size - 1  # senders fill the receiver's inbox by distance
         ws.follow_compute()
-        ws.claim_inbox(chunk, receiver)
+        ws.claim_inbox(receiver)
         row_bytes = math.prod(sums.shape[1:]) * sums.element_size()
         with ws.copying():  # the push itself on the copy engines, between the flag wait and raise
-            ws.view(receiver, self.inboxes[chunk] + slot * rows * row_bytes, rows, tuple(sums.shape[1:]),
+            ws.view(receiver, self.inbox_offset + slot * rows * row_bytes, rows, tuple(sums.shape[1:]),
                     sums.dtype).copy_(sums[receiver * rows: (receiver + 1) * rows])
-        ws.signal_arrived(chunk, receiver)
+        ws.signal_arrived(receiver)
         ws.keep_for_copies(sums)
-        self._pushed[chunk] = ws.mark_copies()
+        self._pushed = ws.mark_copies()
 
-    def combine(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
+    def combine(self, x: torch.Tensor, kind: str) -> PendingExchange:
         """Reduce-scatter ``x`` [P*T, ...]: the forward's rows (sent from :meth:`departing`)
         on the copy engines, anything else on NCCL."""
-        departure = self._departures.pop(chunk) if kind == "rows" and chunk in self._departures else None
+        departure = self._departure if kind == "rows" else None
         if departure is None:
-            return super().combine(x, chunk, kind)
+            return super().combine(x, kind)
+        self._departure = None
         if departure.used and (x.data_ptr() != departure.out.data_ptr() or x.shape != departure.out.shape):
             raise RuntimeError("the expert function must return the slot-summing down projection's output as it "
                                "is: its sums were sent source by source, and a changed output would not be")
@@ -612,19 +467,23 @@ class CopyEngineGather(GatherExchange):
             departure.out.copy_(x)
             for position in departure.order:
                 departure.send(position)
-        inbox = self._receive(chunk, x)
-        me, rows = self.rank, self.rows_per_chunk[chunk]
-        out = inbox.sum(0).add_(departure.out[me * rows: (me + 1) * rows])
-        self.workspace.free_inbox(chunk)
+        inbox = self._receive(x)
+        me, rows = self.rank, self.num_tokens
+        own = departure.out[me * rows: (me + 1) * rows]
+        # summed in fp32 and returned in the rows' dtype, whatever autocast is on: CUDA's
+        # autocast runs `sum` in fp32, and an fp32 output would make the backward's output
+        # gradients fp32, which autograd then casts for the down projection before they land
+        out = torch.sum(inbox, 0, dtype=torch.float32).add_(own).to(own.dtype)
+        self.workspace.free_inbox()
         return PendingExchange(out)
 
-    def _receive(self, chunk: int, like: torch.Tensor) -> torch.Tensor:
-        """On the current stream: wait for the peers' sums of chunk ``chunk`` (and this rank's
-        own pushes); the inbox [P-1, T, ...] (rows like ``like``'s), until ``free_inbox``."""
-        ws, rows = self.workspace, self.rows_per_chunk[chunk]
-        ws.await_inbox(chunk)
-        pushed = self._pushed.pop(chunk, None)
+    def _receive(self, like: torch.Tensor) -> torch.Tensor:
+        """On the current stream: wait for the peers' sums (and this rank's own pushes); the
+        inbox [P-1, T, ...] (rows like ``like``'s), until ``free_inbox``."""
+        ws, rows = self.workspace, self.num_tokens
+        ws.await_inbox()
+        pushed, self._pushed = self._pushed, None
         if pushed is not None:  # this rank's pushes are done too (and, in a capture, joined)
             ws.wait_copies(pushed)
-        inbox = ws.view(self.rank, self.inboxes[chunk], (self.size - 1) * rows, tuple(like.shape[1:]), like.dtype)
+        inbox = ws.view(self.rank, self.inbox_offset, (self.size - 1) * rows, tuple(like.shape[1:]), like.dtype)
         return inbox.view(self.size - 1, rows, *like.shape[1:])

@@ -4,11 +4,9 @@ Shape suffixes follow the legend in :mod:`ep_moe.routing` (U rows this rank send
 per token and destination rank; P ranks of the EP group). One EP>1 layer forward is:
 
 1. :func:`gather_counts`: every rank learns, per source and destination rank, how many
-   rows and kept slots go there (:func:`ep_moe.routing.rank_counts`), for every chunk of
-   the pipeline at once, in one all-gather and the layer's single host sync per call
-   (after the first call's config check).
-2. :func:`chunk_splits`: this rank's split sizes of a chunk, which ``all_to_all_single``
-   needs; :func:`row_matrices`: every rank's, for the copy-engine exchange.
+   rows and kept slots go there (:func:`ep_moe.routing.rank_counts`), in one all-gather
+   and the layer's single host sync per call (after the first call's config check).
+2. :func:`rank_splits`: this rank's split sizes, which ``all_to_all_single`` needs.
 3. :func:`start_dispatch`: rows (and their local expert ids and top-k weights) go to the
    destination ranks and arrive grouped by source rank; the receiver routes them to its
    experts as an EP=1 layer would (gather on GEMM1's load, slot sum after GEMM2).
@@ -16,10 +14,9 @@ per token and destination rank; P ranks of the EP group). One EP>1 layer forward
    the rank that sent it, in the order it was sent.
 
 The exchanges are asynchronous (:class:`PendingExchange`) so that :mod:`ep_moe.pipeline`
-can overlap one chunk's all-to-all with another chunk's expert GEMMs. :class:`NcclExchange`
-bundles them per layer call; :class:`ep_moe.copy_engine.CopyEngineExchange` is the same
-on the copy engines. With a group of one rank (or none) no collective runs: the functions
-return their input.
+can overlap the backward's returning row gradients with the weight-gradient GEMMs.
+:class:`NcclExchange` bundles them per layer call. With a group of one rank (or none) no
+collective runs: the functions return their input.
 """
 
 from __future__ import annotations
@@ -75,7 +72,7 @@ class PendingCounts:
 
     @torch.compiler.disable  # the host sync: eager under torch.compile
     def result(self) -> list:
-        """The nested lists ``all[q][c][p]`` (host ints; blocks until they are here)."""
+        """The nested lists ``all[q][p]`` (host ints; blocks until they are here)."""
         self._release()
         return self._host.view(self._shape).tolist()
 
@@ -92,53 +89,46 @@ _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 @torch.compiler.disable  # streams, events and async collectives stay eager under torch.compile
-def start_gather_counts(counts_CPX: torch.Tensor, group: Optional[ProcessGroup]) -> PendingCounts:
-    """Start gathering every rank's per-destination counts: ``counts_CPX[c, p]`` holds X
-    numbers this rank has for rank p in chunk c; :meth:`PendingCounts.result` returns
-    nested lists ``all[q][c][p]``, rank q's ``counts_CPX[c, p]``. One all-gather for every
-    chunk; reading the result is the layer's single host sync (``all_to_all_single``
-    needs its split sizes as ints; the copy-engine exchange needs every rank's counts to
-    find its rows in the peers' buffers).
+def start_gather_counts(counts_PX: torch.Tensor, group: Optional[ProcessGroup]) -> PendingCounts:
+    """Start gathering every rank's per-destination counts: ``counts_PX[p]`` holds X
+    numbers this rank has for rank p; :meth:`PendingCounts.result` returns nested lists
+    ``all[q][p]``, rank q's ``counts_PX[p]``. Reading the result is the layer's single host
+    sync (``all_to_all_single`` needs its split sizes as ints).
 
     On CUDA the counts come to pinned host memory on a side stream, so the host waits for
     them alone: work queued on the current stream after this call keeps the GPU busy while
     the host waits, and after."""
     size = group_size(group)
-    shape = (size,) + tuple(counts_CPX.shape)
+    shape = (size,) + tuple(counts_PX.shape)
     if size == 1:
-        return PendingCounts(counts_CPX, shape)
-    counts_CPX = counts_CPX.contiguous()
-    every = counts_CPX.new_empty((size * counts_CPX.shape[0],) + tuple(counts_CPX.shape[1:]))
-    if counts_CPX.device.type != "cuda":
-        all_gather_single(every, counts_CPX, group=group)  # concatenated along dim 0
+        return PendingCounts(counts_PX, shape)
+    counts_PX = counts_PX.contiguous()
+    every = counts_PX.new_empty((size * counts_PX.shape[0],) + tuple(counts_PX.shape[1:]))
+    if counts_PX.device.type != "cuda":
+        all_gather_single(every, counts_PX, group=group)  # concatenated along dim 0
         return PendingCounts(every, shape)
-    work = all_gather_single(every, counts_CPX, group=group, async_op=True)
-    if counts_CPX.device not in _copy_streams:
-        _copy_streams[counts_CPX.device] = torch.cuda.Stream(counts_CPX.device)
-    stream = _copy_streams[counts_CPX.device]
+    work = all_gather_single(every, counts_PX, group=group, async_op=True)
+    if counts_PX.device not in _copy_streams:
+        _copy_streams[counts_PX.device] = torch.cuda.Stream(counts_PX.device)
+    stream = _copy_streams[counts_PX.device]
     host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
     with torch.cuda.stream(stream):
         work.wait()  # this stream, not the current one, waits for the all-gather
         host.copy_(every, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
-    return PendingCounts(host, shape, event, keep=(work, counts_CPX, every))
+    return PendingCounts(host, shape, event, keep=(work, counts_PX, every))
 
 
-def gather_counts(counts_CPX: torch.Tensor, group: Optional[ProcessGroup]) -> list:
+def gather_counts(counts_PX: torch.Tensor, group: Optional[ProcessGroup]) -> list:
     """:func:`start_gather_counts` and its result at once."""
-    return start_gather_counts(counts_CPX, group).result()
+    return start_gather_counts(counts_PX, group).result()
 
 
-def chunk_splits(counts: list, rank: int, chunk: int) -> SplitSizes:
-    """Rank ``rank``'s split sizes of ``chunk`` from :func:`gather_counts`'s lists (rows
-    are the first of the X numbers)."""
-    return SplitSizes(send=[x[0] for x in counts[rank][chunk]], recv=[per_rank[chunk][rank][0] for per_rank in counts])
-
-
-def row_matrices(counts: list) -> list[list[list[int]]]:
-    """``matrices[c][q][p]``: rows rank q sends rank p in chunk c (from :func:`gather_counts`)."""
-    return [[[x[0] for x in per_rank[c]] for per_rank in counts] for c in range(len(counts[0]))]
+def rank_splits(counts: list, rank: int) -> SplitSizes:
+    """Rank ``rank``'s split sizes from :func:`gather_counts`'s lists (rows are the first of
+    the X numbers)."""
+    return SplitSizes(send=[x[0] for x in counts[rank]], recv=[per_rank[rank][0] for per_rank in counts])
 
 
 class PendingExchange:
@@ -265,27 +255,19 @@ def dispatch_packed(packed: PackedRows, splits: SplitSizes, group: Optional[Proc
 
 class NcclExchange:
     """The all-to-alls of one layer call's pipeline through ``all_to_all_single`` (NCCL
-    on GPU, gloo on CPU; no collective without a group). Same interface as
-    :class:`ep_moe.copy_engine.CopyEngineExchange`; ``kind`` names the message (rows,
-    weights) and only matters there."""
+    on GPU, gloo on CPU; no collective without a group), as an
+    :class:`ep_moe.pipeline.Exchange`; ``kind`` names the message (rows, weights)."""
 
     uses_sms = True
     """NCCL's all-to-all runs as kernels: GEMMs that overlap it leave it SMs."""
 
-    def __init__(self, group: Optional[ProcessGroup], splits: list[SplitSizes]) -> None:
+    def __init__(self, group: Optional[ProcessGroup], splits: SplitSizes) -> None:
         self.group, self.splits = group, splits
 
-    def begin(self) -> None:
-        """Start a session (a forward or a backward): nothing to do here."""
+    def dispatch(self, x: torch.Tensor, kind: str) -> PendingExchange:
+        """:func:`start_dispatch` of ``x``."""
+        return start_dispatch(x, self.splits, self.group)
 
-    def staging(self, chunk: int, kind: str, rows: int, row_shape: tuple, dtype: torch.dtype) -> None:
-        """Where a dispatch's rows could be written to save a copy: nowhere here (None)."""
-        return None
-
-    def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
-        """:func:`start_dispatch` of chunk ``chunk``."""
-        return start_dispatch(x, self.splits[chunk], self.group)
-
-    def combine(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
-        """:func:`start_combine` of chunk ``chunk``."""
-        return start_combine(x, self.splits[chunk], self.group)
+    def combine(self, x: torch.Tensor, kind: str) -> PendingExchange:
+        """:func:`start_combine` of ``x``."""
+        return start_combine(x, self.splits, self.group)

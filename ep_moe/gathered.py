@@ -5,7 +5,8 @@ routes the slots that chose its own experts through the grouped GEMMs, sums each
 local slots, and the partial outputs travel back summed (``reduce_scatter_tensor``). The
 backward mirrors it: all-gather of the output gradient, reduce-scatter of the gathered
 inputs' gradients. The layer runs these collectives through the expert pipeline
-(:mod:`ep_moe.pipeline`, with :class:`GatherExchange`), in ``overlap_chunks`` chunks.
+(:mod:`ep_moe.pipeline`, with :class:`GatherExchange`, or on the copy engines with
+:class:`ep_moe.copy_engine.CopyEngineGather`).
 
 Why: the all-to-all dispatch (:mod:`ep_moe.dispatch`) needs every rank's split sizes on
 the host, one sync per layer call, which drains the GPU's queue before the host can issue
@@ -56,21 +57,14 @@ class GatherExchange:
     def __init__(self, group: ProcessGroup) -> None:
         self.group, self.size = group, dist.get_world_size(group)
 
-    def begin(self) -> None:
-        """Start a session (a forward or a backward): nothing to do here."""
-
-    def staging(self, chunk: int, kind: str, rows: int, row_shape: tuple, dtype: torch.dtype) -> None:
-        """Where a dispatch's rows could be written to save a copy: nowhere here (None)."""
-        return None
-
-    def dispatch(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
+    def dispatch(self, x: torch.Tensor, kind: str) -> PendingExchange:
         """Start the all-gather of ``x`` [T, ...] (the same T on every rank)."""
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         # detached: not differentiable here (the pipeline wires the gradients), and gloo's
         # work would otherwise modify views of an autograd input in place
         return PendingExchange(out, all_gather_single(out, x.detach().contiguous(), group=self.group, async_op=True))
 
-    def combine(self, x: torch.Tensor, chunk: int, kind: str) -> PendingExchange:
+    def combine(self, x: torch.Tensor, kind: str) -> PendingExchange:
         """Start the reduce-scatter of ``x`` [P*T, ...]."""
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
         return PendingExchange(out, reduce_scatter_single(out, x.detach().contiguous(), group=self.group,

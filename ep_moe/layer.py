@@ -25,6 +25,7 @@ experts: each rank picks its experts' keys and ignores the others (resharding on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import warnings
@@ -38,15 +39,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.copy_engine import CopyEngineExchange, CopyEngineGather, SymmetricWorkspace, copy_engine_supported
+from ep_moe.copy_engine import CopyEngineGather, SymmetricWorkspace, copy_engine_supported
 from ep_moe.dispatch import (
     NcclExchange,
-    SplitSizes,
     all_gather_single,
-    chunk_splits,
     group_size,
     pack_rows,
-    row_matrices,
+    rank_splits,
     start_dispatch_packed,
     start_gather_counts,
 )
@@ -56,7 +55,7 @@ from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.ops import grouped_gemm, grouped_gemm_slot_sum
 from ep_moe.kernels.permute import gather_tokens, permute_tokens, sum_slot_rows
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
-from ep_moe.pipeline import ChunkPlan, OwnRows, expert_pipeline
+from ep_moe.pipeline import expert_pipeline
 from ep_moe.routing import (
     DropPolicy,
     RouterOutput,
@@ -77,6 +76,15 @@ if TYPE_CHECKING:
 Activation = Literal["swiglu", "gelu", "relu"]
 _ACTIVATIONS = ("swiglu", "gelu", "relu")
 _BACKENDS = ("auto", "triton", "torch")
+Dispatch = Literal["all_to_all", "all_gather", "all_gather_copy_engine"]
+_DISPATCHES = ("all_to_all", "all_gather", "all_gather_copy_engine")
+_REMOVED_FIELDS = {
+    "transport": "the transport is part of the dispatch now: dispatch='all_gather_copy_engine' for the "
+                 "all-gather on the copy engines; the all-to-all runs on NCCL",
+    "own_rows_first": "it measured slower on every shape and was removed; drop it",
+    "overlap_chunks": "chunked overlap measured slower on every shape and was removed; drop it",
+}
+"""Fields MoEConfig no longer has, and what to do instead."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,42 +139,21 @@ class MoEConfig:
     ep_size: Optional[int] = None
     """Expected EP size; when set, the layer checks that its group has this many ranks
     (None: whatever the group has, 1 without a group)."""
-    overlap_chunks: int = 1
-    """EP>1: split each rank's tokens into this many chunks and overlap one chunk's
-    all-to-all (or all-gather and reduce-scatter) with another's expert GEMMs
-    (:mod:`ep_moe.pipeline`); 1 runs dispatch, experts and combine in sequence (and still
-    sends the backward's input gradients under the dW GEMMs). More than 1 measured slower
-    on one NVLink node with either dispatch. Every rank of the EP group must use the same
-    value."""
-    own_rows_first: bool = False
-    """EP>1: run the experts first on the rows a rank routes to its own experts (about
-    1/P of its rows, which need no all-to-all), while the all-to-all carries the rest;
-    likewise in the backward. The forward's dispatch and the backward's gradient dispatch
-    then hide behind that work (seen in a profile), but on 4x H100 the layer measured
-    slower with it on every benchmark shape (README, "Results"): opt in to experiment.
-    Every rank of the EP group must use the same value."""
-    transport: Literal["nccl", "copy_engine"] = "nccl"
-    """EP>1: how the rows travel. ``"nccl"``: NCCL's collectives (any backend, any
-    topology). ``"copy_engine"``: the GPUs' copy engines through a symmetric-memory
-    workspace (:mod:`ep_moe.copy_engine`; every EP rank on one node, NCCL group, CUDA),
-    which needs no SM. With ``dispatch="all_gather"`` the tokens and the output gradients
-    land source by source while the experts' first GEMM already runs on the rank's own rows,
-    and the forward's partial sums leave source by source while the down projection runs
-    (:class:`~ep_moe.copy_engine.CopyEngineGather`), also inside CUDA graphs: on 4x H100 the
-    fastest eager layer at EP=4 on mixtral, gpt-oss and deepseek (README, "Results"). With
-    the all-to-all (a host sync per call: never in a graph) it measured slower than NCCL
-    (the GEMMs wait for whole exchanges)."""
-    dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"
-    """EP>1: how tokens reach the experts. ``"all_to_all"``: each token goes to the ranks of
-    its experts (uneven ``all_to_all_single``), one host sync per call for the split
-    sizes. ``"all_gather"``: every rank receives every token of the EP group and the
-    partial outputs come back summed (:mod:`ep_moe.gathered`): no host sync, more bytes
-    where tokens reach few of the ranks. Needs the same token count on every rank, with
-    ``own_rows_first=False``; ``overlap_chunks`` chunks the tokens as for the all-to-all.
-    With ``transport="copy_engine"`` the tokens (and the backward's output gradients)
-    travel on the copy engines and the experts' first GEMM starts on the rank's own rows
-    while the others land; the forward's sums travel back on them too
-    (:class:`ep_moe.copy_engine.CopyEngineGather`)."""
+    dispatch: Dispatch = "all_to_all"
+    """EP>1: how tokens reach the experts and come back.
+
+    - ``"all_to_all"``: each token goes to the ranks of its experts (uneven
+      ``all_to_all_single`` on NCCL), one host sync per call for the split sizes. Takes any
+      token count per rank; sends each token once per destination rank.
+    - ``"all_gather"``: every rank receives every token of the EP group and the partial
+      outputs come back summed (:mod:`ep_moe.gathered`, NCCL): no host sync, so the layer
+      can be captured in CUDA graphs; more bytes where tokens reach few of the ranks. Needs
+      the same token count on every rank.
+    - ``"all_gather_copy_engine"``: the all-gather with the tokens (and the backward's output
+      gradients) pulled on the GPUs' copy engines through a symmetric-memory workspace, the
+      experts' first GEMM starting on the rank's own tokens while the others land, and the
+      forward's sums pushed back on them (:class:`ep_moe.copy_engine.CopyEngineGather`). One
+      node, an NCCL group, CUDA; raises on the first call otherwise."""
     all_gather_row_bound: Optional[float] = None
     """``dispatch="all_gather"``: the most routed rows a rank computes, as a multiple of
     T*K (its share on average); None: the worst case ``P*T*min(K, E/P)``, never exceeded,
@@ -195,21 +182,11 @@ class MoEConfig:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"MoEConfig.{name}={value!r}: must be >= 0 (0 disables it)")
-        if not isinstance(self.overlap_chunks, int) or self.overlap_chunks < 1:
-            raise ValueError(f"MoEConfig.overlap_chunks={self.overlap_chunks!r}: must be an int >= 1 "
-                             "(1: no overlap)")
-        if self.transport not in ("nccl", "copy_engine"):
-            raise ValueError(f"MoEConfig.transport={self.transport!r}: use 'nccl' or 'copy_engine'")
-        if self.dispatch not in ("all_to_all", "all_gather"):
-            raise ValueError(f"MoEConfig.dispatch={self.dispatch!r}: use 'all_to_all' or 'all_gather'")
-        if self.dispatch == "all_gather" and self.own_rows_first:
-            raise ValueError("MoEConfig.own_rows_first=True does not apply to dispatch='all_gather'; "
-                             "leave it at False or use dispatch='all_to_all'")
+        if self.dispatch not in _DISPATCHES:
+            raise ValueError(f"MoEConfig.dispatch={self.dispatch!r}: use one of {_DISPATCHES}")
         if self.all_gather_row_bound is not None and not self.all_gather_row_bound > 0:
             raise ValueError(f"MoEConfig.all_gather_row_bound={self.all_gather_row_bound!r}: must be > 0, "
                              "or None for the worst case")
-        if not isinstance(self.own_rows_first, bool):
-            raise ValueError(f"MoEConfig.own_rows_first={self.own_rows_first!r}: must be True or False")
         if not self.init_std > 0:
             raise ValueError(f"MoEConfig.init_std={self.init_std!r}: must be > 0")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
@@ -237,10 +214,10 @@ class MoEConfig:
         number belongs, a bool for an int), before the range checks compare them."""
         optional = {"capacity_factor", "all_gather_row_bound", "shared_intermediate_size", "ep_size"}
         kinds = {**dict.fromkeys(("hidden_size", "intermediate_size", "num_experts", "top_k", "num_shared_experts",
-                                  "shared_intermediate_size", "ep_size", "overlap_chunks"), "an int"),
+                                  "shared_intermediate_size", "ep_size"), "an int"),
                  **dict.fromkeys(("aux_loss_coef", "z_loss_coef", "bias_update_rate", "init_std", "capacity_factor",
                                   "all_gather_row_bound"), "a finite number"),
-                 **dict.fromkeys(("norm_topk_prob", "expert_bias", "own_rows_first"), "True or False")}
+                 **dict.fromkeys(("norm_topk_prob", "expert_bias"), "True or False")}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if value is None and name in optional:
@@ -256,9 +233,28 @@ class MoEConfig:
                                  f"{', or None' if name in optional else ''}")
 
     @property
+    def gathers(self) -> bool:
+        """Whether the dispatch all-gathers the tokens (needs equal token counts per rank)."""
+        return self.dispatch != "all_to_all"
+
+    @property
     def gate_up_size(self) -> int:
         """Output features of the gate_up projection: 2I for SwiGLU, else I."""
         return 2 * self.intermediate_size if self.activation == "swiglu" else self.intermediate_size
+
+
+def _refusing_removed_fields(init):
+    """``MoEConfig.__init__`` that names the replacement of a removed field instead of
+    raising a bare ``TypeError`` (a config file or ``--set moe.transport=...``)."""
+    @functools.wraps(init)
+    def checked(self, **kwargs):
+        for name in sorted(kwargs.keys() & _REMOVED_FIELDS.keys()):
+            raise ValueError(f"MoEConfig.{name} no longer exists: {_REMOVED_FIELDS[name]}")
+        init(self, **kwargs)
+    return checked
+
+
+MoEConfig.__init__ = _refusing_removed_fields(MoEConfig.__init__)
 
 
 @dataclass(frozen=True)
@@ -299,12 +295,6 @@ def _resolve_backend(backend: str, x: torch.Tensor) -> str:
     if backend == "auto":
         return "triton" if x.is_cuda else "torch"
     return backend
-
-
-def _chunk_sizes(num_tokens: int, num_chunks: int) -> list[int]:
-    """Sizes of ``num_chunks`` contiguous token ranges, as equal as possible (some may be 0)."""
-    edges = [num_tokens * c // num_chunks for c in range(num_chunks + 1)]
-    return [b - a for a, b in zip(edges[:-1], edges[1:])]
 
 
 @torch.compiler.disable  # a cache lookup (maybe file reads): run eagerly, the configs enter as constants
@@ -460,18 +450,17 @@ class SharedExperts(nn.Module):
 
 @dataclass
 class _RowsInFlight:
-    """What the EP path's first half hands its second: the routed rows on their way."""
+    """What the all-to-all path's first half hands its second: the routed rows on their way."""
 
     x_TH: torch.Tensor
     backend: str
     counts: list
-    all_splits: list[SplitSizes]
-    routings: list
-    weights: list[torch.Tensor]
-    packed_in: list
-    exchange: object
-    send_rows: list[torch.Tensor]
-    rows_in: list
+    routing: object
+    weights_U: torch.Tensor
+    packed_in: object
+    exchange: NcclExchange
+    send_rows: torch.Tensor
+    rows_in: object
 
 
 class MoELayer(nn.Module):
@@ -510,8 +499,8 @@ class MoELayer(nn.Module):
         self.ep_rank = 0 if self.ep_group is None else dist.get_rank(self.ep_group)
         self.num_local_experts = config.num_experts // self.ep_size
         worst = self.ep_size * min(config.top_k, self.num_local_experts) / config.top_k
-        if config.dispatch == "all_gather" and config.all_gather_row_bound is None and worst >= 4:
-            warnings.warn(f"MoEConfig.dispatch='all_gather' at EP={self.ep_size} sizes the expert activations for "
+        if config.gathers and config.all_gather_row_bound is None and worst >= 4:
+            warnings.warn(f"MoEConfig.dispatch={config.dispatch!r} at EP={self.ep_size} sizes the expert activations for "
                           f"the worst case, {worst:g}x the average routed rows; set all_gather_row_bound (e.g. 2.0: "
                           "slots past it are dropped and counted in last_stats.num_dropped) to cap the memory",
                           stacklevel=2)
@@ -530,8 +519,7 @@ class MoELayer(nn.Module):
         self._load_since_update = (torch.zeros(config.num_experts, device=device, dtype=torch.int64)
                                    if config.expert_bias else None)
         self.last_stats: Optional[MoEStats] = None
-        gathers = config.dispatch == "all_gather" and self.ep_size > 1
-        self._token_count_check = TokenCountCheck() if gathers else None
+        self._token_count_check = TokenCountCheck() if config.gathers and self.ep_size > 1 else None
         self._config_agreed = self.ep_size == 1  # checked equal over the EP group on the first forward
         self.reset_parameters()
 
@@ -605,7 +593,7 @@ class MoELayer(nn.Module):
     def _agree_config(self, device: torch.device) -> None:
         """Raise unless every rank of the EP group built this layer with the same config
         (one small all-gather and a host read, on the first forward). Ranks whose settings
-        differ (``overlap_chunks``, ``top_k``, ``dispatch``, ...) would exchange messages of
+        differ (``top_k``, ``dispatch``, ...) would exchange messages of
         different sizes, which aborts gloo and can hang NCCL."""
         config = dataclasses.replace(self.config, ep_size=self.ep_size)  # None: the group's size
         names = [field.name for field in dataclasses.fields(config)]
@@ -668,7 +656,7 @@ class MoELayer(nn.Module):
         if self.ep_size == 1:
             y_TH = self._experts_local(x_TH, router, keep_TK, backend)
             shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)
-        elif cfg.dispatch == "all_gather":
+        elif cfg.gathers:
             y_TH, bound_dropped = self._experts_gathered(x_TH, router, keep_TK, backend)
             shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)
         else:  # the shared experts' GEMMs go to the GPU while the routed rows travel
@@ -699,61 +687,53 @@ class MoELayer(nn.Module):
     def _experts_gathered(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         """EP>1 by all-gather (:mod:`ep_moe.gathered`): every token of the group through this
-        rank's experts where it chose them, the partial sums reduce-scattered back, in
-        ``overlap_chunks`` chunks through the expert pipeline (:mod:`ep_moe.pipeline`: the
-        backward's input gradients travel back under the dW GEMMs). Returns ([T, H], slots
-        dropped past the row bound)."""
+        rank's experts where it chose them, the partial sums reduce-scattered back, through
+        the expert pipeline (:mod:`ep_moe.pipeline`: the backward's input gradients travel
+        back under the dW GEMMs). Returns ([T, H], slots dropped past the row bound)."""
         cfg, num_local = self.config, self.num_local_experts
         num_tokens, top_k = router.topk_ids_TK.shape
         self._token_count_check.finish()  # before any collective sized by the count
         ids_TK = router.topk_ids_TK.to(torch.int32)
         if keep_TK is not None:
             ids_TK = ids_TK.masked_fill(~keep_TK, -1)
-        sizes = _chunk_sizes(num_tokens, cfg.overlap_chunks)  # the same on every rank (same T)
-        exchange = self._gather_exchange(sizes, x_TH)
-        x_chunks, weight_chunks = x_TH.split(sizes), router.topk_weights_TK.split(sizes)
-        # per chunk, the expert ids (as bits) and the top-k weights in one message (their
-        # gradients go back through the pipeline), then the tokens, which travel while the
-        # gathered slots are routed
-        packed = [exchange.dispatch(torch.cat([i.view(torch.float32), w.detach().float()], 1), c, "ids")
-                  for c, (i, w) in enumerate(zip(ids_TK.split(sizes), weight_chunks))]
-        dispatched = [exchange.dispatch(x, c, "rows") for c, x in enumerate(x_chunks)]
-        plans, arrived_weights, num_dropped = [], [], None
-        for size, pending in zip(sizes, packed):
-            packed_GK = pending.wait()
-            arrived_weights.append(packed_GK[:, top_k:].to(router.topk_weights_TK.dtype))
-            max_rows = row_bound(cfg.all_gather_row_bound, size, top_k, self.ep_size, num_local)
-            slots, dropped = gathered_routing(packed_GK[:, :top_k].contiguous().view(torch.int32),
+        exchange = self._gather_exchange(x_TH, backend)
+        # the expert ids (as bits) and the top-k weights in one message (their gradients go
+        # back through the pipeline), then the tokens, which travel while the gathered slots
+        # are routed
+        weights_TK = router.topk_weights_TK
+        packed = exchange.dispatch(torch.cat([ids_TK.view(torch.float32), weights_TK.detach().float()], 1), "ids")
+        dispatched = exchange.dispatch(x_TH, "rows")
+        packed_GK = packed.wait()
+        arrived_weights = packed_GK[:, top_k:].to(weights_TK.dtype)
+        max_rows = row_bound(cfg.all_gather_row_bound, num_tokens, top_k, self.ep_size, num_local)
+        local, num_dropped = gathered_routing(packed_GK[:, :top_k].contiguous().view(torch.int32),
                                               self.ep_rank * num_local, num_local, max_rows,
                                               num_sources=self.ep_size, first_source=self.ep_rank)
-            plans.append(ChunkPlan(None, slots))
-            num_dropped = dropped if num_dropped is None else num_dropped + dropped
         # configs for the rows a rank computes on average (what tuning targets), not the bound
-        configs = self._configs(backend, sizes[0] * top_k, x_TH.device)
+        configs = self._configs(backend, num_tokens * top_k, x_TH.device)
 
-        def experts(rows_GH: torch.Tensor, weights_GK: torch.Tensor, plan: ChunkPlan,
+        def experts(rows_GH: torch.Tensor, weights_GK: torch.Tensor, local: RoutingMetadata,
                     gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-            slots = plan.local
-            return expert_mlp(rows_GH, gate_up, down, slots.counts_E, activation=cfg.activation,
-                              gather_index=slots.token_index_R,
-                              row_weights=weights_GK.reshape(-1).index_select(0, slots.slot_index_R),
-                              backend=backend, configs=configs, slot_sum=slots, bounded_rows=True)
+            return expert_mlp(rows_GH, gate_up, down, local.counts_E, activation=cfg.activation,
+                              gather_index=local.token_index_R,
+                              row_weights=weights_GK.reshape(-1).index_select(0, local.slot_index_R),
+                              backend=backend, configs=configs, slot_sum=local, bounded_rows=True)
 
-        outs = expert_pipeline(experts, plans, exchange, self.experts.gate_up, self.experts.down, list(x_chunks),
-                               list(weight_chunks), arrived_weights, dispatched)
-        return (outs[0] if len(outs) == 1 else torch.cat(outs)), num_dropped
+        y_TH = expert_pipeline(experts, local, exchange, self.experts.gate_up, self.experts.down, x_TH, weights_TK,
+                               arrived_weights, dispatched)
+        return y_TH, num_dropped
 
-    def _gather_exchange(self, sizes: list[int], x_TH: torch.Tensor) -> GatherExchange:
-        """The all-gather dispatch's collectives on ``MoEConfig.transport``, session begun."""
+    def _gather_exchange(self, x_TH: torch.Tensor, backend: str) -> GatherExchange:
+        """The all-gather dispatch's collectives, on NCCL or (``"all_gather_copy_engine"``)
+        the copy engines."""
         group = self.ep_group
-        if self.config.transport == "nccl":
-            exchange = GatherExchange(group)
-        else:
-            _check_copy_engine(group)
-            workspace = SymmetricWorkspace.for_group(group, x_TH.device, "all_gather")
-            exchange = CopyEngineGather(group, workspace, sizes, x_TH.shape[1] * x_TH.element_size())
-        exchange.begin()
-        return exchange
+        if self.config.dispatch == "all_gather":
+            return GatherExchange(group)
+        _check_copy_engine(group)
+        workspace = SymmetricWorkspace.for_group(group, x_TH.device)
+        # only the Triton GEMMs wait for rows source by source; the reference reads them whole
+        return CopyEngineGather(group, workspace, x_TH.shape[0], x_TH.shape[1] * x_TH.element_size(),
+                                landing=backend == "triton")
 
     def _experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                           backend: str) -> torch.Tensor:
@@ -765,124 +745,58 @@ class MoELayer(nn.Module):
     # (KeyError) tracing their comprehensions.
     @torch.compiler.disable
     def _dispatch_experts_parallel(self, x_TH: torch.Tensor, router: RouterOutput,
-                                   keep_TK: Optional[torch.Tensor], backend: str) -> "_RowsInFlight":
-        """EP>1 up to the rows' dispatch (:meth:`_finish_experts_parallel` does the rest): the
-        tokens in ``overlap_chunks`` chunks; per chunk, each token sent once to every rank
-        that holds one of its experts, with its local expert ids and top-k weights there
-        (:class:`ep_moe.routing.RankRouting`); each rank runs its experts on the rows it got
-        as an EP=1 layer would (gather into GEMM1, weights in GEMM2's epilogue, the row's
-        slots summed) and sends one row back per row received; the rows that come back are
-        summed per token. Chunks are pipelined (:mod:`ep_moe.pipeline`). One exchange of
-        counts and one host sync for all chunks."""
-        cfg, group, ep_size, num_local = self.config, self.ep_group, self.ep_size, self.num_local_experts
-        sizes = _chunk_sizes(x_TH.shape[0], cfg.overlap_chunks)
-        # split, not slices: one concatenation in the backward instead of a zero-filled
-        # full-size gradient per chunk
-        x_chunks, weight_chunks = x_TH.split(sizes), router.topk_weights_TK.split(sizes)
-        ids = router.topk_ids_TK.split(sizes)
-        keeps = [None] * len(sizes) if keep_TK is None else keep_TK.split(sizes)
-        sends, counts = zip(*(rank_counts(i, k, num_local, ep_size) for i, k in zip(ids, keeps)))
-        pending_counts = start_gather_counts(torch.stack(counts), group)
+                                   keep_TK: Optional[torch.Tensor], backend: str) -> _RowsInFlight:
+        """EP>1 up to the rows' dispatch (:meth:`_finish_experts_parallel` does the rest):
+        each token sent once to every rank that holds one of its experts, with its local
+        expert ids and top-k weights there (:class:`ep_moe.routing.RankRouting`). One
+        exchange of counts and one host sync."""
+        group, ep_size, num_local = self.ep_group, self.ep_size, self.num_local_experts
+        ids_TK = router.topk_ids_TK
+        send_P, counts_PX = rank_counts(ids_TK, keep_TK, num_local, ep_size)
+        pending_counts = start_gather_counts(counts_PX, group)
         # Queue all that does not need the split sizes before the host waits for them, so
-        # the GPU has work while the host issues the rest: per chunk, the (token, rank)
-        # sort, padded to T*min(P, K) rows of which the first U are sent; the top-k
-        # weights and local expert ids of those rows, packed to travel in one message; on
-        # NCCL, the send rows themselves (the copy engines send from a buffer the
-        # exchange gives, after the sync).
-        routings = [build_rank_routing(i, k, s, num_local) for i, k, s in zip(ids, keeps, sends)]
-        weights = [permute_tokens(w, r.pairs, backend) for w, r in zip(weight_chunks, routings)]
-        packed = [pack_rows([r.local_ids_UK, w]) for r, w in zip(routings, weights)]
-        early_rows = [None] * len(sizes) if cfg.transport == "copy_engine" else [
-            gather_tokens(x, r.pairs, r.num_sent, backend) for x, r in zip(x_chunks, routings)]
-        counts = pending_counts.result()  # [source][chunk][destination][rows, slots]: the host sync
-        all_splits = [chunk_splits(counts, self.ep_rank, c) for c in range(len(sizes))]
-        exchange = self._exchange(counts, all_splits, x_TH, router.topk_weights_TK)
-        # Right after the sync, the exchanges: first the small one of expert ids and
-        # weights, then the rows, which travel while the host queues the receiver's routing
-        # (the GPU would otherwise idle until the host has issued it).
-        packed_in = []
-        for c, splits in enumerate(all_splits):
-            routings[c] = routings[c].first_rows(sum(splits.send))
-            packed_in.append(start_dispatch_packed(packed[c].first_rows(sum(splits.send)), splits, group))
-        exchange.begin()  # before anything is staged in its buffers (waits for the peers' last pulls)
-        send_rows = []
-        for c, (splits, routing) in enumerate(zip(all_splits, routings)):
-            staging = exchange.staging(c, "rows", sum(splits.send), x_TH.shape[1:], x_TH.dtype)
-            early = None if early_rows[c] is None else early_rows[c][:sum(splits.send)]
-            send_rows.append(permute_tokens(x_chunks[c], routing.pairs, backend, out=staging, gathered=early))
+        # the GPU has work while the host issues the rest: the (token, rank) sort, padded to
+        # T*min(P, K) rows of which the first U are sent; the top-k weights and local expert
+        # ids of those rows, packed to travel in one message; the send rows themselves.
+        routing = build_rank_routing(ids_TK, keep_TK, send_P, num_local)
+        weights_U = permute_tokens(router.topk_weights_TK, routing.pairs, backend)
+        packed = pack_rows([routing.local_ids_UK, weights_U])
+        early_rows = gather_tokens(x_TH, routing.pairs, routing.num_sent, backend)
+        counts = pending_counts.result()  # [source][destination][rows, slots]: the host sync
+        splits = rank_splits(counts, self.ep_rank)
+        num_sent = sum(splits.send)
+        # Right after the sync, the exchanges: first the small one of expert ids and weights,
+        # then the rows, which travel while the host queues the receiver's routing (the GPU
+        # would otherwise idle until the host has issued it).
+        routing = routing.first_rows(num_sent)
+        packed_in = start_dispatch_packed(packed.first_rows(num_sent), splits, group)
+        exchange = NcclExchange(group, splits)
+        send_rows = permute_tokens(x_TH, routing.pairs, backend, gathered=early_rows[:num_sent])
         with torch.no_grad():
-            rows_in = [exchange.dispatch(rows, c, "rows") for c, rows in enumerate(send_rows)]
-        return _RowsInFlight(x_TH, backend, counts, all_splits, routings, weights, packed_in, exchange, send_rows,
+            rows_in = exchange.dispatch(send_rows, "rows")
+        return _RowsInFlight(x_TH, backend, counts, routing, weights_U[:num_sent], packed_in, exchange, send_rows,
                              rows_in)
 
     @torch.compiler.disable
-    def _finish_experts_parallel(self, f: "_RowsInFlight") -> torch.Tensor:
+    def _finish_experts_parallel(self, f: _RowsInFlight) -> torch.Tensor:
         """EP>1 from the rows' dispatch on: the receiver's routing, the expert pipeline and
         the per-token sum of the rows that come back ([T, H])."""
-        cfg, x_TH, backend = self.config, f.x_TH, f.backend
-        plans, send_weights, arrived_weights = [], [], []
-        all_splits, counts, routings = f.all_splits, f.counts, f.routings
-        packed_in, weights = f.packed_in, f.weights
-        for c, splits in enumerate(all_splits):
-            recv_ids_SK, recv_weights_SK = packed_in[c].wait()
-            send_weights.append(weights[c][:sum(splits.send)])
-            arrived_weights.append(recv_weights_SK)
-            plans.append(self._arrived_plan(c, splits, counts, recv_ids_SK))
-        configs = {}  # per distinct routed-row count
+        cfg, backend = self.config, f.backend
+        recv_ids_SK, recv_weights_SK = f.packed_in.wait()  # local expert ids, -1 for slots that went elsewhere
+        num_kept = sum(source[self.ep_rank][1] for source in f.counts)
+        local = build_routing_metadata(recv_ids_SK.clamp(min=0), self.num_local_experts, recv_ids_SK >= 0,
+                                       num_kept=num_kept)
+        configs = self._configs(backend, local.slot_index_R.shape[0], f.x_TH.device)
 
-        def run_experts(rows_SH, weights_SK, plan: ChunkPlan, gate_up, down):
-            local = plan.local
-            rows = local.slot_index_R.shape[0]
-            if rows not in configs:
-                configs[rows] = self._configs(backend, rows, x_TH.device)
+        def experts(rows_SH: torch.Tensor, weights_SK: torch.Tensor, local: RoutingMetadata,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
             return expert_mlp(rows_SH, gate_up, down, local.counts_E, activation=cfg.activation,
-                              gather_index=local.token_index_R, backend=backend, configs=configs[rows],
+                              gather_index=local.token_index_R, backend=backend, configs=configs,
                               row_weights=weights_SK.flatten().index_select(0, local.slot_index_R), slot_sum=local)
 
-        back_rows = expert_pipeline(run_experts, plans, f.exchange, self.experts.gate_up, self.experts.down,
-                                    f.send_rows, send_weights, arrived_weights, dispatched=f.rows_in)
-        y_chunks = [sum_slot_rows(rows, r.pairs, backend) for rows, r in zip(back_rows, routings)]
-        return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
-
-    def _arrived_plan(self, chunk: int, splits: SplitSizes, counts: list, recv_ids_SK: torch.Tensor) -> ChunkPlan:
-        """How this rank's experts take a chunk's arrived rows (``recv_ids_SK``: each row's
-        local expert ids, -1 for slots that went elsewhere), the own rows split off when
-        they run first; ``counts`` as :func:`ep_moe.dispatch.start_gather_counts` gives them."""
-        rank = self.ep_rank
-        kept_SK = recv_ids_SK >= 0
-        num_kept = sum(source[chunk][rank][1] for source in counts)
-        own_slots = counts[rank][chunk][rank][1]
-        own = self._own_rows(splits, recv_ids_SK, own_slots)
-        if own is not None:  # their slots leave the arrived rows' routing
-            _own_rows_of(kept_SK, own).fill_(False)
-            num_kept -= own_slots
-        local = build_routing_metadata(recv_ids_SK.clamp(min=0), self.num_local_experts, kept_SK, num_kept=num_kept)
-        return ChunkPlan(splits, local, own)
-
-    def _own_rows(self, splits: SplitSizes, recv_ids_SK: torch.Tensor, num_slots: int) -> Optional[OwnRows]:
-        """With ``MoEConfig.own_rows_first``, the rows of a chunk this rank sends itself
-        (``num_slots`` kept slots), routed to its experts; None without them."""
-        rank = self.ep_rank
-        num_rows = splits.send[rank]
-        if not self.config.own_rows_first or num_rows == 0:
-            return None
-        arrived_start = sum(splits.recv[:rank])
-        ids_SK = recv_ids_SK[arrived_start: arrived_start + num_rows]
-        local = build_routing_metadata(ids_SK.clamp(min=0), self.num_local_experts, ids_SK >= 0, num_kept=num_slots)
-        return OwnRows(sent_start=sum(splits.send[:rank]), arrived_start=arrived_start, num_rows=num_rows,
-                       local=local)
-
-    def _exchange(self, counts: list, splits: list[SplitSizes], x_TH: torch.Tensor, weights_TK: torch.Tensor):
-        """The all-to-alls of this call, on the transport ``MoEConfig.transport`` picks
-        (rows like ``x_TH``'s, top-k weights like ``weights_TK``'s)."""
-        group = self.ep_group
-        if self.config.transport == "nccl":
-            return NcclExchange(group, splits)
-        _check_copy_engine(group)
-        workspace = SymmetricWorkspace.for_group(group, x_TH.device, "all_to_all")
-        row_bytes = {"rows": x_TH.shape[1] * x_TH.element_size(),
-                     "weights": weights_TK.shape[1] * weights_TK.element_size()}
-        return CopyEngineExchange(workspace, row_matrices(counts), row_bytes)
+        back_rows = expert_pipeline(experts, local, f.exchange, self.experts.gate_up, self.experts.down,
+                                    f.send_rows, f.weights_U, recv_weights_SK, dispatched=f.rows_in)
+        return sum_slot_rows(back_rows, f.routing.pairs, backend)
 
     @torch.no_grad()
     def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor], with_autograd: bool,
@@ -932,15 +846,11 @@ def _digest(value) -> int:
 
 
 def _check_copy_engine(group: ProcessGroup) -> None:
-    """Raise unless the copy-engine transport can run on ``group`` (collective on first use)."""
+    """Raise unless the copy engines can run the all-gather on ``group`` (collective on first use)."""
     supported, reason = copy_engine_supported(group)
     if not supported:
-        raise RuntimeError(f"MoEConfig.transport='copy_engine' cannot run here: {reason}; use transport='nccl'")
-
-
-def _own_rows_of(arrived: torch.Tensor, own: OwnRows) -> torch.Tensor:
-    """The own rows of a chunk's arrived-order tensor (a view)."""
-    return arrived[own.arrived_start: own.arrived_start + own.num_rows]
+        raise RuntimeError(f"MoEConfig.dispatch='all_gather_copy_engine' cannot run here: {reason}; "
+                           "use dispatch='all_gather'")
 
 
 def _in_backward() -> bool:

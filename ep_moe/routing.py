@@ -319,5 +319,7 @@ def build_rank_routing(topk_ids_TK: torch.Tensor, keep_TK: Optional[torch.Tensor
 
 
 def combine_slots(y_NH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
-    """Sum each token's K slots (already weighted by the expert GEMM), [T, H]."""
-    return y_NH.view(meta.num_tokens, meta.top_k, y_NH.shape[1]).sum(dim=1)
+    """Sum each token's K slots (already weighted by the expert GEMM), [T, H] in y's dtype
+    (accumulated in fp32, or fp64; under CUDA autocast a plain ``sum`` would return fp32)."""
+    acc_dtype = torch.float64 if y_NH.dtype == torch.float64 else torch.float32
+    return y_NH.view(meta.num_tokens, meta.top_k, y_NH.shape[1]).sum(dim=1, dtype=acc_dtype).to(y_NH.dtype)

@@ -77,7 +77,7 @@ class TrainingConfig:
     activation_checkpointing: bool = False
     """Recompute each transformer block in the backward instead of keeping its activations
     (``torch.utils.checkpoint``, non-reentrant; the MoE layer's all-to-alls run again: it
-    is recomputed once, on torch < 2.8 once per chunk at EP>1; see the README)."""
+    is recomputed once, on torch < 2.8 twice at EP>1; see the README)."""
     compile: bool = False
     """``torch.compile`` each transformer block (Dynamo breaks the graph at the MoE layer's
     host sync, collectives and Triton launches and compiles the rest)."""

@@ -1,9 +1,11 @@
 """Activation checkpointing and other saved-tensor hooks around the layer: the expert
-pipeline's chunk graphs save through the enclosing hooks (a checkpoint frees their
+pipeline's expert graph saves through the enclosing hooks (a checkpoint frees its
 activations and recomputes the layer once; save_on_cpu offloads them), gradients and
 parameter hooks are those of the plain run, and the grouped GEMM's deferred dW reaches its
-leaf even when the graph is gone. EP=1 and 2, torch and Triton (interpreter) backends."""
+leaf even when the graph is gone. EP=1 and 2, every dispatch, torch and Triton
+(interpreter) backends."""
 import gc
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.kernels.ops import DeferredWeightGrads, defer_weight_grads, grouped_gemm
 from ep_moe.layer import moe_aux_loss
+from workspace_doubles import file_workspaces
 
 H, I, E = 16, 12, 8
 
@@ -49,9 +52,9 @@ def _bytes_held_after(fn):
     return out, sum(n for ref, n in made.values() if not ref.expired())
 
 
-def _memory_worker(rank, world_size, chunks):
+def _memory_worker(rank, world_size, dispatch):
     layer = MoELayer(MoEConfig(hidden_size=64, intermediate_size=256, num_experts=8, top_k=2, backend="torch",
-                               overlap_chunks=chunks), dist.group.WORLD if world_size > 1 else None)
+                               dispatch=dispatch), dist.group.WORLD if world_size > 1 else None)
     x = torch.randn(512, 64, generator=torch.Generator().manual_seed(rank), requires_grad=True)
     held = {}
     for mode in ("plain", "checkpoint"):
@@ -64,17 +67,17 @@ def _memory_worker(rank, world_size, chunks):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_size,chunks", [(1, 1), (2, 1), (2, 2)])
-def test_activation_checkpoint_frees_the_expert_activations(world_size, chunks):
+@pytest.mark.parametrize("world_size,dispatch", [(1, "all_to_all"), (2, "all_to_all"), (2, "all_gather")])
+def test_activation_checkpoint_frees_the_expert_activations(world_size, dispatch):
     """Between forward and backward a checkpointed layer holds far less than a plain one: the
-    pipeline's chunk graphs do not keep their activations past a checkpoint."""
-    for held in run_distributed(_memory_worker, world_size, chunks):
+    pipeline's expert graph does not keep its activations past a checkpoint."""
+    for held in run_distributed(_memory_worker, world_size, dispatch):
         assert held["checkpoint"] < 0.5 * held["plain"], held
 
 
-def _hooks_worker(rank, world_size, backend, chunks, own, outer):
+def _hooks_worker(rank, world_size, backend, dispatch, outer):
     group = dist.group.WORLD if world_size > 1 else None
-    layer = _layer(group, backend=backend, overlap_chunks=chunks, own_rows_first=own)
+    layer = _layer(group, backend=backend, dispatch=dispatch)
     fired = {n: [] for n, p in layer.named_parameters()}
     for n, p in layer.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, n=n: fired[n].append(p.grad.clone()))
@@ -83,41 +86,43 @@ def _hooks_worker(rank, world_size, backend, chunks, own, outer):
     forwards, packed = [], []
     layer.register_forward_pre_hook(lambda m, a: forwards.append(1))
     out = {}
-    for mode in ("plain", outer):
-        layer.zero_grad(set_to_none=True)
-        forwards.clear(); packed.clear()
-        for f in fired.values():
-            f.clear()
-        x = x0.clone().requires_grad_()
-        if mode == "plain":
-            y = layer(x)
-        elif mode == "checkpoint":
-            y = checkpoint(layer, x, use_reentrant=False)
-        elif mode == "save_on_cpu":
-            with torch.autograd.graph.save_on_cpu():
+    with file_workspaces(group) if dispatch == "all_gather_copy_engine" else nullcontext():
+        for mode in ("plain", outer):
+            layer.zero_grad(set_to_none=True)
+            forwards.clear(); packed.clear()
+            for f in fired.values():
+                f.clear()
+            x = x0.clone().requires_grad_()
+            if mode == "plain":
                 y = layer(x)
-        else:  # an outer hook that is not a checkpoint: it sees every saved tensor
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
-                y = layer(x)
-        ((y * g).sum() + moe_aux_loss(layer)).backward()
-        out[mode] = dict(dx=x.grad, grads={n: p.grad.clone() for n, p in layer.named_parameters()},
-                         fired={n: len(f) for n, f in fired.items()},
-                         hook_grad_is_final={n: bool(f) and torch.equal(f[-1], layer.get_parameter(n).grad)
-                                             for n, f in fired.items()},
-                         forwards=len(forwards), packed=list(packed))
+            elif mode == "checkpoint":
+                y = checkpoint(layer, x, use_reentrant=False)
+            elif mode == "save_on_cpu":
+                with torch.autograd.graph.save_on_cpu():
+                    y = layer(x)
+            else:  # an outer hook that is not a checkpoint: it sees every saved tensor
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+                    y = layer(x)
+            ((y * g).sum() + moe_aux_loss(layer)).backward()
+            out[mode] = dict(dx=x.grad, grads={n: p.grad.clone() for n, p in layer.named_parameters()},
+                             fired={n: len(f) for n, f in fired.items()},
+                             hook_grad_is_final={n: bool(f) and torch.equal(f[-1], layer.get_parameter(n).grad)
+                                                 for n, f in fired.items()},
+                             forwards=len(forwards), packed=list(packed))
     return out
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("outer", ["checkpoint", "save_on_cpu", "counting_hooks"])
-@pytest.mark.parametrize("world_size,backend,chunks,own", [
-    (1, "triton", 1, False), (2, "torch", 2, True), (2, "triton", 1, False), (2, "triton", 2, True)])
-def test_outer_saved_tensor_hooks_keep_gradients_and_param_hooks(world_size, backend, chunks, own, outer):
+@pytest.mark.parametrize("world_size,backend,dispatch", [
+    (1, "triton", "all_to_all"), (2, "torch", "all_to_all"), (2, "triton", "all_to_all"),
+    (2, "torch", "all_gather"), (2, "triton", "all_gather_copy_engine")])
+def test_outer_saved_tensor_hooks_keep_gradients_and_param_hooks(world_size, backend, dispatch, outer):
     """Under a non-reentrant checkpoint, save_on_cpu or any saved-tensor hooks: the layer's
     outputs and gradients equal the plain run, each parameter's post-accumulate hook fires
     once with the final gradient, a checkpoint recomputes the layer once, and the outer
     hooks see the expert GEMMs' saved rows too (not only the router's tensors)."""
-    for res in run_distributed(_hooks_worker, world_size, backend, chunks, own, outer):
+    for res in run_distributed(_hooks_worker, world_size, backend, dispatch, outer):
         plain, got = res["plain"], res[outer]
         torch.testing.assert_close(got["dx"], plain["dx"], atol=1e-5, rtol=1e-5)
         for n, grad in plain["grads"].items():

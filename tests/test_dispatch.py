@@ -9,12 +9,11 @@ from ep_moe import dispatch
 from ep_moe.dispatch import (
     NcclExchange,
     SplitSizes,
-    chunk_splits,
     dispatch_packed,
-    pack_rows,
     gather_counts,
     group_size,
-    row_matrices,
+    pack_rows,
+    rank_splits,
     start_combine,
     start_dispatch,
 )
@@ -22,13 +21,15 @@ from ep_moe.dispatch import (
 NUM_LOCAL = 2  # local experts per rank in the distributed tests
 
 
-def test_count_lists_give_splits_and_matrices():
-    # counts[q][c][p] = [rows, slots] rank q sends rank p in chunk c: 2 ranks, 2 chunks
-    counts = [[[[3, 4], [0, 0]], [[1, 2], [5, 5]]],
-              [[[2, 2], [1, 3]], [[0, 0], [4, 8]]]]
-    assert chunk_splits(counts, 0, 0) == SplitSizes(send=[3, 0], recv=[3, 2])
-    assert chunk_splits(counts, 1, 1) == SplitSizes(send=[0, 4], recv=[5, 4])
-    assert row_matrices(counts) == [[[3, 0], [2, 1]], [[1, 5], [0, 4]]]
+def test_count_lists_give_splits():
+    # counts[q][p] = [rows, slots] rank q sends rank p: 3 ranks
+    counts = [[[3, 4], [0, 0], [2, 2]],
+              [[1, 3], [5, 5], [0, 0]],
+              [[0, 0], [4, 8], [6, 7]]]
+    assert rank_splits(counts, 0) == SplitSizes(send=[3, 0, 2], recv=[3, 1, 0])
+    assert rank_splits(counts, 1) == SplitSizes(send=[1, 5, 0], recv=[0, 5, 4])
+    assert rank_splits(counts, 2) == SplitSizes(send=[0, 4, 6], recv=[2, 0, 6])
+    assert rank_splits(counts, 2).num_recv == 8
 
 
 def test_no_collective_without_group(monkeypatch):
@@ -37,12 +38,12 @@ def test_no_collective_without_group(monkeypatch):
 
     monkeypatch.setattr(dist, "all_to_all_single", fail)
     monkeypatch.setattr(dispatch, "all_gather_single", fail)
-    counts = torch.tensor([[[3, 5]]])
+    counts = torch.tensor([[3, 5]])
     assert gather_counts(counts, None) == [counts.tolist()] and group_size(None) == 1
     rows, splits = torch.randn(3, 4), SplitSizes(send=[3], recv=[3])
     assert start_combine(start_dispatch(rows, splits, None).wait(), splits, None).wait() is rows
-    exchange = NcclExchange(None, [splits])
-    assert exchange.combine(exchange.dispatch(rows, 0, "rows").wait(), 0, "rows").wait() is rows
+    exchange = NcclExchange(None, splits)
+    assert exchange.combine(exchange.dispatch(rows, "rows").wait(), "rows").wait() is rows
 
 
 def test_packed_rows_unpack_as_views():
@@ -61,9 +62,9 @@ def test_packed_rows_unpack_as_views():
             assert part.untyped_storage().data_ptr() == cut.data.untyped_storage().data_ptr()
 
 
-def _all_counts(world_size, chunk):
-    """counts[p][q]: rows rank p sends to rank q in ``chunk``; rank 1 sends nothing."""
-    gen = torch.Generator().manual_seed(10 * world_size + chunk)
+def _all_counts(world_size):
+    """counts[p][q]: rows rank p sends to rank q; rank 1 sends nothing."""
+    gen = torch.Generator().manual_seed(10 * world_size)
     counts = torch.randint(0, 4, (world_size, world_size), generator=gen)
     counts[1] = 0
     return counts
@@ -75,23 +76,23 @@ def _row_ids(counts_P, src):
 
 
 def _dispatch_worker(rank, world_size):
-    """Two chunks: (rows, rows + 1) counts of both gathered in one collective, rows
-    dispatched (both in flight at once) and combined back."""
-    rows_CP = torch.stack([_all_counts(world_size, c)[rank] for c in range(2)])
-    counts_CPX = torch.stack([rows_CP, rows_CP + 1], dim=2)
+    """(rows, rows + 1) counts gathered in one collective; rows and a second message of
+    another dtype dispatched (both in flight at once), the rows combined back."""
+    rows_P = _all_counts(world_size)[rank]
+    counts_PX = torch.stack([rows_P, rows_P + 1], dim=1)
     group = dist.group.WORLD
-    counts = gather_counts(counts_CPX, group)
-    splits = [chunk_splits(counts, rank, c) for c in range(2)]
+    counts = gather_counts(counts_PX, group)
+    splits = rank_splits(counts, rank)
     exchange = NcclExchange(group, splits)
-    sends = [_row_ids(rows_CP[c], rank)[:, None].repeat(1, 3) for c in range(2)]
-    pending = [exchange.dispatch(sends[c], c, "rows") for c in range(2)]
-    recvs = [p.wait() for p in pending]
-    backs = [exchange.combine(r + 0.5, c, "rows").wait() for c, r in enumerate(recvs)]
+    send = _row_ids(rows_P, rank)[:, None].repeat(1, 3)
+    pending = [exchange.dispatch(send, "rows"), exchange.dispatch(-send[:, :2].double(), "weights")]
+    recv, recv_weights = [p.wait() for p in pending]
+    back = exchange.combine(recv + 0.5, "rows").wait()
     # two messages of other dtypes in one exchange
-    ids = sends[0][:, :2].to(torch.int32) + 1
-    weights = sends[0][:, :3].double()
-    got_ids, got_weights = dispatch_packed(pack_rows([ids, weights]), splits[0], group)
-    return dict(counts=counts, splits=splits, recv=recvs, back=backs, send=sends,
+    ids = send[:, :2].to(torch.int32) + 1
+    weights = send[:, :3].double()
+    got_ids, got_weights = dispatch_packed(pack_rows([ids, weights]), splits, group)
+    return dict(counts=counts, splits=splits, recv=recv, recv_weights=recv_weights, back=back, send=send,
                 packed=(got_ids.clone(), got_weights.clone()))
 
 
@@ -99,19 +100,18 @@ def _dispatch_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dispatch_and_combine_on_gloo(world_size):
     results = run_distributed(_dispatch_worker, world_size)
-    for chunk in range(2):
-        counts = _all_counts(world_size, chunk)
-        for q, res in enumerate(results):
-            assert res["counts"][q][chunk] == [[int(counts[q, p]), int(counts[q, p]) + 1]
-                                               for p in range(world_size)]
-            assert res["counts"] == results[0]["counts"]
-            splits = res["splits"][chunk]
-            assert splits.send == counts[q].tolist() and splits.recv == counts[:, q].tolist()
-            arrival = [1000.0 * p + 10 * q + i for p in range(world_size) for i in range(int(counts[p, q]))]
-            assert res["recv"][chunk][:, 0].tolist() == arrival
-            torch.testing.assert_close(res["back"][chunk], res["send"][chunk] + 0.5)
-            if chunk == 0:
-                got_ids, got_weights = res["packed"]
-                assert got_ids.dtype == torch.int32 and got_ids[:, 1].tolist() == [v + 1 for v in arrival]
-                assert got_weights.dtype == torch.float64 and got_weights[:, 2].tolist() == arrival
-    assert results[1]["send"][0].shape[0] == 0
+    counts = _all_counts(world_size)
+    for q, res in enumerate(results):
+        assert res["counts"][q] == [[int(counts[q, p]), int(counts[q, p]) + 1] for p in range(world_size)]
+        assert res["counts"] == results[0]["counts"]
+        splits = res["splits"]
+        assert splits.send == counts[q].tolist() and splits.recv == counts[:, q].tolist()
+        arrival = [1000.0 * p + 10 * q + i for p in range(world_size) for i in range(int(counts[p, q]))]
+        assert res["recv"][:, 0].tolist() == arrival and res["recv"].shape[1] == 3
+        assert res["recv_weights"].dtype == torch.float64
+        assert res["recv_weights"][:, 1].tolist() == [-v for v in arrival]
+        torch.testing.assert_close(res["back"], res["send"] + 0.5)
+        got_ids, got_weights = res["packed"]
+        assert got_ids.dtype == torch.int32 and got_ids[:, 1].tolist() == [v + 1 for v in arrival]
+        assert got_weights.dtype == torch.float64 and got_weights[:, 2].tolist() == arrival
+    assert results[1]["send"].shape[0] == 0

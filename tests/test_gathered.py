@@ -93,14 +93,12 @@ def test_gathered_routing_puts_each_experts_rows_in_landing_order(first_source, 
 
 def _exchange_worker(rank: int, world_size: int) -> dict:
     exchange = GatherExchange(dist.group.WORLD)
-    exchange.begin()
     rows = torch.arange(6.0).view(3, 2) + 10 * rank  # [T=3, 2], rank-specific
     rows.requires_grad_()  # an autograd input: the exchange sends its data only
-    gathered = exchange.dispatch(rows, 0, "rows")
+    gathered = exchange.dispatch(rows, "rows")
     partial = torch.arange(3.0 * world_size).view(-1, 1).repeat(1, 2) * (rank + 1)  # [P*T, 2]
-    summed = exchange.combine(partial, 0, "rows")
-    return dict(gathered=gathered.wait(), summed=summed.wait(),
-                staging=exchange.staging(0, "rows", 3, (2,), torch.float32))
+    summed = exchange.combine(partial, "rows")  # both in flight at once
+    return dict(gathered=gathered.wait(), summed=summed.wait())
 
 
 @pytest.mark.distributed
@@ -114,4 +112,3 @@ def test_gather_exchange_all_gathers_and_reduce_scatters_rows(world_size):
         assert not res["gathered"].requires_grad
         want = torch.arange(3.0 * rank, 3.0 * rank + 3).view(-1, 1).repeat(1, 2) * scale
         assert torch.equal(res["summed"], want)  # this rank's T rows, summed over the group
-        assert res["staging"] is None

@@ -347,7 +347,7 @@ def _mismatched_config_worker(rank, world_size):
     out = {}
     x = torch.randn(5, H)
     try:
-        MoELayer(_config(top_k=2, overlap_chunks=1 + rank, z_loss_coef=0.0), dist.group.WORLD)(x)
+        MoELayer(_config(top_k=2, dispatch=("all_to_all", "all_gather")[rank], z_loss_coef=0.0), dist.group.WORLD)(x)
     except ValueError as err:
         out["error"] = str(err)
     torch.manual_seed(0)  # the same config and weights everywhere: runs, the group still lined up
@@ -362,9 +362,9 @@ def test_ep_group_must_share_one_config():
     group's size are the same setting."""
     results = run_distributed(_mismatched_config_worker, 2, timeout_s=60)
     for rank, res in enumerate(results):
-        assert re.search(r"MoEConfig of this layer differs across the EP group in \['overlap_chunks'\] \(this rank: "
-                         rf"overlap_chunks={1 + rank}\); build the layer with the same MoEConfig on every rank",
-                         res["error"])
+        assert re.search(r"MoEConfig of this layer differs across the EP group in \['dispatch'\] \(this rank: "
+                         rf"dispatch='{('all_to_all', 'all_gather')[rank]}'\); build the layer with the same "
+                         r"MoEConfig on every rank", res["error"])
         assert res["shape"] == (5, H)
 
 
@@ -393,12 +393,16 @@ def test_partial_load_names_the_missing_experts():
     (dict(top_k=2, backend="cuda"), r"backend='cuda'"),
     (dict(top_k=2, router_dtype=torch.int32), r"router_dtype=torch.int32: use a float dtype"),
     (dict(top_k=2, aux_loss_coef=-1.0), r"aux_loss_coef=-1.0: must be >= 0"),
-    (dict(top_k=2, overlap_chunks=0), r"overlap_chunks=0: must be an int >= 1"),
-    (dict(top_k=2, transport="nvshmem"), r"transport='nvshmem': use 'nccl' or 'copy_engine'"),
-    (dict(top_k=2, own_rows_first="yes"), r"own_rows_first='yes': must be True or False"),
-    (dict(top_k=2, dispatch="broadcast"), r"dispatch='broadcast': use 'all_to_all' or 'all_gather'"),
-    (dict(top_k=2, dispatch="all_gather", own_rows_first=True),
-     r"own_rows_first=True does not apply to dispatch='all_gather'; leave it at False or use dispatch='all_to_all'"),
+    (dict(top_k=2, dispatch="bogus"),
+     r"dispatch='bogus': use one of \('all_to_all', 'all_gather', 'all_gather_copy_engine'\)"),
+    # removed fields (a config file or --set written for an older version) name their replacement
+    (dict(top_k=2, transport="copy_engine"),
+     r"^MoEConfig.transport no longer exists: .*dispatch='all_gather_copy_engine'"),
+    (dict(top_k=2, dispatch="all_gather", transport="nccl"), r"^MoEConfig.transport no longer exists"),
+    (dict(top_k=2, own_rows_first=True), r"^MoEConfig.own_rows_first no longer exists: .*drop it"),
+    (dict(top_k=2, own_rows_first=False), r"^MoEConfig.own_rows_first no longer exists"),
+    (dict(top_k=2, overlap_chunks=2), r"^MoEConfig.overlap_chunks no longer exists: .*drop it"),
+    (dict(top_k=2, overlap_chunks=1), r"^MoEConfig.overlap_chunks no longer exists"),
     (dict(top_k=2, dispatch="all_gather", all_gather_row_bound=0.0), r"all_gather_row_bound=0.0: must be > 0"),
     # wrong types (e.g. strings from a config file or --set), before any comparison
     (dict(top_k=2, capacity_factor="1.25"), r"capacity_factor='1.25': must be a finite number, or None"),
@@ -451,21 +455,12 @@ SCENARIOS = {
     "relu_unnormalised": dict(top_k=3, activation="relu", norm_topk_prob=False),
     # The Triton kernels (interpreter) on the EP path: gather of arrived rows, fused SwiGLU.
     "triton_top2": dict(top_k=2, backend="triton"),
-    # The chunked pipeline (ep_moe.pipeline): chunks of 6, 4 and 0 tokens (empty rank).
-    "overlap2": dict(top_k=2, overlap_chunks=2),
-    "overlap3_capacity": dict(top_k=3, capacity_factor=0.75, overlap_chunks=3),
-    "overlap2_triton": dict(top_k=2, backend="triton", overlap_chunks=2),
-    "empty_rank_overlap2": dict(top_k=2, overlap_chunks=2),
-    # Zero router: every token picks expert 0, which keeps one: the second chunk sends nothing.
-    "capacity_empty_chunk": dict(top_k=1, capacity_factor=0.5, drop_policy="position", overlap_chunks=2),
-    # The rows a rank sends itself run ahead of the exchange (ep_moe.pipeline.OwnRows).
-    "own_first_top3": dict(top_k=3, own_rows_first=True),
-    "own_first_triton_overlap2": dict(top_k=2, backend="triton", own_rows_first=True, overlap_chunks=2),
-    "own_first_capacity": dict(top_k=2, capacity_factor=0.75, own_rows_first=True),
-    "skewed_own_first": dict(top_k=2, own_rows_first=True),
-    "empty_rank_own_first": dict(top_k=2, own_rows_first=True),
+    # Zero router: every token picks the same expert, which keeps a few: the other ranks receive nothing.
+    "capacity_one_expert": dict(top_k=1, capacity_factor=0.5, drop_policy="position"),
     # The shared experts run inside the EP path, under the rows' all-to-all.
-    "shared_own_first_overlap2": dict(top_k=2, num_shared_experts=2, own_rows_first=True, overlap_chunks=2),
+    "shared_two": dict(top_k=2, num_shared_experts=2),
+    "skewed_triton": dict(top_k=2, backend="triton"),
+    "empty_rank_triton": dict(top_k=3, backend="triton"),
     # The all-gather dispatch (ep_moe.gathered): no host sync; rows bounded on the host.
     "all_gather_top3": dict(top_k=3, dispatch="all_gather"),
     "skewed_all_gather": dict(top_k=2, dispatch="all_gather"),
@@ -473,23 +468,14 @@ SCENARIOS = {
                                               backend="triton", dispatch="all_gather"),
     # a bound below the worst case at EP=4 (72 of 96 rows) that this routing stays under
     "all_gather_bound_untripped": dict(top_k=2, dispatch="all_gather", all_gather_row_bound=3.0),
-    # chunked: each chunk's all-gather, experts and reduce-scatter pipelined
-    "all_gather_overlap2_triton": dict(top_k=2, backend="triton", dispatch="all_gather", overlap_chunks=2),
-    "all_gather_more_chunks_than_tokens": dict(top_k=3, dispatch="all_gather", overlap_chunks=16),
     # its rows on the copy engines (a CPU double of the symmetric memory, tests/workspace_doubles.py):
-    # the up projection reads them through the landing flags, the flags are reused across calls
-    "all_gather_ce_triton": dict(top_k=2, backend="triton", dispatch="all_gather", transport="copy_engine"),
-    "skewed_all_gather_ce_overlap2_triton": dict(top_k=3, backend="triton", dispatch="all_gather",
-                                                 transport="copy_engine", overlap_chunks=2),
-    # chunks without tokens (12 tokens per rank in 16 chunks): nothing lands or leaves there
-    "all_gather_ce_more_chunks_than_tokens_triton": dict(top_k=2, backend="triton", dispatch="all_gather",
-                                                         transport="copy_engine", overlap_chunks=16),
-    # the all-to-all on the copy engines (CopyEngineExchange, same double): chunks staged side
-    # by side in one buffer, a rank with no tokens, every token to one rank with own rows first
-    "all_to_all_ce_overlap2": dict(top_k=2, transport="copy_engine", overlap_chunks=2),
-    "empty_rank_all_to_all_ce": dict(top_k=2, transport="copy_engine"),
-    "skewed_all_to_all_ce_own_first_triton": dict(top_k=2, backend="triton", transport="copy_engine",
-                                                  own_rows_first=True),
+    # the up projection reads them through the landing flag, the forward's sums leave from the
+    # down projection source by source, the flags are reused across calls
+    "all_gather_ce_triton": dict(top_k=2, backend="triton", dispatch="all_gather_copy_engine"),
+    "skewed_all_gather_ce_triton": dict(top_k=3, backend="triton", dispatch="all_gather_copy_engine"),
+    # the reference GEMMs: the rows handed over whole, the finished sums sent whole
+    "all_gather_ce_capacity_shared": dict(top_k=2, capacity_factor=0.75, num_shared_experts=1,
+                                          dispatch="all_gather_copy_engine"),
 }
 
 
@@ -504,7 +490,7 @@ def _scenario(name, world_size):
     inputs = [torch.randn(3, 4, H) for _ in range(world_size)]
     if name.startswith("empty_rank"):
         inputs[1] = torch.randn(0, 4, H)
-    if name == "capacity_empty_chunk":
+    if name == "capacity_one_expert":
         state["router.weight"] = torch.zeros_like(state["router.weight"])
     if name.startswith("skewed"):  # every token picks rank 0's experts
         owned = E // world_size
@@ -615,7 +601,7 @@ def _extras_world4(rank):
     out["bounded_rows"] = [p.grad.clone() for p in bounded.parameters()]
     # the same bound with the rows and the forward's sums on the copy engines (Triton: the
     # down projection source by source, each window cut at the bound as the routing cuts it)
-    bounded_ce = MoELayer(_config(top_k=2, dispatch="all_gather", all_gather_row_bound=1.0, transport="copy_engine",
+    bounded_ce = MoELayer(_config(top_k=2, dispatch="all_gather_copy_engine", all_gather_row_bound=1.0,
                                   backend="triton"), dist.group.WORLD)
     bounded_ce.load_state_dict(state)
     with file_workspaces(bounded_ce.ep_group):
@@ -638,13 +624,20 @@ def _extras_world4(rank):
 
     # The copy engines need CUDA and NCCL: asked for on gloo, a clear error on every rank
     # (none hangs), and the group still works afterwards.
-    for dispatch in ("all_to_all", "all_gather"):
-        try:
-            MoELayer(_config(top_k=2, transport="copy_engine", dispatch=dispatch), dist.group.WORLD)(inputs[rank])
-        except RuntimeError as err:
-            out[f"transport_error_{dispatch}"] = str(err)
+    try:
+        MoELayer(_config(top_k=2, dispatch="all_gather_copy_engine"), dist.group.WORLD)(inputs[rank])
+    except RuntimeError as err:
+        out["copy_engine_error"] = str(err)
     dist.barrier()
     return out
+
+
+def _copy_engines(layer, lagging_rank=None):
+    """Around the runs of ``layer``: file workspaces for the copy engines where it uses them
+    (collective over its group)."""
+    if layer.config.dispatch != "all_gather_copy_engine":
+        return nullcontext()
+    return file_workspaces(layer.ep_group, lagging_rank=lagging_rank)
 
 
 def _ep_worker(rank, world_size, merged_ckpt):
@@ -653,23 +646,13 @@ def _ep_worker(rank, world_size, merged_ckpt):
         group = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     else:
         group = dist.group.WORLD
-    results, own_parts = {}, []
-    own_rows = MoELayer._own_rows
-
-    def counting_own_rows(self, *args):  # how many chunks ran their own rows ahead
-        own = own_rows(self, *args)
-        own_parts.append(own is not None)
-        return own
-
-    MoELayer._own_rows = counting_own_rows  # this worker process only
+    results = {}
     for name in SCENARIOS:
         kwargs, state, inputs, grads = _scenario(name, world_size)
         layer = MoELayer(_config(**kwargs), group)
         layer.load_state_dict(state)
-        own_parts.clear()
-        with file_workspaces(layer.ep_group) if kwargs.get("transport") == "copy_engine" else nullcontext():
-            results[name] = dict(run=_run_layer(layer, inputs[rank], grads[rank]), grads=_param_grads(layer),
-                                 own_parts=sum(own_parts))
+        with _copy_engines(layer):
+            results[name] = dict(run=_run_layer(layer, inputs[rank], grads[rank]), grads=_param_grads(layer))
     if world_size == 4:
         torch.manual_seed(0)
         results["init_shard"] = MoELayer(_config(top_k=2), group).state_dict()
@@ -734,15 +717,16 @@ def test_ep_matches_ep1(request, world_size, name):
 def test_ep_scenarios_are_what_they_claim(request, world_size):
     results = request.getfixturevalue(f"ep{world_size}_results")
     owned = E // world_size
-    for res in results:
-        assert res["skewed"]["run"]["counts"][owned:].sum() == 0
-    assert results[1]["empty_rank"]["run"]["y"].numel() == 0
     assert sum(int(r["capacity_probs"]["run"]["dropped"]) for r in results) > 0
     assert sum(int(r["capacity_position"]["run"]["dropped"]) for r in results) > 0
-    for name, kwargs in SCENARIOS.items():  # own rows ran ahead where asked (skewed: rank 0 only)
-        parts = [r[name]["own_parts"] for r in results]
-        assert (sum(parts) > 0) == bool(kwargs.get("own_rows_first")), (name, parts)
-    assert results[1]["empty_rank_own_first"]["own_parts"] == 0
+    for name in SCENARIOS:
+        if name.startswith("skewed") and SCENARIOS[name]["top_k"] <= owned:  # every token picks rank 0's experts
+            assert all(r[name]["run"]["counts"][owned:].sum() == 0 for r in results), name
+        if name.startswith("empty_rank"):
+            assert results[1][name]["run"]["y"].numel() == 0, name
+    for r in results:  # the zero router sends every token to one expert, which drops most
+        counts = r["capacity_one_expert"]["run"]["counts"]
+        assert (counts > 0).sum() == 1 and int(r["capacity_one_expert"]["run"]["dropped"]) > 0, counts
 
 
 @pytest.mark.distributed
@@ -877,16 +861,15 @@ def test_all_gather_needs_equal_token_counts(ep4_results):
 
 
 @pytest.mark.distributed
-def test_copy_engine_transport_on_gloo(ep4_results):
+def test_copy_engine_dispatch_on_gloo(ep4_results):
     for res in ep4_results:
-        for dispatch in ("all_to_all", "all_gather"):
-            assert re.search(r"transport='copy_engine' cannot run here: CUDA is not available; "
-                             r"use transport='nccl'", res[f"transport_error_{dispatch}"])
+        assert re.search(r"MoEConfig.dispatch='all_gather_copy_engine' cannot run here: CUDA is not available; "
+                         r"use dispatch='all_gather'", res["copy_engine_error"])
 
 
-@pytest.mark.parametrize("kwargs", [dict(top_k=2), dict(top_k=3, capacity_factor=0.75, overlap_chunks=3),
+@pytest.mark.parametrize("kwargs", [dict(top_k=2), dict(top_k=3, capacity_factor=0.75),
                                     dict(top_k=2, backend="triton")],
-                         ids=["top2", "capacity_three_chunks", "triton"])
+                         ids=["top2", "capacity", "triton"])
 def test_ep_code_path_without_group_matches_ep1_path(kwargs):
     """The EP>1 path (permute, pipeline, slot sum) with no group runs no collective and
     must give the EP=1 path's output and gradients."""
@@ -949,13 +932,12 @@ def test_torch_compile_of_the_ep_layer_matches_eager(backend, world_size, dispat
 
 CHECKPOINTED_DISPATCH = {
     "all_to_all": dict(dispatch="all_to_all"),
-    # rank 1's copy engines lag (LaggingFileWorkspace): a recompute's regions must be pulled before restaged
-    "all_to_all_ce": dict(dispatch="all_to_all", transport="copy_engine"),
+    # rank 1 has no tokens: it recomputes (and exchanges) as often as rank 0
+    "all_to_all_empty_rank": dict(dispatch="all_to_all"),
     "all_gather": dict(dispatch="all_gather"),
-    # the forward's reduce-scatter leaves from the down projection (triton) on the copy engines
-    "all_gather_ce": dict(dispatch="all_gather", transport="copy_engine", backend="triton"),
-    # rank 1 has no tokens, so no own rows: it must recompute as often as rank 0, which has
-    "own_first_empty_rank": dict(dispatch="all_to_all", own_rows_first=True),
+    # the forward's reduce-scatter leaves from the down projection (triton) on the copy engines;
+    # rank 1's copy engines lag (LaggingFileWorkspace): a recompute's region must be pulled before restaged
+    "all_gather_ce": dict(dispatch="all_gather_copy_engine", backend="triton"),
 }
 
 
@@ -972,11 +954,11 @@ def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
         ep_moe.pipeline._outer_hooks = lambda: ep_moe.pipeline.UNNAMED
     torch.manual_seed(12)
     kwargs = CHECKPOINTED_DISPATCH[dispatch]
-    layer = MoELayer(_config(top_k=2, overlap_chunks=2, **kwargs), dist.group.WORLD)
+    layer = MoELayer(_config(top_k=2, **kwargs), dist.group.WORLD)
     gen = torch.Generator().manual_seed(200 + rank)
-    tokens = 0 if dispatch == "own_first_empty_rank" and rank == 1 else 19
+    tokens = 0 if dispatch.endswith("empty_rank") and rank == 1 else 19
     x, g = torch.randn(tokens, H, generator=gen), torch.randn(tokens, H, generator=gen)
-    with file_workspaces(layer.ep_group, lagging_rank=1) if kwargs.get("transport") == "copy_engine" else nullcontext():
+    with _copy_engines(layer, lagging_rank=1):
         plain = _run_layer(layer, x, g), _param_grads(layer)
         layer.zero_grad(set_to_none=True)
         forwards = []
@@ -995,9 +977,9 @@ def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
 @pytest.mark.parametrize("hooks_api", [True, False])
 def test_non_reentrant_activation_checkpoint_matches_plain_run(hooks_api, dispatch):
     for res in run_distributed(_checkpointed_worker, 2, hooks_api, dispatch):
-        # the forward, then one recompute in the backward; without the hooks API one per
-        # chunk's replay (2 chunks) and one for the rest of the graph
-        assert len(res["forwards"]) == (2 if hooks_api else 4), res["forwards"]
+        # the forward, then one recompute in the backward; without the hooks API one in the
+        # expert graph's replay (its own graph task) and one for the rest of the graph
+        assert len(res["forwards"]) == (2 if hooks_api else 3), res["forwards"]
         want, want_grads = res["plain"]
         for got, got_grads in (res["checkpointed"], res["again"]):
             for key in ("y", "dx", "aux", "z", "counts"):
@@ -1047,6 +1029,85 @@ def test_aux_loss_without_autograd_warns_when_training():
         with torch.no_grad():
             layer(x)
         moe_aux_loss(layer)  # an eval run
+
+
+# ---------------------------------------------------------------------------------------
+# fp32 parameters under autocast (fp16: the Triton interpreter gets bf16 wrong) at EP=2 on
+# gloo against EP=1 under the same autocast: every exchange carries the autocast dtype and
+# gives it back unchanged (the copy-engine combine sums in fp32 and returns fp16).
+
+AUTOCAST_DISPATCHES = ("all_to_all", "all_gather", "all_gather_copy_engine")
+AUTOCAST_BACKENDS = ("triton", "torch")
+AUTOCAST_TOKENS = 12
+
+
+def _autocast_case(world_size):
+    """(global state dict, per-rank inputs, per-rank output grads) of the autocast test."""
+    torch.manual_seed(41)
+    state = MoELayer(_config(top_k=2)).state_dict()
+    inputs = [torch.randn(AUTOCAST_TOKENS, H) for _ in range(world_size)]
+    return state, inputs, [torch.randn_like(x) for x in inputs]
+
+
+def _run_autocast(layer, x, g):
+    """Forward under fp16 autocast, backward after it, of ``sum(y * g) + aux + z``."""
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = layer(x)
+    ((y.float() * g).sum() + moe_aux_loss(layer)).backward()
+    return dict(y=y.detach(), dx=x.grad, counts=layer.last_stats.tokens_per_expert)
+
+
+def _autocast_worker(rank, world_size):
+    state, inputs, grads = _autocast_case(world_size)
+    results = {}
+    for dispatch in AUTOCAST_DISPATCHES:
+        for backend in AUTOCAST_BACKENDS:
+            layer = MoELayer(_config(top_k=2, backend=backend, dispatch=dispatch), dist.group.WORLD)
+            layer.load_state_dict(state)
+            with _copy_engines(layer):
+                run = _run_autocast(layer, inputs[rank], grads[rank])
+            results[dispatch, backend] = dict(run=run, grads=_param_grads(layer))
+    return results
+
+
+@pytest.fixture(scope="module")
+def autocast_results():
+    return run_distributed(_autocast_worker, 2)
+
+
+def _rel_close(actual, expected, rel=1e-2):
+    """Relative Frobenius error below ``rel`` (fp16 rounding, summed in other orders)."""
+    error = (actual.double() - expected.double()).norm()
+    assert error <= rel * expected.double().norm() + 1e-6, (error.item(), expected.double().norm().item())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", AUTOCAST_BACKENDS)
+@pytest.mark.parametrize("dispatch", AUTOCAST_DISPATCHES)
+def test_ep_under_autocast_matches_ep1(autocast_results, dispatch, backend):
+    """fp32 parameters under fp16 autocast at EP=2: the output is fp16, as at EP=1, and
+    outputs, input gradients and parameter gradients (fp32) match EP=1's."""
+    state, inputs, grads = _autocast_case(2)
+    ref = MoELayer(_config(top_k=2, backend=backend))
+    ref.load_state_dict(state)
+    ref_runs = [_run_autocast(ref, x, g) for x, g in zip(inputs, grads)]
+    ref_grads = _param_grads(ref)
+    assert all(run["y"].dtype == torch.float16 for run in ref_runs)
+    summed = {}
+    for res, want in zip(autocast_results, ref_runs):
+        got = res[dispatch, backend]
+        run = got["run"]
+        assert run["y"].dtype == torch.float16 and run["dx"].dtype == torch.float32
+        assert run["counts"].tolist() == want["counts"].tolist()
+        _rel_close(run["y"], want["y"])
+        _rel_close(run["dx"], want["dx"])
+        for key, grad in got["grads"].items():
+            assert grad.dtype == torch.float32, key
+            summed[key] = summed.get(key, 0) + grad
+    assert summed.keys() == ref_grads.keys()
+    for key, grad in ref_grads.items():
+        _rel_close(summed[key], grad)
 
 
 def test_autocast_runs_experts_in_the_autocast_dtype():

@@ -6,7 +6,7 @@ threads over plain buffers (``tests/test_copy_engine.py``) or :class:`FileWorksp
 file per rank that every rank maps (``torch.from_file(shared=True)``), flags polled there (on
 x86 the stores of one process become visible to the others in order, so a peer that sees a
 flag also sees the rows written before it), for gloo tests of the whole layer with
-``transport="copy_engine"``.
+``dispatch="all_gather_copy_engine"``.
 
 ``with file_workspaces(group):`` makes the layer take file workspaces (and skips the CUDA
 checks) inside the block; every rank of ``group`` must enter it (collective: rank 0 picks
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ep_moe import layer as layer_module
-from ep_moe.copy_engine import _DONE, SymmetricWorkspace
+from ep_moe.copy_engine import SymmetricWorkspace
 from ep_moe.dispatch import PendingExchange
 
 WAIT_S = 60.0
@@ -58,28 +58,7 @@ class HostWorkspace(SymmetricWorkspace):
         # compute stream, unordered with the flags the copy stream waits for and raises.
         assert rank == self.rank or getattr(self, "_in_copying", False), \
             f"rank {self.rank} touches rank {rank}'s workspace outside copying(): not on the copy engines"
-        out = super().view(rank, byte_offset, rows, row_shape, dtype)
-        if rank == self.rank and not getattr(self, "_in_copying", False) and out.numel():
-            self._staging_at(byte_offset, byte_offset + out.numel() * out.element_size())
-        return out
-
-    # The all-to-all's protocol, checked: a rank stages bytes again only once every peer has
-    # pulled the exchange that last staged them (its DONE flag has reached that exchange).
-
-    def _staging_at(self, start: int, end: int) -> None:
-        staged = self.__dict__.setdefault("_staged", {})  # (start, end) -> exchange (epoch) that raised them
-        for (a, b), epoch in staged.items():
-            behind = [q for q in self._peers() if self.flag(self.rank, _DONE + q).item() < epoch]
-            assert not (a < end and start < b and behind), \
-                (f"rank {self.rank} stages bytes [{start}, {end}) again while ranks {behind} have not pulled "
-                 f"exchange {epoch}, which staged [{a}, {b}) there")
-        self._pending_stage = (start, end)
-
-    def signal_ready(self, epoch: int) -> None:
-        pending = self.__dict__.pop("_pending_stage", None)
-        if pending is not None:
-            self.__dict__.setdefault("_staged", {})[pending] = epoch
-        super().signal_ready(epoch)
+        return super().view(rank, byte_offset, rows, row_shape, dtype)
 
     def keep_for_copies(self, t: torch.Tensor) -> None:
         pass
@@ -97,15 +76,15 @@ class HostWorkspace(SymmetricWorkspace):
 class FileWorkspace(HostWorkspace):
     """A workspace over files in ``directory`` that every rank of ``group`` maps."""
 
-    def __init__(self, group, directory: str, user: str) -> None:
-        self.group, self.device, self.directory, self.user = group, torch.device("cpu"), directory, user
+    def __init__(self, group, directory: str) -> None:
+        self.group, self.device, self.directory = group, torch.device("cpu"), directory
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self.stream, self.capacity, self.epoch, self._buffers, self._generation = None, 0, 0, [], 0
+        self.stream, self.capacity, self._buffers, self._generation = None, 0, [], 0
         self._allocation, self._captured, self._retired = None, False, []
 
     def _allocate(self, nbytes: int) -> list[torch.Tensor]:
         self._generation += 1
-        paths = [os.path.join(self.directory, f"{self.user}-{self._generation}-{q}") for q in range(self.size)]
+        paths = [os.path.join(self.directory, f"{group_file(self.group)}-{self._generation}-{q}") for q in range(self.size)]
         with open(paths[self.rank], "wb") as f:
             f.truncate(nbytes)
         dist.barrier(group=self.group)  # every file exists before anyone maps it
@@ -133,9 +112,14 @@ class LaggingFileWorkspace(FileWorkspace):
 
     LAG_S = 0.05
 
-    def wait_ready(self, source: int, epoch: int) -> None:
+    def await_staged(self, source: int) -> None:
         time.sleep(self.LAG_S)
-        super().wait_ready(source, epoch)
+        super().await_staged(source)
+
+
+def group_file(group) -> str:
+    """A file-name-safe name of ``group``."""
+    return "".join(c if c.isalnum() else "_" for c in group.group_name)
 
 
 @contextlib.contextmanager
@@ -144,14 +128,13 @@ def file_workspaces(group, lagging_rank: Optional[int] = None):
     ``lagging_rank``'s pull late (:class:`LaggingFileWorkspace`)."""
     folder = [tempfile.mkdtemp(prefix="ep_moe_ws_") if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(folder, src=dist.get_global_rank(group, 0), group=group)
-    workspaces: dict[tuple[str, str], FileWorkspace] = {}
+    workspaces: dict[str, FileWorkspace] = {}
     kind = LaggingFileWorkspace if dist.get_rank(group) == lagging_rank else FileWorkspace
 
-    def for_group(cls, group, device, user):
-        key = (group.group_name, user)
-        if key not in workspaces:
-            workspaces[key] = kind(group, folder[0], user)
-        return workspaces[key]
+    def for_group(cls, group, device):
+        if group.group_name not in workspaces:
+            workspaces[group.group_name] = kind(group, folder[0])
+        return workspaces[group.group_name]
 
     saved = layer_module.copy_engine_supported, SymmetricWorkspace.__dict__["for_group"]
     layer_module.copy_engine_supported = lambda group: (True, "")

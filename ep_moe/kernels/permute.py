@@ -125,17 +125,10 @@ def launch_sum_slot_rows(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: in
     return out
 
 
-def _gather(src: torch.Tensor, idx: torch.Tensor, use_triton: bool,
-            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _gather(src: torch.Tensor, idx: torch.Tensor, use_triton: bool) -> torch.Tensor:
     if use_triton:
-        return launch_gather_rows(src.contiguous(), idx, out=out)
-    if out is None:
-        return src.index_select(0, idx)
-    # ``out`` may be a send buffer in a workspace that other chunks' buffers share: fill it as
-    # the kernel does, without bumping the version counter its views share (autograd would take
-    # the next chunk's fill for an in-place change of the rows this one returned)
-    with torch.autograd._unsafe_preserve_version_counter(out):
-        return torch.index_select(src, 0, idx, out=out)
+        return launch_gather_rows(src.contiguous(), idx)
+    return src.index_select(0, idx)
 
 
 def _sum_slots(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int, use_triton: bool) -> torch.Tensor:
@@ -150,14 +143,14 @@ def _sum_slots(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int, use_tri
 
 class _PermuteTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, meta, use_triton, out, gathered):
+    def forward(ctx, x_TH, meta, use_triton, gathered):
         ctx.meta, ctx.use_triton = meta, use_triton
-        return gathered if gathered is not None else _gather(x_TH, meta.token_index_R, use_triton, out)
+        return gathered if gathered is not None else _gather(x_TH, meta.token_index_R, use_triton)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_RH):
-        return _sum_slots(grad_RH, ctx.meta.row_of_slot_N, ctx.meta.top_k, ctx.use_triton), None, None, None, None
+        return _sum_slots(grad_RH, ctx.meta.row_of_slot_N, ctx.meta.top_k, ctx.use_triton), None, None, None
 
 
 class _SumSlotRows(torch.autograd.Function):
@@ -173,9 +166,8 @@ class _SumSlotRows(torch.autograd.Function):
 
 
 def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "torch",
-                   out: Optional[torch.Tensor] = None, gathered: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Tokens in routed (expert-sorted) order: ``x_TH[meta.token_index_R]``, [R, H],
-    written into ``out`` when given (contiguous, [R, H], x's dtype; e.g. a send buffer).
+                   gathered: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Tokens in routed (expert-sorted) order: ``x_TH[meta.token_index_R]``, [R, H].
     ``gathered``: those rows, already made by :func:`gather_tokens` (before R was known);
     returned as they are, made differentiable.
 
@@ -187,13 +179,12 @@ def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "
         raise ValueError(f"permute_tokens: x_TH is {tuple(x_TH.shape)}; pass the [T, H] tokens meta routes "
                          f"(T = meta.num_tokens = {meta.num_tokens})")
     want = (meta.token_index_R.shape[0],) + tuple(x_TH.shape[1:])
-    for name, given in (("out", out), ("gathered", gathered)):
-        if given is not None and (tuple(given.shape) != want or given.dtype != x_TH.dtype
-                                  or (given.numel() and not given.is_contiguous())):
-            raise ValueError(f"permute_tokens: {name} is {tuple(given.shape)} {given.dtype}"
-                             f"{'' if given.is_contiguous() else ' (not contiguous)'}; pass a contiguous "
-                             f"{want} {x_TH.dtype} tensor or {name}=None")
-    return _PermuteTokens.apply(x_TH, meta, backend == "triton", out, gathered)
+    if gathered is not None and (tuple(gathered.shape) != want or gathered.dtype != x_TH.dtype
+                                 or (gathered.numel() and not gathered.is_contiguous())):
+        raise ValueError(f"permute_tokens: gathered is {tuple(gathered.shape)} {gathered.dtype}"
+                         f"{'' if gathered.is_contiguous() else ' (not contiguous)'}; pass a contiguous "
+                         f"{want} {x_TH.dtype} tensor or gathered=None")
+    return _PermuteTokens.apply(x_TH, meta, backend == "triton", gathered)
 
 
 @torch.no_grad()

@@ -9,14 +9,17 @@ reference: for each EP group, one EP=1 layer with the same global weights runs e
 member's tokens one rank at a time (same shapes, so the router picks the same experts)
 and accumulates the parameter gradients the group computes together. Every output, input
 gradient, router gradient and expert gradient must be within a relative (Frobenius)
-error of 2e-2. Two scenarios also run under ``torch.compile`` at the largest EP size, and
-two under a non-reentrant activation checkpoint. The shared fixture runs every scenario on
-every transport (1.5 to 3.5 minutes each on 4x H200, more on H100); ``EP_MOE_TEST_TRANSPORTS``
-(comma-separated names of ``TRANSPORTS``) limits it to some, the others' tests then skip.
+error of 2e-2. Every scenario runs on every dispatch (``DISPATCHES``); some also run with
+fp32 parameters under bf16 autocast (``AUTOCAST``, against an EP=1 reference built the same
+way), two under ``torch.compile`` at the largest EP size, and two under a non-reentrant
+activation checkpoint. The shared fixture runs them all (111 s on a fresh 4x H200, the
+whole file about 3.5 minutes); ``EP_MOE_TEST_DISPATCHES`` (comma-separated names of
+``DISPATCHES``) limits it to some, the others' tests then skip.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -44,34 +47,35 @@ SCENARIOS = {
     "top4_gelu": dict(top_k=4, activation="gelu"),
     "skewed": dict(top_k=2),
     "empty_rank": dict(top_k=2),
-    "chunks3": dict(top_k=2, overlap_chunks=3),
-    "capacity_chunks2": dict(top_k=3, capacity_factor=0.75, overlap_chunks=2),
-    "own_first": dict(top_k=4, own_rows_first=True),
-    "own_first_chunks2_skewed": dict(top_k=2, own_rows_first=True, overlap_chunks=2),
-    "shared_chunks2": dict(top_k=2, num_shared_experts=1, overlap_chunks=2),
+    "capacity": dict(top_k=3, capacity_factor=0.75),
+    "shared": dict(top_k=2, num_shared_experts=1),
 }
-TRANSPORTS = ("nccl", "copy_engine", "all_gather", "all_gather_ce")
-"""How the rows travel: the all-to-all on NCCL or on the copy engines, or the all-gather
-dispatch (``MoEConfig.dispatch="all_gather"``, no host sync; own rows do not apply, and it
-needs equal token counts, so not with an empty rank; chunks do), its rows on NCCL or on the
-copy engines (``_ce``: the GEMMs read them while they land)."""
+DISPATCHES = ("all_to_all", "all_gather", "all_gather_copy_engine")
+"""``MoEConfig.dispatch``: the all-to-all on NCCL, or the all-gather (no host sync; it needs
+equal token counts, so not with an empty rank) with its rows on NCCL or on the copy engines
+(the GEMMs read them while they land, and the forward's sums go back on them too)."""
+AUTOCAST = ("top2", "skewed", "shared")
+"""Scenarios also run with fp32 parameters and input under ``torch.autocast("cuda",
+torch.bfloat16)`` (the output must be bf16), on every dispatch at every EP size, as
+``"<dispatch>+autocast"``, against an EP=1 layer run the same way. The copy-engine all-gather
+once returned fp32 rows from its combine there, and its gradients were wrong (relative errors
+0.7 to 3)."""
+
+if "EP_MOE_TEST_TRANSPORTS" in os.environ:
+    raise ValueError("EP_MOE_TEST_TRANSPORTS is gone (MoEConfig.transport was removed): select with "
+                     f"EP_MOE_TEST_DISPATCHES, comma-separated names of {DISPATCHES}")
+SELECTED = tuple(os.environ.get("EP_MOE_TEST_DISPATCHES", ",".join(DISPATCHES)).split(","))
+if not set(SELECTED) <= set(DISPATCHES):
+    raise ValueError(f"EP_MOE_TEST_DISPATCHES={','.join(SELECTED)}: use names of {DISPATCHES}")
 
 
-def _variant(kwargs: dict, transport: str) -> dict:
-    """``kwargs`` on ``transport`` (one of TRANSPORTS)."""
-    if transport.startswith("all_gather"):
-        return {**{k: v for k, v in kwargs.items() if k != "own_rows_first"}, "dispatch": "all_gather",
-                "transport": "copy_engine" if transport.endswith("_ce") else "nccl"}
-    return {**kwargs, "transport": transport}
+def _gathers(dispatch: str) -> bool:
+    """Whether ``dispatch`` all-gathers the tokens (equal token counts on every rank)."""
+    return dispatch.startswith("all_gather")
 
 
-SELECTED = tuple(os.environ.get("EP_MOE_TEST_TRANSPORTS", ",".join(TRANSPORTS)).split(","))
-if not set(SELECTED) <= set(TRANSPORTS):
-    raise ValueError(f"EP_MOE_TEST_TRANSPORTS={','.join(SELECTED)}: use names of {TRANSPORTS}")
-
-
-def _runs_on(name: str, transport: str) -> bool:
-    return transport in SELECTED and not (transport.startswith("all_gather") and name.startswith("empty_rank"))
+def _runs_on(name: str, dispatch: str) -> bool:
+    return dispatch in SELECTED and not (_gathers(dispatch) and name.startswith("empty_rank"))
 
 
 def _equal_counts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -80,11 +84,19 @@ def _equal_counts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t[:T] for t in tensors]
 
 
-COMPILED = ("top2", "capacity_chunks2")
-"""Scenarios also run under ``torch.compile`` (NCCL) at the largest EP size, as ``"nccl+compile"``."""
-CHECKPOINTED = ("top2", "own_first_chunks2_skewed")
+def _fp32(tensors):
+    """A state dict's (or a list's) floating tensors in fp32: the autocast runs' parameters and inputs."""
+    if isinstance(tensors, dict):
+        return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+    return [t.float() for t in tensors]
+
+
+COMPILED = ("top2", "capacity")
+"""Scenarios also run under ``torch.compile`` (all-to-all) at the largest EP size, as
+``"all_to_all+compile"``."""
+CHECKPOINTED = ("top2", "skewed")
 """Scenarios also run under a non-reentrant activation checkpoint at the largest EP size, on
-both transports, as ``"<transport>+checkpoint"``."""
+every dispatch, as ``"<dispatch>+checkpoint"``."""
 
 
 def _config(**overrides) -> MoEConfig:
@@ -109,11 +121,13 @@ def _scenario(name: str, world_size: int):
     return kwargs, state, inputs, [torch.randn_like(x) for x in inputs]
 
 
-def _run(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, forward=None) -> dict:
-    """Forward (``forward``, default ``layer``), backward of ``sum(y * g) + aux + z``;
-    output, input grad, counts (on the CPU)."""
+def _run(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, forward=None, autocast: bool = False) -> dict:
+    """Forward (``forward``, default ``layer``; with ``autocast`` under bf16 autocast),
+    backward of ``sum(y * g) + aux + z`` (outside autocast, as a training step does); output,
+    input grad, counts (on the CPU)."""
     x = x.cuda().requires_grad_()
-    y = (forward or layer)(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        y = (forward or layer)(x)
     stats = layer.last_stats
     ((y.float() * g.cuda().float()).sum() + stats.aux_loss + stats.z_loss).backward()
     return dict(y=y.detach().cpu(), dx=x.grad.cpu(), counts=stats.tokens_per_expert.cpu())
@@ -132,8 +146,8 @@ def _param_grads(layer: MoELayer) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _layer(kwargs: dict, state: dict, group=None) -> MoELayer:
-    layer = MoELayer(_config(**kwargs), group, device="cuda", dtype=torch.bfloat16)
+def _layer(kwargs: dict, state: dict, group=None, dtype: torch.dtype = torch.bfloat16) -> MoELayer:
+    layer = MoELayer(_config(**kwargs), group, device="cuda", dtype=dtype)
     layer.load_state_dict(state)
     return layer
 
@@ -150,6 +164,13 @@ def _nccl_groups(world_size: int, ep_size: int):
     return mine, ep_groups
 
 
+def _tokens(dispatch: str, inputs: list, grads: list, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's input and output gradient on ``dispatch`` (the all-gather: equal counts)."""
+    if _gathers(dispatch):
+        return _equal_counts(inputs)[rank], _equal_counts(grads)[rank]
+    return inputs[rank], grads[rank]
+
+
 def _ep_worker(rank: int, world_size: int) -> dict:
     torch.cuda.set_device(rank)
     results = {}
@@ -157,44 +178,61 @@ def _ep_worker(rank: int, world_size: int) -> dict:
         group, ep_groups = _nccl_groups(world_size, ep_size)
         for name in SCENARIOS:
             kwargs, state, inputs, grads = _scenario(name, world_size)
-            for transport in [t for t in TRANSPORTS if _runs_on(name, t)]:
-                layer = _layer(_variant(kwargs, transport), state, group)
-                x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport.startswith("all_gather")
-                        else (inputs[rank], grads[rank]))
+            for dispatch in [d for d in DISPATCHES if _runs_on(name, d)]:
+                layer = _layer({**kwargs, "dispatch": dispatch}, state, group)
+                x, g = _tokens(dispatch, inputs, grads, rank)
                 for call in range(2):  # twice: the second reuses the copy engines' workspace
-                    progress(f"EP={ep_size} {name} {transport} call {call}")
+                    progress(f"EP={ep_size} {name} {dispatch} call {call}")
                     layer.zero_grad(set_to_none=True)
                     run = _run(layer, x, g)
-                results[(ep_size, name, transport)] = dict(run=run, grads=_param_grads(layer))
-            if name in COMPILED and ep_size == world_size and "nccl" in SELECTED:
+                results[(ep_size, name, dispatch)] = dict(run=run, grads=_param_grads(layer))
+            for dispatch in [d for d in DISPATCHES if _runs_on(name, d)] if name in AUTOCAST else ():
+                layer = _layer({**kwargs, "dispatch": dispatch}, _fp32(state), group, dtype=torch.float32)
+                x, g = _tokens(dispatch, _fp32(inputs), _fp32(grads), rank)
+                for call in range(2):
+                    progress(f"EP={ep_size} {name} {dispatch}+autocast call {call}")
+                    layer.zero_grad(set_to_none=True)
+                    run = _run(layer, x, g, autocast=True)
+                results[(ep_size, name, f"{dispatch}+autocast")] = dict(run=run, grads=_param_grads(layer))
+            if name in COMPILED and ep_size == world_size and "all_to_all" in SELECTED:
+                progress(f"EP={ep_size} {name} all_to_all+compile")
                 layer = _layer(kwargs, state, group)
                 compiled = torch.compile(layer)
                 for _ in range(2):  # the second call runs what the first compiled
                     layer.zero_grad(set_to_none=True)
                     run = _run(compiled, inputs[rank], grads[rank])
-                results[(ep_size, name, "nccl+compile")] = dict(run=run, grads=_param_grads(layer))
-            for transport in SELECTED if name in CHECKPOINTED and ep_size == world_size else ():
-                progress(f"EP={ep_size} {name} {transport}+checkpoint")
-                layer = _layer(_variant(kwargs, transport), state, group)
+                results[(ep_size, name, "all_to_all+compile")] = dict(run=run, grads=_param_grads(layer))
+            for dispatch in SELECTED if name in CHECKPOINTED and ep_size == world_size else ():
+                progress(f"EP={ep_size} {name} {dispatch}+checkpoint")
+                layer = _layer({**kwargs, "dispatch": dispatch}, state, group)
                 layer.zero_grad(set_to_none=True)
-                x, g = ((_equal_counts(inputs)[rank], _equal_counts(grads)[rank]) if transport.startswith("all_gather")
-                        else (inputs[rank], grads[rank]))
+                x, g = _tokens(dispatch, inputs, grads, rank)
                 run = _run(layer, x, g,
                            forward=lambda t, layer=layer: checkpoint(layer, t, use_reentrant=False))
-                results[(ep_size, name, f"{transport}+checkpoint")] = dict(run=run, grads=_param_grads(layer))
+                results[(ep_size, name, f"{dispatch}+checkpoint")] = dict(run=run, grads=_param_grads(layer))
             if rank == 0:
+                progress(f"EP={ep_size} {name} EP=1 references")
                 results[(ep_size, name, "ref")] = [_ep1_reference(kwargs, state, inputs, grads, ranks)
                                                    for ranks in ep_groups]
                 results[(ep_size, name, "ref_equal")] = [
                     _ep1_reference(kwargs, state, _equal_counts(inputs), _equal_counts(grads), ranks)
                     for ranks in ep_groups]
+                if name in AUTOCAST:
+                    results[(ep_size, name, "ref_autocast")] = [
+                        _ep1_reference(kwargs, _fp32(state), _fp32(inputs), _fp32(grads), ranks, autocast=True)
+                        for ranks in ep_groups]
+                    results[(ep_size, name, "ref_equal_autocast")] = [
+                        _ep1_reference(kwargs, _fp32(state), _fp32(_equal_counts(inputs)),
+                                       _fp32(_equal_counts(grads)), ranks, autocast=True)
+                        for ranks in ep_groups]
     return results
 
 
-def _ep1_reference(kwargs, state, inputs, grads, ranks) -> dict:
-    """EP=1 runs of the given ranks' tokens, one rank at a time; parameter gradients summed."""
-    layer = _layer(kwargs, state)
-    runs = {r: _run(layer, inputs[r], grads[r]) for r in ranks}
+def _ep1_reference(kwargs, state, inputs, grads, ranks, autocast: bool = False) -> dict:
+    """EP=1 runs of the given ranks' tokens, one rank at a time; parameter gradients summed.
+    With ``autocast``: fp32 parameters (``state`` is fp32), forward under bf16 autocast."""
+    layer = _layer(kwargs, state, dtype=torch.float32 if autocast else torch.bfloat16)
+    runs = {r: _run(layer, inputs[r], grads[r], autocast=autocast) for r in ranks}
     return dict(runs=runs, grads=_param_grads(layer))
 
 
@@ -218,37 +256,50 @@ def ep_results():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("dispatch", DISPATCHES)
 @pytest.mark.parametrize("ep_size", [2, 4])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_ep_matches_ep1_bf16(ep_results, ep_size, name, transport):
-    _check_against_ep1(ep_results, ep_size, name, transport)
+def test_ep_matches_ep1_bf16(ep_results, ep_size, name, dispatch):
+    _check_against_ep1(ep_results, ep_size, name, dispatch)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+@pytest.mark.parametrize("ep_size", [2, 4])
+@pytest.mark.parametrize("name", AUTOCAST)
+def test_ep_fp32_params_under_autocast_match_ep1(ep_results, ep_size, name, dispatch):
+    """fp32 parameters and input, forward under bf16 autocast: a bf16 output, and EP=1's
+    outputs and gradients (an EP=1 layer run the same way), the backward included."""
+    _check_against_ep1(ep_results, ep_size, name, f"{dispatch}+autocast")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_ep_matches_ep1_bf16(ep_results, name):
-    _check_against_ep1(ep_results, WORLD, name, "nccl+compile")
+    _check_against_ep1(ep_results, WORLD, name, "all_to_all+compile")
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("dispatch", DISPATCHES)
 @pytest.mark.parametrize("name", CHECKPOINTED)
-def test_checkpointed_ep_matches_ep1_bf16(ep_results, name, transport):
-    """The layer recomputed in the backward (its collectives and the pipeline's chunk graphs
+def test_checkpointed_ep_matches_ep1_bf16(ep_results, name, dispatch):
+    """The layer recomputed in the backward (its collectives and the pipeline's expert graph
     saved through the checkpoint's hooks) gives EP=1's outputs and gradients."""
-    _check_against_ep1(ep_results, WORLD, name, f"{transport}+checkpoint")
+    _check_against_ep1(ep_results, WORLD, name, f"{dispatch}+checkpoint")
 
 
 def _check_against_ep1(ep_results, ep_size: int, name: str, variant: str) -> None:
     """Every EP group's outputs, input grads and summed parameter grads of ``variant``
-    against rank 0's EP=1 runs of the same tokens."""
+    (``<dispatch>[+<how>]``) against rank 0's EP=1 runs of the same tokens (for
+    ``+autocast``, with fp32 parameters under autocast too; the EP layer's output is bf16)."""
     if ep_size > WORLD:
         pytest.skip(f"EP={ep_size} needs {ep_size} GPUs, found {NUM_GPUS}")
-    if not _runs_on(name, variant.split("+")[0]):
-        pytest.skip(f"{variant} not selected (EP_MOE_TEST_TRANSPORTS), or it needs the same token count on "
+    dispatch, _, how = variant.partition("+")
+    if not _runs_on(name, dispatch):
+        pytest.skip(f"{dispatch} not selected (EP_MOE_TEST_DISPATCHES), or it needs the same token count on "
                     "every rank")
-    refs = ep_results[0][(ep_size, name, "ref_equal" if variant.startswith("all_gather") else "ref")]
+    ref_key = ("ref_equal" if _gathers(dispatch) else "ref") + ("_autocast" if how == "autocast" else "")
+    refs = ep_results[0][(ep_size, name, ref_key)]
     ep_groups, _ = ep_layout(WORLD, ep_size)
     for ranks, ref in zip(ep_groups, refs):
         summed = {}
@@ -256,22 +307,26 @@ def _check_against_ep1(ep_results, ep_size: int, name: str, variant: str) -> Non
             res = ep_results[rank][(ep_size, name, variant)]
             expected = ref["runs"][rank]
             assert torch.equal(res["run"]["counts"], expected["counts"]), f"rank {rank}: routing differs"
+            if how == "autocast":  # (the EP=1 path's output dtype: test_layer_cuda.py)
+                assert res["run"]["y"].dtype == torch.bfloat16, f"rank {rank}: output {res['run']['y'].dtype}"
             for key in ("y", "dx"):
-                _check(res["run"][key], expected[key], f"EP={ep_size} {name} rank {rank} {key}")
+                _check(res["run"][key], expected[key], f"EP={ep_size} {name} {variant} rank {rank} {key}")
             for key, grad in res["grads"].items():
                 summed[key] = summed.get(key, 0) + grad  # expert keys: exactly one rank holds each
         assert summed.keys() == ref["grads"].keys()
         for key, grad in ref["grads"].items():
-            _check(summed[key], grad, f"EP={ep_size} {name} ranks {ranks} grad {key}")
+            _check(summed[key], grad, f"EP={ep_size} {name} {variant} ranks {ranks} grad {key}")
 
 
 @pytest.mark.distributed
 def test_scenarios_are_what_they_claim(ep_results):
-    if "nccl" not in SELECTED:
-        pytest.skip("checked on the nccl transport, not selected (EP_MOE_TEST_TRANSPORTS)")
-    counts = ep_results[0][(WORLD, "skewed", "nccl")]["run"]["counts"]
+    if "all_to_all" not in SELECTED:
+        pytest.skip("checked on the all_to_all dispatch, not selected (EP_MOE_TEST_DISPATCHES)")
+    counts = ep_results[0][(WORLD, "skewed", "all_to_all")]["run"]["counts"]
     assert counts[E // 4:].sum() == 0 and counts.sum() > 0
-    assert ep_results[1][(WORLD, "empty_rank", "nccl")]["run"]["y"].numel() == 0
+    assert ep_results[1][(WORLD, "empty_rank", "all_to_all")]["run"]["y"].numel() == 0
+    run = ep_results[0][(WORLD, "top2", "all_to_all+autocast")]["run"]
+    assert run["y"].dtype == torch.bfloat16 and run["dx"].dtype == torch.float32  # fp32 input, bf16 output
 
 
 # top_k=1 without renormalising: renormalised, its combine weight is p/p = 1 and the router
@@ -307,21 +362,25 @@ def _back_to_back_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     config = MoEConfig(hidden_size=1024, intermediate_size=512, num_experts=8, top_k=2, backend="triton")
     results = {}
-    variants = {t: _variant({}, t) for t in SELECTED}
-    variants["all_gather_bound"] = dict(dispatch="all_gather", all_gather_row_bound=1.5)
-    for transport, kwargs in variants.items():
-        layer = MoELayer(dataclasses.replace(config, **kwargs), group, device="cuda", dtype=torch.bfloat16)
-        rows = 4096 + (0 if transport.startswith("all_gather") else 512 * rank)  # all-gather: equal counts
-        x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    variants = {d: (dict(dispatch=d), torch.bfloat16) for d in SELECTED}
+    variants["all_gather_bound"] = (dict(dispatch="all_gather", all_gather_row_bound=1.5), torch.bfloat16)
+    if "all_gather_copy_engine" in SELECTED:  # fp32 parameters and input under bf16 autocast
+        variants["all_gather_copy_engine+autocast"] = (dict(dispatch="all_gather_copy_engine"), torch.float32)
+    for variant, (kwargs, dtype) in variants.items():
+        layer = MoELayer(dataclasses.replace(config, **kwargs), group, device="cuda", dtype=dtype)
+        rows = 4096 + (0 if layer.config.gathers else 512 * rank)  # all-gather: equal counts
+        x = torch.randn(rows, 1024, device="cuda", dtype=dtype).requires_grad_()
         outputs = []
         for step in range(12):
             x.grad = None
-            y = layer(x[: x.shape[0] - 97 * (step % 3)])  # row counts vary, so buffers move
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype != torch.bfloat16):
+                y = layer(x[: x.shape[0] - 97 * (step % 3)])  # row counts vary, so buffers move
+            assert y.dtype == torch.bfloat16, f"{variant}: output {y.dtype}"
             y.float().square().sum().backward()
             if step in (0, 6, 9):  # same input (step % 3 == 0): same output and gradient
                 outputs.append((y.detach().clone(), x.grad.clone()))
         torch.cuda.synchronize()
-        results[transport] = [(y.cpu(), dx.cpu()) for y, dx in outputs]
+        results[variant] = [(y.cpu(), dx.cpu()) for y, dx in outputs]
     return results
 
 
@@ -330,12 +389,12 @@ def test_steps_queued_back_to_back_are_exact():
     if NUM_GPUS < 2:
         pytest.skip(f"needs 2 or more GPUs, found {NUM_GPUS}")
     for rank_results in run_distributed(_back_to_back_worker, WORLD, timeout_s=300):
-        for transport, runs in rank_results.items():
+        for variant, runs in rank_results.items():
             (y0, dx0), *later = runs
             assert torch.isfinite(y0.float()).all() and torch.isfinite(dx0.float()).all()
             for y, dx in later:
                 assert y.shape == y0.shape
-                assert torch.equal(y, y0) and torch.equal(dx, dx0), f"{transport}: a later step differs"
+                assert torch.equal(y, y0) and torch.equal(dx, dx0), f"{variant}: a later step differs"
 
 
 def _sync_free_worker(rank: int, world_size: int) -> dict:
@@ -367,16 +426,16 @@ def test_all_gather_dispatch_never_syncs():
     assert all(r["finite"] for r in run_distributed(_sync_free_worker, WORLD, timeout_s=300))
 
 
-def _graphed_worker(rank: int, world_size: int, transport: str, chunks: int) -> dict:
-    """The all-gather dispatch on ``transport`` in ``chunks`` chunks, captured whole (forward
-    and backward) in CUDA graphs (``torch.cuda.make_graphed_callables``), replayed on fresh
-    tokens with new routings: outputs and every gradient against the same layer run eagerly
-    (eager steps and replays interleave on the same copy-engine workspace)."""
+def _graphed_worker(rank: int, world_size: int, dispatch: str) -> dict:
+    """The all-gather ``dispatch``, captured whole (forward and backward) in CUDA graphs
+    (``torch.cuda.make_graphed_callables``), replayed on fresh tokens with new routings:
+    outputs and every gradient against the same layer run eagerly (eager steps and replays
+    interleave on the same copy-engine workspace)."""
     torch.cuda.set_device(rank)
     group = dist.new_group(list(range(world_size)), backend="nccl", timeout=datetime.timedelta(seconds=300))
     torch.manual_seed(0)
     config = MoEConfig(hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, backend="triton",
-                       aux_loss_coef=0.0, overlap_chunks=chunks, **_variant({}, transport))
+                       aux_loss_coef=0.0, dispatch=dispatch)
     eager = MoELayer(config, group, device="cuda", dtype=torch.bfloat16)
     shell = MoELayer(config, group, device="meta")  # captured in place; shares eager's modules
     shell.router, shell.experts = eager.router, eager.experts
@@ -403,13 +462,13 @@ def _graphed_worker(rank: int, world_size: int, transport: str, chunks: int) -> 
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("transport,chunks", [("all_gather", 1), ("all_gather_ce", 1), ("all_gather_ce", 2)])
-def test_all_gather_layer_in_cuda_graphs_matches_eager(transport, chunks):
+@pytest.mark.parametrize("dispatch", ["all_gather", "all_gather_copy_engine"])
+def test_all_gather_layer_in_cuda_graphs_matches_eager(dispatch):
     """Run without the process-group teardown: communicators whose collectives a CUDA graph
     captured cannot be destroyed (pytorch/pytorch#115388; seen here, 2x H100, torch 2.11)."""
     if NUM_GPUS < 2:
         pytest.skip(f"needs 2 or more GPUs, found {NUM_GPUS}")
-    if transport not in SELECTED:
-        pytest.skip(f"{transport} not selected (EP_MOE_TEST_TRANSPORTS)")
-    for res in run_distributed(_graphed_worker, WORLD, transport, chunks, timeout_s=300, skip_teardown=True):
+    if dispatch not in SELECTED:
+        pytest.skip(f"{dispatch} not selected (EP_MOE_TEST_DISPATCHES)")
+    for res in run_distributed(_graphed_worker, WORLD, dispatch, timeout_s=300, skip_teardown=True):
         assert max(res["errors"]) < 1e-2, res["errors"]

@@ -23,18 +23,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def _layer(**overrides) -> MoELayer:
+def _layer(dtype: torch.dtype = torch.bfloat16, **overrides) -> MoELayer:
     torch.manual_seed(0)
     config = MoEConfig(**{**dict(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2,
                                  init_std=0.05, backend="triton"), **overrides})
-    return MoELayer(config, device="cuda", dtype=torch.bfloat16)
+    return MoELayer(config, device="cuda", dtype=dtype)
 
 
 def _forward_backward(forward, layer: MoELayer, x: torch.Tensor, dy: torch.Tensor):
     layer.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     y = forward(x)
-    y.backward(dy)
+    y.backward(dy.to(y.dtype))  # (an fp32 output under autocast would take the gradient in fp32)
     return y.detach(), x.grad, [p.grad.clone() for p in layer.parameters()]
 
 
@@ -56,8 +56,8 @@ def test_compiled_layer_matches_eager():
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(top_k=4, activation="gelu"), dict(capacity_factor=0.5),
-                                       dict(overlap_chunks=3)],
-                         ids=["top2", "top4_gelu", "capacity", "three_chunks"])
+                                       dict(num_shared_experts=1)],
+                         ids=["top2", "top4_gelu", "capacity", "shared"])
 def test_ep_code_path_matches_ep1_path(overrides):
     layer = _layer(**overrides)
     x = torch.randn(513, 360, device="cuda", dtype=torch.bfloat16)
@@ -67,14 +67,33 @@ def test_ep_code_path_matches_ep1_path(overrides):
     _compare(_forward_backward(layer, layer, x, dy), local)
 
 
-@pytest.mark.parametrize("path,chunks", [("ep1", 1), ("ep", 1), ("ep", 3)])
-def test_checkpointed_layer_matches_plain_and_frees_its_activations(path, chunks):
+def test_ep_code_path_matches_ep1_path_fp32_params_under_autocast():
+    """fp32 parameters and input, forward under bf16 autocast: the EP path matches the EP=1
+    path, and both return the autocast dtype (bf16), as ``nn.Linear`` does."""
+    layer = _layer(dtype=torch.float32)
+    x = torch.randn(513, 360, device="cuda")
+    dy = torch.randn(513, 360, device="cuda", dtype=torch.bfloat16)
+
+    def forward(x_in):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return layer(x_in)
+
+    local = _forward_backward(forward, layer, x, dy)
+    layer._experts_local = layer._experts_parallel  # no group: the dispatch runs no collective
+    parallel = _forward_backward(forward, layer, x, dy)
+    _compare(parallel, local)
+    assert parallel[0].dtype == torch.bfloat16, f"EP path: output {parallel[0].dtype} under autocast"
+    assert local[0].dtype == torch.bfloat16, f"EP=1 path: output {local[0].dtype} under autocast"
+
+
+@pytest.mark.parametrize("path", ["ep1", "ep"])
+def test_checkpointed_layer_matches_plain_and_frees_its_activations(path):
     """A non-reentrant activation checkpoint of the layer (EP=1 path, or the EP path with no
     group) gives the plain run's outputs and gradients, and between forward and backward
-    holds far less memory (the expert pipeline's chunk graphs save through its hooks)."""
+    holds far less memory (the expert pipeline's graph saves through its hooks)."""
     from torch.utils.checkpoint import checkpoint
 
-    layer = _layer(overlap_chunks=chunks)
+    layer = _layer()
     if path == "ep":
         layer._experts_local = layer._experts_parallel  # no group: the dispatch runs no collective
     x = torch.randn(4096, 360, device="cuda", dtype=torch.bfloat16)

@@ -97,23 +97,6 @@ def test_sum_slot_rows_writes_every_token_in_slot_order():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_permute_into_given_buffer(backend):
-    meta = build_routing_metadata(torch.tensor([[1, 0], [1, 1], [0, 2]], device=DEVICE), 3)
-    x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
-    buffer = torch.full((7, 8), float("nan"), device=DEVICE)
-    out = permute_tokens(x, meta, backend, out=buffer[1:7])  # rows 1..6 of a larger buffer
-    assert out.data_ptr() == buffer[1].data_ptr() and torch.isnan(buffer[0]).all()
-    torch.testing.assert_close(out, x.detach()[meta.token_index_R])
-    out.sum().backward()
-    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
-    with pytest.raises(ValueError, match=r"permute_tokens: out is \(5, 8\) torch.float32; pass a contiguous "
-                                         r"\(6, 8\) torch.float32 tensor or out=None"):
-        permute_tokens(x, meta, backend, out=buffer[:5])
-    with pytest.raises(ValueError, match=r"out is \(6, 8\) torch.float64"):
-        permute_tokens(x, meta, backend, out=torch.empty(6, 8, dtype=torch.float64, device=DEVICE))
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_tokens_gathered_before_the_row_count_is_known(backend):
     """sort_slots keeps dropped slots as trailing rows; gather_tokens gathers with the kept
     count still on the device, and permute_tokens(gathered=) then matches a permute of
