@@ -62,7 +62,7 @@ from baselines import PlainEPMoE, deepspeed_moe_like  # noqa: E402
 from common import REPO, SHAPES, MoEShape, environment, save_results  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
-from ep_moe.dispatch import gather_counts, rank_splits, start_combine, start_dispatch  # noqa: E402
+from ep_moe.ep.all_to_all import gather_counts, rank_splits, start_combine, start_dispatch  # noqa: E402
 from ep_moe.parallel import build_ep_groups  # noqa: E402
 from ep_moe.routing import rank_counts, route  # noqa: E402
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, bench_ms  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
+from ep_moe.ep.all_to_all import AllToAllDispatcher  # noqa: E402
 
 
 def layer_for(shape, path: str) -> MoELayer:
@@ -32,7 +33,7 @@ def layer_for(shape, path: str) -> MoELayer:
                        num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0, backend="triton")
     layer = MoELayer(config, device="cuda", dtype=torch.bfloat16)
     if path == "parallel":
-        layer._experts_local = layer._experts_parallel  # group None: no collective runs
+        layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)  # group None: no collective runs
     return layer
 
 

@@ -60,7 +60,7 @@ class RoutingMetadata:
 
     counts_E: torch.Tensor
     """Routed (kept) rows per expert, int64; sums to R, or to fewer under a row bound
-    (:func:`ep_moe.gathered.gathered_routing`: R is then the bound)."""
+    (:func:`ep_moe.ep.all_gather.gathered_routing`: R is then the bound)."""
     slot_index_R: torch.Tensor
     """Slot ``t*K + k`` of each routed row (int64): the scatter index back to slot order."""
     token_index_R: torch.Tensor
@@ -73,7 +73,7 @@ class RoutingMetadata:
     top_k: int
     """K."""
     source_ends_ES: Optional[torch.Tensor] = None
-    """All-gather dispatch only (:func:`ep_moe.gathered.gathered_routing`): [e, P] int32 (local experts),
+    """All-gather dispatch only (:func:`ep_moe.ep.all_gather.gathered_routing`): [e, P] int32 (local experts),
     each expert's rows from the first w+1 source ranks in landing order."""
 
     @property

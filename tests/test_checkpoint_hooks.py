@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
-from ep_moe.kernels.ops import DeferredWeightGrads, defer_weight_grads, grouped_gemm
+from ep_moe.ep.pipeline import DeferredWeightGrads
+from ep_moe.kernels.ops import defer_weight_grads, grouped_gemm
 from ep_moe.layer import moe_aux_loss
 from workspace_doubles import file_workspaces
 

@@ -11,10 +11,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import ep_moe.layer as layer_mod
+import ep_moe.experts as experts_mod
 from dist_utils import run_distributed
 from workspace_doubles import file_workspaces
 from ep_moe import MoEConfig, MoELayer
+from ep_moe.ep.all_gather import AllGatherDispatcher
+from ep_moe.ep.all_to_all import AllToAllDispatcher
 from ep_moe.layer import expert_load, moe_aux_loss, update_expert_biases
 from ep_moe.routing import route
 from ep_moe.parallel import (
@@ -198,7 +200,7 @@ def test_triton_backend_matches_reference(monkeypatch):
         calls.append((problem.projection, num_rows))
         return None
 
-    monkeypatch.setattr(layer_mod, "_kernel_configs", fake_configs)
+    monkeypatch.setattr(experts_mod, "_kernel_configs", fake_configs)
     torch.manual_seed(1)
     ref = MoELayer(_config(top_k=2))
     tri = MoELayer(_config(top_k=2, backend="triton"))
@@ -802,7 +804,7 @@ def test_expert_bias_update_uses_all_reduced_counts(ep4_results):
 @pytest.mark.distributed
 def test_group_errors(ep4_results):
     errors = ep4_results[0]["errors"]
-    assert re.search(r"num_experts=6 is not divisible by the ep_group size 4; use an EP size that divides",
+    assert re.search(r"num_experts=6 is not divisible by the ep_group size 4; pick an EP size that divides",
                      errors[0])
     assert re.search(r"ep_group has 4 ranks but MoEConfig.ep_size=2; pass a group of 2 ranks", errors[1])
 
@@ -878,7 +880,7 @@ def test_ep_code_path_without_group_matches_ep1_path(kwargs):
     x, g = torch.randn(3, 5, H), torch.randn(3, 5, H)
     want = _run_layer(layer, x, g), _param_grads(layer)
     layer.zero_grad(set_to_none=True)
-    layer._experts_local = layer._experts_parallel
+    layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)  # the EP>1 path, no collective
     got = _run_layer(layer, x, g), _param_grads(layer)
     for key in ("y", "dx", "aux", "z", "dropped"):
         _close(got[0][key], want[0][key])
@@ -918,8 +920,9 @@ def test_torch_compile_of_the_ep_layer_matches_eager(backend, world_size, dispat
     collectives and the Triton launches) gives the eager outputs and gradients at EP=1 and
     EP=2, and nothing raises on the side."""
     # Dynamo 2.11 failed tracing the EP exchange (not reproducible on newer torch): it stays eager
-    for half in (MoELayer._dispatch_experts_parallel, MoELayer._finish_experts_parallel, MoELayer._experts_gathered):
-        assert getattr(half, "_torchdynamo_disable", False)
+    for step in (AllToAllDispatcher.dispatch, AllToAllDispatcher.experts, AllGatherDispatcher.dispatch,
+                 AllGatherDispatcher.experts):
+        assert getattr(step, "_torchdynamo_disable", False)
     for res in run_distributed(_compiled_worker, world_size, backend, dispatch):
         assert res["unraisable"] == [] and res["graphs"] > 0
         (got, got_grads), (want, want_grads) = res["compiled"], res["eager"]
@@ -948,10 +951,10 @@ def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
     on a torch that cannot name the saved-tensor hooks in force."""
     from torch.utils.checkpoint import checkpoint
 
-    import ep_moe.pipeline
+    import ep_moe.ep.pipeline
 
     if not hooks_api:
-        ep_moe.pipeline._outer_hooks = lambda: ep_moe.pipeline.UNNAMED
+        ep_moe.ep.pipeline._outer_hooks = lambda: ep_moe.ep.pipeline.UNNAMED
     torch.manual_seed(12)
     kwargs = CHECKPOINTED_DISPATCH[dispatch]
     layer = MoELayer(_config(top_k=2, **kwargs), dist.group.WORLD)

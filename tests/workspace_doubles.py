@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ep_moe import layer as layer_module
-from ep_moe.copy_engine import SymmetricWorkspace
-from ep_moe.dispatch import PendingExchange
+from ep_moe.ep.base import PendingExchange
+from ep_moe.ep.copy_engine import gather as gather_module
+from ep_moe.ep.copy_engine.workspace import SymmetricWorkspace
 
 WAIT_S = 60.0
 
@@ -136,13 +136,13 @@ def file_workspaces(group, lagging_rank: Optional[int] = None):
             workspaces[group.group_name] = kind(group, folder[0])
         return workspaces[group.group_name]
 
-    saved = layer_module.copy_engine_supported, SymmetricWorkspace.__dict__["for_group"]
-    layer_module.copy_engine_supported = lambda group: (True, "")
+    saved = gather_module.copy_engine_supported, SymmetricWorkspace.__dict__["for_group"]
+    gather_module.copy_engine_supported = lambda group: (True, "")
     SymmetricWorkspace.for_group = classmethod(for_group)
     try:
         yield
     finally:
-        layer_module.copy_engine_supported, SymmetricWorkspace.for_group = saved
+        gather_module.copy_engine_supported, SymmetricWorkspace.for_group = saved
         dist.barrier(group=group)  # every rank done with the files
         if dist.get_rank(group) == 0:
             shutil.rmtree(folder[0], ignore_errors=True)

@@ -102,7 +102,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.layer import Activation, MoEConfig, MoELayer
+from ep_moe.config import Activation, MoEConfig
+from ep_moe.layer import MoELayer
 from ep_moe.parallel import build_ep_groups, ep_layout, is_expert_param
 
 _GATE_NAMES = ("gate_proj", "w1", "gate")

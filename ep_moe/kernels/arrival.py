@@ -1,13 +1,13 @@
 """Rows that land while the GEMM reading them already runs, and token sums that leave while
 the GEMM producing them still runs.
 
-A copy-engine all-gather (:class:`ep_moe.copy_engine.CopyEngineGather`) fills its output
+A copy-engine all-gather (:class:`ep_moe.ep.copy_engine.CopyEngineGather`) fills its output
 source by source, in a fixed landing order (the rank's own rows first, then the next
 ranks'), and raises a flag in device memory after each source. A grouped GEMM that reads
 those rows need not wait for the whole transfer: its tiles of the first source run at once,
 and each later tile waits on the device, in the kernel, only until its own source has
 landed (``_grouped_rows_kernel`` with ``ARRIVAL``). For that the rows of each expert
-are sorted by source in landing order (:func:`ep_moe.gathered.gathered_routing`), and the
+are sorted by source in landing order (:func:`ep_moe.ep.all_gather.gathered_routing`), and the
 kernel walks the tiles source by source.
 
 A pending transfer is registered for the tensor it fills, for the span in which the
@@ -22,7 +22,7 @@ all-gather dispatch produces partial sums for every token of the group, which a 
 sends back. Computed source by source (the peers' tokens first, the rank's own last), each
 source's sums can leave for their rank while the GEMM computes the next source's
 (:func:`~ep_moe.kernels.ops.grouped_gemm_slot_sum` with a departure registered; the exchange,
-:class:`ep_moe.copy_engine.CopyEngineGather`, hands each source's sums to the copy engines).
+:class:`ep_moe.ep.copy_engine.CopyEngineGather`, hands each source's sums to the copy engines).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Protocol
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -337,99 +337,31 @@ def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tenso
                               source_ends, departure)
 
 
-class DeferredWeightGrads:
-    """Weight gradients that the backward of the grouped GEMM (and of
-    :func:`grouped_gemm_slot_sum`) queued instead of computing, inside
-    :func:`defer_weight_grads`: the input gradients come first, so that work which needs only
-    them (an all-to-all returning them to other ranks) can start while the dW GEMMs run.
+class WeightGradQueue(Protocol):
+    """Where the grouped GEMMs' backward queues weight gradients inside
+    :func:`defer_weight_grads` (:class:`ep_moe.ep.pipeline.DeferredWeightGrads`)."""
 
-    Only GEMMs whose weight is one of ``weights`` (leaf tensors) or a dtype cast of one
-    (``.to()``, as autocast does) are deferred; every other GEMM computes its dW at once.
-    ``private_leaves``: the weights are leaves only the caller sees (no hooks on them or on
-    their grad accumulators, as DDP registers): a dW of the leaf itself is then stored in
-    its ``.grad`` when that is empty, without the copy ``AccumulateGrad`` makes of a
-    gradient its caller still references."""
-
-    def __init__(self, weights: list[torch.Tensor], private_leaves: bool = False):
-        self._weights, self._private = list(weights), private_leaves
-        self._queued: list[tuple[torch.Tensor, torch.Tensor, Callable[[Optional[torch.Tensor]], torch.Tensor]]] = []
-
-    def owns(self, leaf: torch.Tensor) -> bool:
-        """Whether GEMMs multiplying by ``leaf`` (or a cast of it) are deferred here."""
-        return any(leaf is w for w in self._weights)
+    def owns_weight(self, weight: torch.Tensor) -> bool:
+        """Whether the dW of a GEMM multiplying by ``weight`` is queued here."""
 
     def add(self, weight: torch.Tensor, grad_fn: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> None:
-        """Queue ``grad_fn(add_to)``, the gradient of ``weight`` (the tensor the GEMM multiplied
-        by: one of the leaves or a cast of one): a new tensor for ``add_to=None``, else added
-        to ``add_to`` in place and returned."""
-        leaf = _leaf_of(weight)
-        if leaf is None or not self.owns(leaf):
-            raise ValueError("DeferredWeightGrads.add: the weight is neither one of the queue's leaves nor a "
-                             "dtype cast of one")
-        self._queued.append((leaf, weight, grad_fn))  # the leaf resolved now, while the graph holds it
-
-    def __len__(self) -> int:
-        return len(self._queued)
-
-    def run(self) -> None:
-        """Compute every queued gradient, in order, and send it into its weight's autograd
-        graph (accumulated into the leaf's ``.grad``, through the cast if any). GEMMs of the
-        same weight tensor (the chunks of a pipeline) sum into one buffer inside the dW
-        kernel, which goes into the graph once (for private leaves, into ``.grad``). Each
-        entry is dropped once done, so its saved operands are freed before the next dW runs."""
-        queued, self._queued = self._queued, []
-        queued.reverse()
-        # (leaf, dtype) -> (leaf, the weight first queued for it, its dW so far); saved tensors
-        # may come back as new tensors for the same leaf or cast (under saved-tensor hooks).
-        # The leaves are in self._weights: their ids stay theirs for the whole run.
-        sums: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        while queued:
-            leaf, weight, grad_fn = queued.pop()
-            key = (id(leaf), weight.dtype)
-            partial = sums.get(key)
-            sums[key] = (leaf, weight if partial is None else partial[1],
-                         grad_fn(None if partial is None else partial[2]))
-            del grad_fn
-        for leaf, weight, grad in sums.values():
-            if weight.grad_fn is None:  # the leaf itself (or a saved alias of it)
-                if self._private and leaf.grad is None:
-                    leaf.grad = grad  # what AccumulateGrad would store, uncopied
-                else:
-                    torch.autograd.backward(leaf, grad, inputs=[leaf])
-            else:
-                torch.autograd.backward(weight, grad, inputs=[leaf])
+        """Queue ``grad_fn(add_to)``, the gradient of ``weight``: a new tensor for
+        ``add_to=None``, else added to ``add_to`` in place and returned."""
 
 
-def _leaf_of(w: torch.Tensor) -> Optional[torch.Tensor]:
-    """``w`` itself if it is a leaf (the leaf it stands for if it is a saved leaf that
-    saved-tensor hooks gave back as a new tensor), the leaf it was cast from if it is a
-    dtype cast of one (``.to()``), else None."""
-    node = w.grad_fn
-    if node is None:
-        if w.requires_grad:  # its gradient edge is the leaf's AccumulateGrad
-            return getattr(torch.autograd.graph.get_gradient_edge(w).node, "variable", w)
-        return w
-    if type(node).__name__.startswith("ToCopyBackward") and len(node.next_functions) == 1:
-        return getattr(node.next_functions[0][0], "variable", None)
-    return None
-
-
-_open_queues: list[DeferredWeightGrads] = []
+_open_queues: list[WeightGradQueue] = []
 """The queues of the open :func:`defer_weight_grads` blocks. Process wide, not a context
 variable: on CUDA the autograd engine runs backward functions on its own device thread,
 which does not see the context of a caller on another thread. The weights a queue owns
 keep other GEMMs (other layers, other threads) out of it."""
 
 
-def _queue_for(w: torch.Tensor) -> Optional[DeferredWeightGrads]:
-    leaf = _leaf_of(w)
-    if leaf is None:
-        return None
-    return next((q for q in reversed(_open_queues) if q.owns(leaf)), None)
+def _queue_for(w: torch.Tensor) -> Optional[WeightGradQueue]:
+    return next((q for q in reversed(_open_queues) if q.owns_weight(w)), None)
 
 
 @contextlib.contextmanager
-def defer_weight_grads(queue: DeferredWeightGrads):
+def defer_weight_grads(queue: WeightGradQueue):
     """Backward passes run inside the block (from any thread; eager mode, compiled graphs
     compute every gradient at once) compute the input and row-weight gradients of grouped
     GEMMs whose weight ``queue`` owns now, and queue their weight gradients. The caller runs

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ep_moe import MoEConfig, MoELayer
+from ep_moe.ep.all_to_all import AllToAllDispatcher
 
 pytestmark = pytest.mark.gpu
 MAX_REL_ERR = 2e-2
@@ -63,7 +64,7 @@ def test_ep_code_path_matches_ep1_path(overrides):
     x = torch.randn(513, 360, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     local = _forward_backward(layer, layer, x, dy)
-    layer._experts_local = layer._experts_parallel  # no group: the dispatch runs no collective
+    layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)  # no group: no collective
     _compare(_forward_backward(layer, layer, x, dy), local)
 
 
@@ -79,7 +80,7 @@ def test_ep_code_path_matches_ep1_path_fp32_params_under_autocast():
             return layer(x_in)
 
     local = _forward_backward(forward, layer, x, dy)
-    layer._experts_local = layer._experts_parallel  # no group: the dispatch runs no collective
+    layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)  # no group: no collective
     parallel = _forward_backward(forward, layer, x, dy)
     _compare(parallel, local)
     assert parallel[0].dtype == torch.bfloat16, f"EP path: output {parallel[0].dtype} under autocast"
@@ -95,7 +96,7 @@ def test_checkpointed_layer_matches_plain_and_frees_its_activations(path):
 
     layer = _layer()
     if path == "ep":
-        layer._experts_local = layer._experts_parallel  # no group: the dispatch runs no collective
+        layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)  # no group: no collective
     x = torch.randn(4096, 360, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     held = {}
@@ -103,7 +104,7 @@ def test_checkpointed_layer_matches_plain_and_frees_its_activations(path):
     def forward_holding(mode):
         def run(x_in):
             # no garbage collection inside the window: freeing an earlier test's leftovers there
-            # (a layer whose _experts_local is its own bound method is a reference cycle) would
+            # (a reference cycle of an earlier test) would
             # shrink what the forward seems to hold
             gc.collect()
             gc.disable()

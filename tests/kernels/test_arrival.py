@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_moe.gathered import gathered_routing
+from ep_moe.ep.all_gather import gathered_routing
 from ep_moe.kernels.arrival import Departure, Landing, RowArrival, arrival_of, rows_arriving, rows_departing
 from ep_moe.kernels.config import GemmConfigs, KernelConfig
 from ep_moe.kernels.grouped_gemm import launch_rows

@@ -21,7 +21,8 @@ from ep_moe.kernels.grouped_gemm import (
     one_program_per_tile,
     smem_limit_for,
 )
-from ep_moe.kernels.ops import DeferredWeightGrads, defer_weight_grads
+from ep_moe.ep.pipeline import DeferredWeightGrads
+from ep_moe.kernels.ops import defer_weight_grads
 from ep_moe.kernels.permute import launch_gather_rows
 from ep_moe.kernels.reference import grouped_gemm_reference
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_moe.kernels.ops import DeferredWeightGrads, defer_weight_grads, grouped_gemm, grouped_gemm_slot_sum
+from ep_moe.ep.pipeline import DeferredWeightGrads
+from ep_moe.kernels.ops import defer_weight_grads, grouped_gemm, grouped_gemm_slot_sum
 from ep_moe.kernels.permute import sum_slot_rows
 from ep_moe.routing import build_routing_metadata
 from test_grouped_gemm import DEVICE, DTYPES, TOL, configs_for, rel_err, row_dot_err

@@ -1,14 +1,14 @@
-"""The all-gather dispatch (``MoEConfig.dispatch="all_gather"``): EP without a host sync.
+"""``dispatch="all_gather"``: EP without a host sync (:class:`AllGatherDispatcher`).
 
 Every rank of the EP group receives every token of the group (``all_gather_into_tensor``),
 routes the slots that chose its own experts through the grouped GEMMs, sums each token's
 local slots, and the partial outputs travel back summed (``reduce_scatter_tensor``). The
 backward mirrors it: all-gather of the output gradient, reduce-scatter of the gathered
 inputs' gradients. The layer runs these collectives through the expert pipeline
-(:mod:`ep_moe.pipeline`, with :class:`GatherExchange`, or on the copy engines with
-:class:`ep_moe.copy_engine.CopyEngineGather`).
+(:mod:`ep_moe.ep.pipeline`, with :class:`GatherExchange`, or on the copy engines with
+:class:`ep_moe.ep.copy_engine.CopyEngineGather`).
 
-Why: the all-to-all dispatch (:mod:`ep_moe.dispatch`) needs every rank's split sizes on
+Why: the all-to-all dispatch (:mod:`ep_moe.ep.all_to_all`) needs every rank's split sizes on
 the host, one sync per layer call, which drains the GPU's queue before the host can issue
 the rest of the layer; on small experts (qwen3-sized) the host then sets the pace
 (``benchmarks/PERFORMANCE_LOG.md``, session 10). Here every size is known on the host
@@ -32,19 +32,25 @@ agreed on yet.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ep_moe.dispatch import PendingExchange, all_gather_single, reduce_scatter_single
-from ep_moe.routing import RoutingMetadata, count_sorted, sort_slots
+from ep_moe.ep.base import Dispatcher, Exchange, PendingExchange, all_gather_single, reduce_scatter_single
+from ep_moe.ep.pipeline import expert_pipeline
+from ep_moe.routing import RouterOutput, RoutingMetadata, count_sorted, sort_slots
+
+if TYPE_CHECKING:
+    from ep_moe.experts import GroupedExperts
 
 
 class GatherExchange:
-    """The all-gather dispatch's collectives as an :class:`ep_moe.pipeline.Exchange`, so the
+    """The all-gather dispatch's collectives as an :class:`ep_moe.ep.base.Exchange`, so the
     expert pipeline schedules them as it does the all-to-alls (the backward's input
     gradients travel back under the dW GEMMs): ``dispatch`` all-gathers rows (every
     rank's ``[T, ...]`` into ``[P*T, ...]``, rank-major), ``combine`` reduce-scatters them
@@ -166,3 +172,81 @@ def gathered_routing(ids_GK: torch.Tensor, first_expert: int, num_local: int, ma
         row_of_slot_N=meta.row_of_slot_N.masked_fill(meta.row_of_slot_N >= max_rows, -1),
         num_tokens=num_tokens, top_k=top_k, source_ends_ES=source_ends)
     return slots, ends[-1] - kept_ends[-1]
+
+
+@dataclass
+class GatheredTokens:
+    """What :meth:`AllGatherDispatcher.dispatch` hands its later steps."""
+
+    backend: str
+    x_TH: torch.Tensor
+    weights_TK: torch.Tensor
+    exchange: Exchange
+    rows_in: PendingExchange
+    local: RoutingMetadata
+    """The gathered slots routed to this rank's experts, in a bound of rows."""
+    arrived_weights: torch.Tensor
+    num_dropped: torch.Tensor
+    """Slots past the row bound (0-dim int64)."""
+
+
+class AllGatherDispatcher(Dispatcher):
+    """``dispatch="all_gather"`` on NCCL: every rank receives every token of the group, runs
+    the slots that chose its experts, and the partial sums are reduce-scattered back; no
+    host sync (module docstring). Every rank must pass the same number of tokens."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.token_count_check = TokenCountCheck()
+
+    def start(self, num_tokens: int, device: torch.device) -> None:
+        """The token counts travel while the router runs (:class:`TokenCountCheck`)."""
+        self.token_count_check.start(num_tokens, self.group, device)
+
+    def exchange(self, x_TH: torch.Tensor, backend: str) -> Exchange:
+        """The collectives of one call: NCCL's all-gather and reduce-scatter."""
+        return GatherExchange(self.group)
+
+    @torch.compiler.disable  # async collectives, a host read for a new count: eager under torch.compile
+    def dispatch(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
+                 backend: str) -> GatheredTokens:
+        """The token count checked; every rank's expert ids and top-k weights gathered, then
+        its tokens, which travel while the gathered slots are routed to this rank's experts."""
+        cfg = self.config
+        num_tokens, top_k = router.topk_ids_TK.shape
+        self.token_count_check.finish()  # before any collective sized by the count
+        ids_TK = router.topk_ids_TK.to(torch.int32)
+        if keep_TK is not None:
+            ids_TK = ids_TK.masked_fill(~keep_TK, -1)
+        exchange = self.exchange(x_TH, backend)
+        # the expert ids (as bits) and the top-k weights in one message (their gradients go
+        # back through the pipeline), then the tokens
+        weights_TK = router.topk_weights_TK
+        packed = exchange.dispatch(torch.cat([ids_TK.view(torch.float32), weights_TK.detach().float()], 1), "ids")
+        rows_in = exchange.dispatch(x_TH, "rows")
+        packed_GK = packed.wait()
+        max_rows = row_bound(cfg.all_gather_row_bound, num_tokens, top_k, self.size, self.num_local)
+        local, num_dropped = gathered_routing(packed_GK[:, :top_k].contiguous().view(torch.int32),
+                                              self.rank * self.num_local, self.num_local, max_rows,
+                                              num_sources=self.size, first_source=self.rank)
+        return GatheredTokens(backend, x_TH, weights_TK, exchange, rows_in, local,
+                              packed_GK[:, top_k:].to(weights_TK.dtype), num_dropped)
+
+    @torch.compiler.disable
+    def experts(self, routed: GatheredTokens, experts: "GroupedExperts") -> torch.Tensor:
+        """The experts on the gathered slots (GEMM2 sums each token's local slots) and the
+        partial sums reduce-scattered back, through the expert pipeline: [T, H]."""
+        # configs for the rows a rank computes on average (what tuning targets), not the bound
+        configs = experts.kernel_configs(routed.backend, routed.weights_TK.numel(), routed.x_TH)
+        expert_fn = functools.partial(experts.on_routed_rows, backend=routed.backend, configs=configs,
+                                      bounded_rows=True)
+        return expert_pipeline(expert_fn, routed.local, routed.exchange, experts.gate_up, experts.down, routed.x_TH,
+                               routed.weights_TK, routed.arrived_weights, routed.rows_in)
+
+    def combine(self, routed: GatheredTokens, out: torch.Tensor) -> torch.Tensor:
+        """Already one summed row per token: ``out`` itself."""
+        return out
+
+    def num_dropped(self, routed: GatheredTokens) -> torch.Tensor:
+        """Slots of this rank's experts past the row bound."""
+        return routed.num_dropped

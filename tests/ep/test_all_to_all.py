@@ -5,13 +5,13 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from ep_moe import dispatch
-from ep_moe.dispatch import (
+from ep_moe.ep import all_to_all as dispatch
+from ep_moe.ep.base import group_size
+from ep_moe.ep.all_to_all import (
     NcclExchange,
     SplitSizes,
     dispatch_packed,
     gather_counts,
-    group_size,
     pack_rows,
     rank_splits,
     start_combine,

@@ -5,9 +5,11 @@ autocast off, and an exchange that changes the rows' dtype is refused."""
 import pytest
 import torch
 
-from ep_moe.dispatch import NcclExchange, PendingExchange, SplitSizes
+from ep_moe.ep.all_to_all import NcclExchange, SplitSizes
+from ep_moe.ep.base import PendingExchange
 from ep_moe.kernels.arrival import Landing
-from ep_moe.pipeline import expert_pipeline
+from ep_moe.ep import pipeline
+from ep_moe.ep.pipeline import expert_pipeline
 from ep_moe.routing import build_routing_metadata
 
 TOP_K = 2
@@ -125,7 +127,7 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
     autocast does, through the cast), and the gradients equal the direct computation."""
     from ep_moe.kernels import grouped_gemm as kernels
     from ep_moe.kernels import ops
-    from ep_moe.layer import expert_mlp
+    from ep_moe.experts import expert_mlp
 
     def gemm_experts(rows_SH, weights_SK, local, gate_up, down):
         h = expert_mlp(rows_SH, gate_up, down, local.counts_E, activation="relu",
@@ -134,7 +136,7 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
         return torch.zeros(rows_SH.shape[0], h.shape[1], device=device).index_add(0, local.token_index_R, h)
 
     seen, accumulated, dw_buffers = [], [], set()
-    run, launch_dw = ops.DeferredWeightGrads.run, ops.launch_dw
+    run, launch_dw = pipeline.DeferredWeightGrads.run, ops.launch_dw
 
     def spy_run(self):
         seen.append((len(self), kernels.launch_grid(device, 7)))
@@ -145,7 +147,7 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
         dw_buffers.add(args[2].data_ptr())
         launch_dw(*args, accumulate=accumulate)
 
-    monkeypatch.setattr(ops.DeferredWeightGrads, "run", spy_run)
+    monkeypatch.setattr(pipeline.DeferredWeightGrads, "run", spy_run)
     monkeypatch.setattr(ops, "launch_dw", spy_launch_dw)
     gen = torch.Generator().manual_seed(2)
     gate_up = torch.randn(3, 16, 8, generator=gen).to(device, weight_dtype).requires_grad_()

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from ep_moe.gathered import GatherExchange, gathered_routing, row_bound
+from ep_moe.ep.all_gather import GatherExchange, gathered_routing, row_bound
 
 
 def test_row_bound_is_the_worst_case_or_the_cap():

@@ -3,7 +3,7 @@ experts and combine in the forward; in the backward the same in reverse, with th
 gradients computed last so that the row gradients travel back under them.
 
 The exchanges are started asynchronously on a communication stream (NCCL's, or the copy
-engines' of :mod:`ep_moe.copy_engine`), and the compute stream waits for an exchange only
+engines' of :mod:`ep_moe.ep.copy_engine`), and the compute stream waits for an exchange only
 right before it uses its rows. The backward computes the weight gradients last
 (:class:`DeferredWeightGrads`): the input gradients and the top-k weights' gradients travel
 back to their senders while the dW GEMMs run::
@@ -16,7 +16,7 @@ the dW GEMMs launch one program per tile
 (:func:`~ep_moe.kernels.grouped_gemm.one_program_per_tile`): an NCCL kernel gets an SM
 whenever a tile ends. The copy engines need none.
 
-An exchange whose rows land source by source (:class:`ep_moe.copy_engine.CopyEngineGather`,
+An exchange whose rows land source by source (:class:`ep_moe.ep.copy_engine.CopyEngineGather`,
 ``PendingExchange.landing``) hands them to the experts before they have landed: the
 experts' first GEMM on them (the up projection; in the backward, the down projection's dX)
 waits tile by tile for each source (:mod:`ep_moe.kernels.arrival`), and the compute stream
@@ -33,31 +33,97 @@ dW kernels) and only the schedule is written here.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 
-from ep_moe.dispatch import PendingExchange
+from ep_moe.ep.base import Exchange, PendingExchange
 from ep_moe.kernels.arrival import RowArrival, rows_arriving
 from ep_moe.kernels.grouped_gemm import one_program_per_tile
-from ep_moe.kernels.ops import DeferredWeightGrads, defer_weight_grads
+from ep_moe.kernels.ops import defer_weight_grads
 from ep_moe.routing import RoutingMetadata
 
 
-class Exchange(Protocol):
-    """The collectives of one layer call: the all-to-alls of
-    :class:`ep_moe.dispatch.NcclExchange`, or the all-gather / reduce-scatter of
-    :class:`ep_moe.gathered.GatherExchange` and :class:`ep_moe.copy_engine.CopyEngineGather`.
-    ``kind`` names the message (``"rows"``, ``"weights"``, ``"ids"``)."""
+class DeferredWeightGrads:
+    """Weight gradients that the backward of the grouped GEMM (and of
+    :func:`~ep_moe.kernels.ops.grouped_gemm_slot_sum`) queued instead of computing, inside
+    :func:`~ep_moe.kernels.ops.defer_weight_grads`: the input gradients come first, so that work which needs only
+    them (an all-to-all returning them to other ranks) can start while the dW GEMMs run.
 
-    uses_sms: bool
-    """Whether the exchange's transfers run as kernels that need SMs (NCCL)."""
+    Only GEMMs whose weight is one of ``weights`` (leaf tensors) or a dtype cast of one
+    (``.to()``, as autocast does) are deferred; every other GEMM computes its dW at once.
+    ``private_leaves``: the weights are leaves only the caller sees (no hooks on them or on
+    their grad accumulators, as DDP registers): a dW of the leaf itself is then stored in
+    its ``.grad`` when that is empty, without the copy ``AccumulateGrad`` makes of a
+    gradient its caller still references."""
 
-    def dispatch(self, x: torch.Tensor, kind: str) -> PendingExchange: ...
-    def combine(self, x: torch.Tensor, kind: str) -> PendingExchange: ...
-    # Optional: ``departing(like) -> context manager`` around the expert function (output like
-    # ``like``), when the exchange sends the forward's output while the experts still produce it
-    # (:class:`ep_moe.copy_engine.CopyEngineGather`).
+    def __init__(self, weights: list[torch.Tensor], private_leaves: bool = False):
+        self._weights, self._private = list(weights), private_leaves
+        self._queued: list[tuple[torch.Tensor, torch.Tensor, Callable[[Optional[torch.Tensor]], torch.Tensor]]] = []
+
+    def owns(self, leaf: torch.Tensor) -> bool:
+        """Whether GEMMs multiplying by ``leaf`` (or a cast of it) are deferred here."""
+        return any(leaf is w for w in self._weights)
+
+    def owns_weight(self, weight: torch.Tensor) -> bool:
+        """Whether the dW of a GEMM multiplying by ``weight`` (a leaf or a cast of one) is queued here."""
+        leaf = _leaf_of(weight)
+        return leaf is not None and self.owns(leaf)
+
+    def add(self, weight: torch.Tensor, grad_fn: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> None:
+        """Queue ``grad_fn(add_to)``, the gradient of ``weight`` (the tensor the GEMM multiplied
+        by: one of the leaves or a cast of one): a new tensor for ``add_to=None``, else added
+        to ``add_to`` in place and returned."""
+        leaf = _leaf_of(weight)
+        if leaf is None or not self.owns(leaf):
+            raise ValueError("DeferredWeightGrads.add: the weight is neither one of the queue's leaves nor a "
+                             "dtype cast of one")
+        self._queued.append((leaf, weight, grad_fn))  # the leaf resolved now, while the graph holds it
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def run(self) -> None:
+        """Compute every queued gradient, in order, and send it into its weight's autograd
+        graph (accumulated into the leaf's ``.grad``, through the cast if any). GEMMs of the
+        same weight tensor (the chunks of a pipeline) sum into one buffer inside the dW
+        kernel, which goes into the graph once (for private leaves, into ``.grad``). Each
+        entry is dropped once done, so its saved operands are freed before the next dW runs."""
+        queued, self._queued = self._queued, []
+        queued.reverse()
+        # (leaf, dtype) -> (leaf, the weight first queued for it, its dW so far); saved tensors
+        # may come back as new tensors for the same leaf or cast (under saved-tensor hooks).
+        # The leaves are in self._weights: their ids stay theirs for the whole run.
+        sums: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        while queued:
+            leaf, weight, grad_fn = queued.pop()
+            key = (id(leaf), weight.dtype)
+            partial = sums.get(key)
+            sums[key] = (leaf, weight if partial is None else partial[1],
+                         grad_fn(None if partial is None else partial[2]))
+            del grad_fn
+        for leaf, weight, grad in sums.values():
+            if weight.grad_fn is None:  # the leaf itself (or a saved alias of it)
+                if self._private and leaf.grad is None:
+                    leaf.grad = grad  # what AccumulateGrad would store, uncopied
+                else:
+                    torch.autograd.backward(leaf, grad, inputs=[leaf])
+            else:
+                torch.autograd.backward(weight, grad, inputs=[leaf])
+
+
+def _leaf_of(w: torch.Tensor) -> Optional[torch.Tensor]:
+    """``w`` itself if it is a leaf (the leaf it stands for if it is a saved leaf that
+    saved-tensor hooks gave back as a new tensor), the leaf it was cast from if it is a
+    dtype cast of one (``.to()``), else None."""
+    node = w.grad_fn
+    if node is None:
+        if w.requires_grad:  # its gradient edge is the leaf's AccumulateGrad
+            return getattr(torch.autograd.graph.get_gradient_edge(w).node, "variable", w)
+        return w
+    if type(node).__name__.startswith("ToCopyBackward") and len(node.next_functions) == 1:
+        return getattr(node.next_functions[0][0], "variable", None)
+    return None
 
 
 def _departing(exchange: Exchange, like: torch.Tensor):
@@ -271,7 +337,7 @@ def expert_pipeline(expert_fn: ExpertFn, local: RoutingMetadata, exchange: Excha
     Args:
         expert_fn: the local experts (:data:`ExpertFn`).
         local: routing of the arrived rows to this rank's experts (rows as tokens).
-        exchange: the collectives (:class:`Exchange`).
+        exchange: the collectives (:class:`~ep_moe.ep.base.Exchange`).
         gate_up, down: the local expert weights, passed on to ``expert_fn``.
         send_rows: [U, H] rows as the exchange sends them (grouped by destination rank for
             the all-to-all, this rank's tokens for the all-gather).

@@ -1,50 +1,9 @@
-"""The all-gather dispatch's row exchanges on the GPUs' copy engines, through symmetric memory
-(``MoEConfig.dispatch="all_gather_copy_engine"``).
-
-Why: NCCL's collectives run as kernels, which need SMs, and a persistent grouped GEMM holds
-every SM until it ends: a collective queued beside it hardly progresses. A ``cudaMemcpy``
-between GPU memories over NVLink runs on the copy engines instead, with no SM, so the
-transfer of one source's tokens runs while the experts' first GEMM already computes on the
-tokens that have landed.
-
-How: every rank of the EP group holds one :class:`SymmetricWorkspace`, a buffer in
-symmetric memory that every peer can address, and a stream for its copies. Flags are 32-bit
-words at the start of each workspace, written and awaited with CUDA stream memory operations
-(``cuStreamWriteValue32`` / ``cuStreamWaitValue32``), which the GPU's front end runs: no SM is
-needed anywhere, so nothing waits for a GEMM to give one back (a barrier kernel needs an SM;
-with the GEMMs holding them all, one per exchange made the layer up to 3.7x slower than NCCL
-when first measured).
-
-The layer's exchanges are captured in CUDA graphs, whose replays cannot count on the host,
-so each flag is 0 or 1 and whoever waits for it takes it back:
-
-- *Rows, pulled* (:meth:`CopyEngineGather.dispatch`). In the stager's workspace one *free*
-  flag per peer (1: that peer has pulled the rows staged last; 1 at the start): the stager's
-  compute stream waits for all of them and clears them before it stages (claims the region).
-  In each puller's workspace one *staged* flag per source, which the puller's copy stream
-  waits for and clears before it copies; after the copy it sets its free flag in the
-  source's workspace. The *landing* flag that the experts' GEMM polls
-  (:mod:`ep_moe.kernels.arrival`) is in the rank's own workspace, cleared on the compute
-  stream before the pulls are queued and raised to w after the w-th source.
-- *Sums, pushed* (the forward's reduce-scatter, :meth:`CopyEngineGather.departing`). Each rank
-  has an *inbox* of P-1 slots for the peers' token sums. Before a push the sender's copy
-  stream waits for its *inbox-free* flag for that receiver (in the sender's workspace, 1 at
-  the start) and clears it; after the copy it raises its *arrived* flag in the receiver's
-  workspace. The receiver's compute stream waits for every arrived flag and clears them,
-  reads the inbox, and sets its inbox-free flag in every sender's workspace.
-
-Limits: NCCL still carries the expert ids and top-k weights (small, needed at once by the
-routing), their gradients, and the backward's reduce-scatter (under the dW GEMMs). The GPUs
-must reach each other's memory (NVLink or PCIe peer access); symmetric memory's rendezvous
-fails otherwise. The workspace grows, collectively and with a device sync, whenever a layer
-call needs more than it holds. A flag wait has no timeout: if a rank dies between two
-exchanges, its peers' streams wait for it (NCCL's watchdog does not see these waits), so the
-job must be torn down from outside, as after a failed rank in any collective.
-"""
+"""One rank's symmetric-memory workspace for the copy engines (:class:`SymmetricWorkspace`):
+its buffer, its copy stream, and the 0/1 flag handshakes of :mod:`ep_moe.ep.copy_engine`,
+written and awaited with the CUDA driver's stream memory operations (no SM)."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib
 import math
@@ -55,9 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ep_moe.dispatch import PendingExchange
-from ep_moe.gathered import GatherExchange
-from ep_moe.kernels.arrival import Departure, Landing, rows_departing
+from ep_moe.ep.base import PendingExchange, round_up
+from ep_moe.kernels.arrival import Landing
 
 _ALIGN = 256  # bytes between regions: every dtype's element size divides it
 _MAX_RANKS = 128
@@ -72,10 +30,6 @@ assert 4 * (_LANDED + 1) <= _FLAGS and _FLAGS % _ALIGN == 0
 _GROWTH = 1.25  # a workspace that must grow takes this much headroom
 _SUPPORTED: dict[str, tuple[bool, str]] = {}  # group name -> copy_engine_supported(group)
 _WORKSPACES: dict[tuple[str, int], "SymmetricWorkspace"] = {}
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
 
 
 class _StreamMemOps:
@@ -201,7 +155,7 @@ class SymmetricWorkspace:
             if self._captured:  # and graphs captured with them may replay: keep them mapped
                 self._retired.append((self._allocation, list(self._buffers)))
             self._buffers, self._allocation, self._captured = [], None, False
-        capacity = _round_up(int(nbytes * _GROWTH), 1 << 21)
+        capacity = round_up(int(nbytes * _GROWTH), 1 << 21)
         self._buffers = self._allocate(_FLAGS + capacity)
         flags = self._buffers[self.rank][:_FLAGS].view(torch.int32)
         flags.zero_()
@@ -340,150 +294,3 @@ class SymmetricWorkspace:
         """On the current stream, after the inbox was read: tell every peer it is free."""
         for peer in self._peers():
             self._signal(self._compute_stream(), peer, _INBOX_FREE + self.rank, 1)
-
-
-class CopyEngineGather(GatherExchange):
-    """The all-gather dispatch (:class:`~ep_moe.gathered.GatherExchange`) with the rows'
-    all-gathers and the forward's reduce-scatter on the copy engines, each overlapped with
-    the GEMM at its end; capturable in CUDA graphs.
-
-    A dispatch of rows claims this rank's region of its workspace (waits until every peer
-    has pulled what was staged there last), stages this rank's [T, H] there and copies them
-    into its own slot of the output (all on the current stream, so the own rows are there
-    before any reader), then pulls the peers' rows on the copy engines in landing order, the
-    next rank first, raising the landing flag to w after the w-th source (the 0/1 handshake
-    of the module docstring). The exchange comes back with its
-    :class:`~ep_moe.kernels.arrival.Landing`: the grouped GEMM that reads the rows first (the
-    up projection in the forward, the down projection's dX in the backward) waits tile by
-    tile for its source instead of the whole transfer (:mod:`ep_moe.kernels.arrival`);
-    everything after waits for the transfer (``PendingExchange.wait``).
-
-    The forward's reduce-scatter of the partial sums: inside :meth:`departing` the down
-    projection sums the tokens source by source, the peers' first (a
-    :class:`~ep_moe.kernels.arrival.Departure`), and as each source's [T, H] sums are queued
-    the copy engines push them into that rank's *inbox* in its workspace (after waiting until
-    it has read what it got there last) and raise its arrived flag. :meth:`combine` then waits
-    for every peer's sums on the device and adds them to the own ones. The expert ids and
-    top-k weights (small, needed at once by the routing) and the backward's reduce-scatter
-    (under the dW GEMMs already) stay on NCCL.
-
-    Every rank must make the same sequence of :meth:`dispatch`, :meth:`departing` and
-    :meth:`combine` calls with the same ``num_tokens``."""
-
-    def __init__(self, group: ProcessGroup, workspace: SymmetricWorkspace, num_tokens: int, row_bytes: int,
-                 landing: bool = True) -> None:
-        super().__init__(group)
-        self.workspace, self.rank, self.num_tokens = workspace, workspace.rank, num_tokens
-        self.landing = landing
-        """Whether the rows' dispatches hand them over while they land (their first reader is a
-        Triton grouped GEMM that waits source by source); else they come whole, after the
-        transfer (the reference GEMMs read them like any tensor)."""
-        # the staged rows [T, H], then the inbox of the peers' sums [P-1, T, H]
-        self.inbox_offset = _round_up(num_tokens * row_bytes, _ALIGN)
-        workspace.reserve(self.inbox_offset + (self.size - 1) * num_tokens * row_bytes)
-        self._departure: Optional[Departure] = None
-        self._pushed: Optional[torch.cuda.Event] = None  # after the last push
-
-    def dispatch(self, x: torch.Tensor, kind: str) -> PendingExchange:
-        """All-gather ``x`` [T, ...]: rows on the copy engines (landing source by source),
-        anything else (``kind`` other than ``"rows"``) on NCCL."""
-        if kind != "rows":
-            return super().dispatch(x, kind)
-        ws, me, size = self.workspace, self.rank, self.size
-        rows, row_shape = x.shape[0], tuple(x.shape[1:])
-        x = x.detach()
-        ws.claim_region()
-        ws.view(me, 0, rows, row_shape, x.dtype).copy_(x)
-        out = x.new_empty((size * rows, *row_shape))
-        out[me * rows: (me + 1) * rows].copy_(x)
-        landed = ws.clear_landed()
-        ws.follow_compute()  # staged, `out` allocated, the landing flag cleared
-        ws.signal_staged()
-        with ws.copying():
-            for w in range(1, size):
-                source = (me + w) % size
-                ws.await_staged(source)
-                out[source * rows: (source + 1) * rows].copy_(ws.view(source, 0, rows, row_shape, x.dtype))
-                ws.signal_landed(w)
-                ws.signal_pulled(source)
-        return ws.finish(out, Landing(landed, 0, size) if self.landing else None)
-
-    @contextlib.contextmanager
-    def departing(self, like: torch.Tensor):
-        """Around the expert function, whose output is like ``like`` [P*T, H]: a
-        slot-summing down projection inside sends each source's sums as it finishes them
-        (without tokens nothing is sent: the combine is NCCL's)."""
-        if self.num_tokens == 0:
-            yield
-            return
-        out = torch.empty_like(like)
-        departure = Departure(out, tuple(range(1, self.size)) + (0,), self.rank,
-                              lambda position: self._send(out, position))
-        self._departure = departure
-        try:
-            with rows_departing(departure):
-                yield
-        except BaseException:
-            # Stopped between the sends and the combine (a checkpoint's recompute stops once
-            # it has what the backward needs, at the same point on every rank): take the
-            # peers' sums in and free the inbox as the combine would, so the next call finds
-            # the flags at rest. Stopped halfway through the sends (an error in the GEMM),
-            # the exchange is left as after a failed rank in any collective.
-            self._departure = None
-            if departure.complete:
-                self._receive(like)
-                self.workspace.free_inbox()
-            raise
-
-    def _send(self, sums: torch.Tensor, position: int) -> None:
-        """Push the sums of landing position ``position``'s tokens into that rank's inbox
-        (on the copy engines, after the work queued so far)."""
-        if position == 0:  # the own tokens' sums stay here
-            return
-        ws, me, size, rows = self.workspace, self.rank, self.size, self.num_tokens
-        receiver = (me + position) % size
-        slot = (me - receiver) % size - 1  # senders fill the receiver's inbox by distance
-        ws.follow_compute()
-        ws.claim_inbox(receiver)
-        row_bytes = math.prod(sums.shape[1:]) * sums.element_size()
-        with ws.copying():  # the push itself on the copy engines, between the flag wait and raise
-            ws.view(receiver, self.inbox_offset + slot * rows * row_bytes, rows, tuple(sums.shape[1:]),
-                    sums.dtype).copy_(sums[receiver * rows: (receiver + 1) * rows])
-        ws.signal_arrived(receiver)
-        ws.keep_for_copies(sums)
-        self._pushed = ws.mark_copies()
-
-    def combine(self, x: torch.Tensor, kind: str) -> PendingExchange:
-        """Reduce-scatter ``x`` [P*T, ...]: the forward's rows (sent from :meth:`departing`)
-        on the copy engines, anything else on NCCL."""
-        departure = self._departure if kind == "rows" else None
-        if departure is None:
-            return super().combine(x, kind)
-        self._departure = None
-        if departure.used and (x.data_ptr() != departure.out.data_ptr() or x.shape != departure.out.shape):
-            raise RuntimeError("the expert function must return the slot-summing down projection's output as it "
-                               "is: its sums were sent source by source, and a changed output would not be")
-        if not departure.used:  # no GEMM sent them source by source: send the finished sums
-            departure.out.copy_(x)
-            for position in departure.order:
-                departure.send(position)
-        inbox = self._receive(x)
-        me, rows = self.rank, self.num_tokens
-        own = departure.out[me * rows: (me + 1) * rows]
-        # summed in fp32 and returned in the rows' dtype, whatever autocast is on: CUDA's
-        # autocast runs `sum` in fp32, and an fp32 output would make the backward's output
-        # gradients fp32, which autograd then casts for the down projection before they land
-        out = torch.sum(inbox, 0, dtype=torch.float32).add_(own).to(own.dtype)
-        self.workspace.free_inbox()
-        return PendingExchange(out)
-
-    def _receive(self, like: torch.Tensor) -> torch.Tensor:
-        """On the current stream: wait for the peers' sums (and this rank's own pushes); the
-        inbox [P-1, T, ...] (rows like ``like``'s), until ``free_inbox``."""
-        ws, rows = self.workspace, self.num_tokens
-        ws.await_inbox()
-        pushed, self._pushed = self._pushed, None
-        if pushed is not None:  # this rank's pushes are done too (and, in a capture, joined)
-            ws.wait_copies(pushed)
-        inbox = ws.view(self.rank, self.inbox_offset, (self.size - 1) * rows, tuple(like.shape[1:]), like.dtype)
-        return inbox.view(self.size - 1, rows, *like.shape[1:])

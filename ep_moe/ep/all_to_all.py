@@ -1,4 +1,6 @@
-"""All-to-all dispatch and combine of routed rows: communication only.
+"""``dispatch="all_to_all"``: each token goes to the ranks that hold its experts, over
+uneven ``all_to_all_single`` (NCCL on GPU, gloo on CPU), and one summed row per token and
+rank comes back (:class:`AllToAllDispatcher`).
 
 Shape suffixes follow the legend in :mod:`ep_moe.routing` (U rows this rank sends, one
 per token and destination rank; P ranks of the EP group). One EP>1 layer forward is:
@@ -13,28 +15,36 @@ per token and destination rank; P ranks of the EP group). One EP>1 layer forward
 4. :func:`start_combine`: the reverse all-to-all returns one summed row per sent row to
    the rank that sent it, in the order it was sent.
 
-The exchanges are asynchronous (:class:`PendingExchange`) so that :mod:`ep_moe.pipeline`
-can overlap the backward's returning row gradients with the weight-gradient GEMMs.
+The exchanges are asynchronous (:class:`~ep_moe.ep.base.PendingExchange`) so that
+:mod:`ep_moe.ep.pipeline` can overlap the backward's returning row gradients with the weight-gradient GEMMs.
 :class:`NcclExchange` bundles them per layer call. With a group of one rank (or none) no
 collective runs: the functions return their input.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ep_moe.kernels.arrival import Landing
+from ep_moe.ep.base import Dispatcher, PendingExchange, all_gather_single, group_size, round_up
+from ep_moe.ep.pipeline import expert_pipeline
+from ep_moe.kernels.permute import gather_tokens, permute_tokens, sum_slot_rows
+from ep_moe.routing import (
+    RankRouting,
+    RouterOutput,
+    build_rank_routing,
+    build_routing_metadata,
+    rank_counts,
+)
 
-
-def group_size(group: Optional[ProcessGroup]) -> int:
-    """Ranks in ``group``; 1 for ``None``."""
-    return 1 if group is None else dist.get_world_size(group)
+if TYPE_CHECKING:
+    from ep_moe.experts import GroupedExperts
 
 
 @dataclass(frozen=True)
@@ -50,12 +60,6 @@ class SplitSizes:
     def num_recv(self) -> int:
         """S, rows this rank receives for its local experts."""
         return sum(self.recv)
-
-
-# all_gather_into_tensor / reduce_scatter_tensor became all_gather_single /
-# reduce_scatter_single in newer PyTorch (the old names warn there); same arguments
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class PendingCounts:
@@ -131,42 +135,11 @@ def rank_splits(counts: list, rank: int) -> SplitSizes:
     return SplitSizes(send=[x[0] for x in counts[rank]], recv=[per_rank[rank][0] for per_rank in counts])
 
 
-class PendingExchange:
-    """An all-to-all in flight: :meth:`wait` returns its output once the current stream
-    may use it (NCCL or copy engines: a stream wait, the host does not block; gloo:
-    blocks). ``work``: the collective's handle; ``event``: recorded after its copies;
-    ``landing``: how its rows land source by source, for GEMMs that read them while they
-    land (:mod:`ep_moe.kernels.arrival`; then :meth:`landing_rows` gives the output before
-    the wait)."""
-
-    def __init__(self, out: torch.Tensor, work: Optional[dist.Work] = None,
-                 event: Optional[torch.cuda.Event] = None, landing: Optional[Landing] = None) -> None:
-        self._out, self._work, self._event = out, work, event
-        self.landing = landing
-
-    def landing_rows(self) -> torch.Tensor:
-        """The output while it lands: only GEMMs that wait for its sources
-        (:func:`ep_moe.kernels.arrival.rows_arriving`) may read it before :meth:`wait`."""
-        if self.landing is None:
-            raise RuntimeError("this exchange's rows do not land source by source; use wait()")
-        return self._out
-
-    @torch.compiler.disable  # a stream wait: eager under torch.compile
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._event is not None:
-            torch.cuda.current_stream(self._out.device).wait_event(self._event)
-            self._event = None
-        return self._out
-
-
 @torch.compiler.disable  # streams, events and async collectives stay eager under torch.compile
 def start_exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
                    group: Optional[ProcessGroup]) -> PendingExchange:
     """Start ``all_to_all_single`` of the rows of ``x`` with uneven splits (not
-    differentiable; :mod:`ep_moe.pipeline` wires the backward). No group: ``x`` itself."""
+    differentiable; :mod:`ep_moe.ep.pipeline` wires the backward). No group: ``x`` itself."""
     if group_size(group) == 1:
         return PendingExchange(x, None)
     out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
@@ -210,24 +183,20 @@ class PackedRows:
             width = math.prod(tail) * dtype.itemsize
             piece = self.data[:, start: start + width].view(dtype)
             result.append(piece.view(piece.shape[0], *tail) if len(tail) == 1 else piece.unflatten(1, tail))
-            start += _round_up(width, _PACK_ALIGN)
+            start += round_up(width, _PACK_ALIGN)
         return result
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def pack_rows(parts: list[torch.Tensor]) -> PackedRows:
     """:class:`PackedRows` of ``parts`` (same number of rows, not differentiable)."""
     widths = [math.prod(p.shape[1:]) * p.element_size() for p in parts]
-    data = torch.empty((parts[0].shape[0], sum(_round_up(w, _PACK_ALIGN) for w in widths)), dtype=torch.uint8,
+    data = torch.empty((parts[0].shape[0], sum(round_up(w, _PACK_ALIGN) for w in widths)), dtype=torch.uint8,
                        device=parts[0].device)
     start = 0
     for part, width in zip(parts, widths):
         if part.numel():
             data[:, start: start + width] = part.detach().contiguous().view(torch.uint8).view(part.shape[0], width)
-        start += _round_up(width, _PACK_ALIGN)
+        start += round_up(width, _PACK_ALIGN)
     return PackedRows(data, tuple((p.dtype, tuple(p.shape[1:])) for p in parts))
 
 
@@ -256,7 +225,7 @@ def dispatch_packed(packed: PackedRows, splits: SplitSizes, group: Optional[Proc
 class NcclExchange:
     """The all-to-alls of one layer call's pipeline through ``all_to_all_single`` (NCCL
     on GPU, gloo on CPU; no collective without a group), as an
-    :class:`ep_moe.pipeline.Exchange`; ``kind`` names the message (rows, weights)."""
+    :class:`ep_moe.ep.base.Exchange`; ``kind`` names the message (rows, weights)."""
 
     uses_sms = True
     """NCCL's all-to-all runs as kernels: GEMMs that overlap it leave it SMs."""
@@ -271,3 +240,75 @@ class NcclExchange:
     def combine(self, x: torch.Tensor, kind: str) -> PendingExchange:
         """:func:`start_combine` of ``x``."""
         return start_combine(x, self.splits, self.group)
+
+
+@dataclass
+class RoutedRows:
+    """What :meth:`AllToAllDispatcher.dispatch` hands its later steps: the rows on their way."""
+
+    backend: str
+    routing: RankRouting
+    """This rank's (token, destination rank) pairs, cut to the rows sent."""
+    send_rows: torch.Tensor
+    send_weights: torch.Tensor
+    exchange: NcclExchange
+    rows_in: PendingExchange
+    ids_in: "PendingPacked"
+    """The arrived rows' local expert ids and top-k weights, in flight."""
+    num_kept: int
+    """Slots of the arrived rows that chose this rank's experts."""
+
+
+class AllToAllDispatcher(Dispatcher):
+    """``dispatch="all_to_all"``: one host sync per call (the split sizes), any token count
+    per rank; each token travels once per destination rank, and the receiver expands it to
+    its experts and sums their outputs before sending one row back."""
+
+    # Both steps run eagerly under torch.compile: the host sync, collectives and side
+    # streams make graph breaks of nearly every line.
+    @torch.compiler.disable
+    def dispatch(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
+                 backend: str) -> RoutedRows:
+        """Count, sort and send: one all-gather of counts and one host sync, then the rows."""
+        ids_TK = router.topk_ids_TK
+        send_P, counts_PX = rank_counts(ids_TK, keep_TK, self.num_local, self.size)
+        pending_counts = start_gather_counts(counts_PX, self.group)
+        # Queue all that does not need the split sizes before the host waits for them, so
+        # the GPU has work while the host issues the rest: the (token, rank) sort, padded to
+        # T*min(P, K) rows of which the first U are sent; the top-k weights and local expert
+        # ids of those rows, packed to travel in one message; the send rows themselves.
+        routing = build_rank_routing(ids_TK, keep_TK, send_P, self.num_local)
+        weights_U = permute_tokens(router.topk_weights_TK, routing.pairs, backend)
+        packed = pack_rows([routing.local_ids_UK, weights_U])
+        early_rows = gather_tokens(x_TH, routing.pairs, routing.num_sent, backend)
+        counts = pending_counts.result()  # [source][destination][rows, slots]: the host sync
+        splits = rank_splits(counts, self.rank)
+        num_sent = sum(splits.send)
+        # Right after the sync, the exchanges: first the small one of expert ids and weights,
+        # then the rows, which travel while the host queues the receiver's routing (the GPU
+        # would otherwise idle until the host has issued it).
+        routing = routing.first_rows(num_sent)
+        packed_in = start_dispatch_packed(packed.first_rows(num_sent), splits, self.group)
+        exchange = NcclExchange(self.group, splits)
+        send_rows = permute_tokens(x_TH, routing.pairs, backend, gathered=early_rows[:num_sent])
+        with torch.no_grad():
+            rows_in = exchange.dispatch(send_rows, "rows")
+        num_kept = sum(source[self.rank][1] for source in counts)
+        return RoutedRows(backend, routing, send_rows, weights_U[:num_sent], exchange, rows_in, packed_in, num_kept)
+
+    @torch.compiler.disable
+    def experts(self, routed: RoutedRows, experts: "GroupedExperts") -> torch.Tensor:
+        """The arrived rows routed to the local experts, the experts on them (GEMM2 sums each
+        row's slots) and one row back per row received, through the expert pipeline: [U, H]
+        in send order."""
+        recv_ids_SK, recv_weights_SK = routed.ids_in.wait()  # local expert ids, -1 for slots sent elsewhere
+        local = build_routing_metadata(recv_ids_SK.clamp(min=0), self.num_local, recv_ids_SK >= 0,
+                                       num_kept=routed.num_kept)
+        configs = experts.kernel_configs(routed.backend, local.slot_index_R.shape[0], routed.send_rows)
+        expert_fn = functools.partial(experts.on_routed_rows, backend=routed.backend, configs=configs)
+        return expert_pipeline(expert_fn, local, routed.exchange, experts.gate_up, experts.down, routed.send_rows,
+                               routed.send_weights, recv_weights_SK, routed.rows_in)
+
+    def combine(self, routed: RoutedRows, out: torch.Tensor) -> torch.Tensor:
+        """Each token's returned rows summed (one per destination rank): [T, H]."""
+        return sum_slot_rows(out, routed.routing.pairs, routed.backend)

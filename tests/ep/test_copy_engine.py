@@ -14,8 +14,8 @@ import weakref
 import pytest
 import torch
 
-from ep_moe import copy_engine
-from ep_moe.copy_engine import CopyEngineGather
+from ep_moe.ep.copy_engine import CopyEngineGather
+from ep_moe.ep.copy_engine import workspace as copy_engine
 from ep_moe.kernels.arrival import take_departure
 from workspace_doubles import HostWorkspace
 

@@ -1,0 +1,221 @@
+"""``MoEConfig``: the shape and behaviour of one MoE layer, checked by one table of rules."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Literal, Optional
+
+import torch
+
+from ep_moe.routing import DropPolicy, ScoreFunc
+
+Activation = Literal["swiglu", "gelu", "relu"]
+Dispatch = Literal["all_to_all", "all_gather", "all_gather_copy_engine"]
+
+_REMOVED_FIELDS = {
+    "transport": "the transport is part of the dispatch now: dispatch='all_gather_copy_engine' for the "
+                 "all-gather on the copy engines; the all-to-all runs on NCCL",
+    "own_rows_first": "it measured slower on every shape and was removed; drop it",
+    "overlap_chunks": "chunked overlap measured slower on every shape and was removed; drop it",
+}
+"""Fields MoEConfig no longer has, and what to do instead."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Shape and behaviour of one MoE layer. Validated on construction."""
+
+    hidden_size: int
+    """H, the model dimension (input and output features)."""
+    intermediate_size: int
+    """I, the hidden dimension of each expert MLP."""
+    num_experts: int
+    """E, experts in total over the EP group."""
+    top_k: int
+    """K, experts each token is sent to (1 <= K <= E)."""
+    activation: Activation = "swiglu"
+    """Expert MLP: ``"swiglu"`` (gate_up is [2I, H]: rows 0..I-1 gate, I..2I-1 up;
+    ``silu(gate) * up``), or ``"gelu"`` (exact erf form) / ``"relu"`` (gate_up is [I, H])."""
+    score_func: ScoreFunc = "softmax"
+    """Router scores from logits: ``"softmax"`` over experts or per-expert ``"sigmoid"``."""
+    norm_topk_prob: bool = True
+    """Divide the K chosen scores by their sum so each token's combine weights sum to 1."""
+    aux_loss_coef: float = 1e-2
+    """Load-balancing loss coefficient (Switch/GShard, ``E * sum_e f_e * P_e``); 0 disables.
+    1e-2 is the usual recipe value (Switch Transformer, Mixtral-style training)."""
+    z_loss_coef: float = 0.0
+    """Router z-loss coefficient (ST-MoE, ``mean logsumexp(logits)^2``; 1e-3 is typical)."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for
+    top-k selection only, moved by ``bias_update_rate`` towards balance by
+    :meth:`ep_moe.MoELayer.update_expert_bias`."""
+    bias_update_rate: float = 1e-3
+    """Step of the expert-bias update: ``bias += rate * sign(mean_load - load)``."""
+    capacity_factor: Optional[float] = None
+    """None: dropless. Otherwise each expert keeps at most ``ceil(c * T * K / E)`` slots of
+    this rank's T tokens; dropped slots contribute 0 to the output (the token keeps its
+    other slots, whose weights are not renormalised). At EP=1 it costs one extra host sync."""
+    drop_policy: DropPolicy = "probs"
+    """Which slots an expert over capacity keeps: ``"probs"`` highest router score first,
+    ``"position"`` earliest tokens first."""
+    num_shared_experts: int = 0
+    """Shared experts applied to every token (one dense MLP of the same activation, fused
+    from all shared experts); their output is added to the routed output."""
+    shared_intermediate_size: Optional[int] = None
+    """Hidden size of that fused MLP; default ``num_shared_experts * intermediate_size``."""
+    router_dtype: torch.dtype = torch.float32
+    """Dtype of the router logits, scores, top-k weights and losses."""
+    backend: Literal["auto", "triton", "torch"] = "auto"
+    """Grouped GEMM: ``"triton"`` kernels, ``"torch"`` reference, or ``"auto"``: Triton
+    when the input is on CUDA, the reference otherwise."""
+    init_std: float = 0.02
+    """Std of the normal init of the router, expert and shared-expert weights."""
+    ep_size: Optional[int] = None
+    """Expected EP size; when set, the layer checks that its group has this many ranks
+    (None: whatever the group has, 1 without a group)."""
+    dispatch: Dispatch = "all_to_all"
+    """EP>1: how tokens reach the experts and come back (:mod:`ep_moe.ep`).
+
+    - ``"all_to_all"``: each token goes to the ranks of its experts (uneven
+      ``all_to_all_single`` on NCCL), one host sync per call for the split sizes. Takes any
+      token count per rank; sends each token once per destination rank.
+    - ``"all_gather"``: every rank receives every token of the EP group and the partial
+      outputs come back summed (NCCL): no host sync, so the layer can be captured in CUDA
+      graphs; more bytes where tokens reach few of the ranks. Needs the same token count on
+      every rank.
+    - ``"all_gather_copy_engine"``: the all-gather with the tokens (and the backward's output
+      gradients) pulled on the GPUs' copy engines through a symmetric-memory workspace, the
+      experts' first GEMM starting on the rank's own tokens while the others land, and the
+      forward's sums pushed back on them. One node, an NCCL group, CUDA; raises on the
+      first call otherwise."""
+    all_gather_row_bound: Optional[float] = None
+    """The all-gather dispatches: the most routed rows a rank computes, as a multiple of
+    T*K (its share on average); None: the worst case ``P*T*min(K, E/P)``, never exceeded,
+    which sizes the expert activations for it (P times the average at K <= E/P). Slots
+    past a set bound are dropped (their expert's last ones first) and counted in
+    ``last_stats.num_dropped``."""
+
+    def __post_init__(self) -> None:
+        for name, rule in _RULES.items():
+            rule.check(name, getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}; "
+                             f"lower top_k to at most {self.num_experts} or add experts")
+        if self.shared_intermediate_size is not None and self.num_shared_experts == 0:
+            raise ValueError(f"MoEConfig.shared_intermediate_size={self.shared_intermediate_size} "
+                             "is set but num_shared_experts=0; set num_shared_experts >= 1 or drop it")
+        if self.ep_size is not None:
+            check_experts_divide(self.num_experts, self.ep_size, f"ep_size={self.ep_size}")
+
+    @property
+    def gathers(self) -> bool:
+        """Whether the dispatch all-gathers the tokens (needs equal token counts per rank)."""
+        return self.dispatch != "all_to_all"
+
+    @property
+    def gate_up_size(self) -> int:
+        """Output features of the gate_up projection: 2I for SwiGLU, else I."""
+        return 2 * self.intermediate_size if self.activation == "swiglu" else self.intermediate_size
+
+
+def check_experts_divide(num_experts: int, ep_size: int, what: str) -> None:
+    """Raise unless ``ep_size`` ranks (``what``: where the size comes from) share
+    ``num_experts`` experts evenly."""
+    if num_experts % ep_size != 0:
+        raise ValueError(f"MoEConfig.num_experts={num_experts} is not divisible by {what}; "
+                         "pick an EP size that divides num_experts")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_float_dtype(value: Any) -> bool:
+    return isinstance(value, torch.dtype) and value.is_floating_point
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What one field takes: a kind (checked first, so that a string from a config file or
+    ``--set`` is named, not compared), then a range or a set of choices."""
+
+    kind: Callable[[Any], bool]
+    kind_text: str
+    """How to say the kind in an error ("must be an int")."""
+    valid: Callable[[Any], bool] = lambda value: True
+    range_text: str = ""
+    optional: bool = False
+    """None is allowed (and skips the range check)."""
+
+    def check(self, name: str, value: Any) -> None:
+        if value is None and self.optional:
+            return
+        if not self.kind(value):
+            raise ValueError(f"MoEConfig.{name}={value!r}: {self.kind_text}{', or None' if self.optional else ''}")
+        if not self.valid(value):
+            raise ValueError(f"MoEConfig.{name}={value!r}: {self.range_text}")
+
+
+def _choice(*choices: str) -> _Rule:
+    return _Rule(lambda value: value in choices, f"use one of {choices}")
+
+
+def _int_rule(minimum: int, range_text: str, optional: bool = False) -> _Rule:
+    return _Rule(_is_int, "must be an int", lambda value: value >= minimum, range_text, optional)
+
+
+def _number_rule(valid: Callable[[float], bool], range_text: str, optional: bool = False) -> _Rule:
+    return _Rule(_is_number, "must be a finite number", valid, range_text, optional)
+
+
+_FLAG = _Rule(lambda value: isinstance(value, bool), "must be True or False")
+_POSITIVE_INT = _int_rule(1, "must be a positive int")
+_LOSS_COEF = _number_rule(lambda value: value >= 0, "must be >= 0 (0 disables it)")
+
+_RULES: dict[str, _Rule] = {
+    "hidden_size": _POSITIVE_INT,
+    "intermediate_size": _POSITIVE_INT,
+    "num_experts": _POSITIVE_INT,
+    "top_k": _POSITIVE_INT,
+    "activation": _choice("swiglu", "gelu", "relu"),
+    "score_func": _choice("softmax", "sigmoid"),
+    "norm_topk_prob": _FLAG,
+    "aux_loss_coef": _LOSS_COEF,
+    "z_loss_coef": _LOSS_COEF,
+    "expert_bias": _FLAG,
+    "bias_update_rate": _LOSS_COEF,
+    "capacity_factor": _number_rule(lambda value: value > 0, "must be > 0, or None for dropless routing",
+                                    optional=True),
+    "drop_policy": _choice("probs", "position"),
+    "num_shared_experts": _int_rule(0, "must be an int >= 0"),
+    "shared_intermediate_size": _int_rule(1, "must be a positive int", optional=True),
+    "router_dtype": _Rule(_is_float_dtype, "use a float dtype, normally torch.float32"),
+    "backend": _choice("auto", "triton", "torch"),
+    "init_std": _number_rule(lambda value: value > 0, "must be > 0"),
+    "ep_size": _int_rule(1, "must be a positive int that divides num_experts", optional=True),
+    "dispatch": _choice("all_to_all", "all_gather", "all_gather_copy_engine"),
+    "all_gather_row_bound": _number_rule(lambda value: value > 0, "must be > 0, or None for the worst case",
+                                         optional=True),
+}
+"""One rule per field of :class:`MoEConfig` (checked at import below)."""
+assert set(_RULES) == {f.name for f in fields(MoEConfig)}, "every MoEConfig field needs a rule in _RULES"
+
+
+def _refusing_removed_fields(init):
+    """``MoEConfig.__init__`` that names the replacement of a removed field instead of
+    raising a bare ``TypeError`` (a config file or ``--set moe.transport=...``)."""
+    @functools.wraps(init)
+    def checked(self, **kwargs):
+        for name in sorted(kwargs.keys() & _REMOVED_FIELDS.keys()):
+            raise ValueError(f"MoEConfig.{name} no longer exists: {_REMOVED_FIELDS[name]}")
+        init(self, **kwargs)
+    return checked
+
+
+MoEConfig.__init__ = _refusing_removed_fields(MoEConfig.__init__)

@@ -1,0 +1,55 @@
+"""EP=1 (no EP group): every expert is here, nothing travels (:class:`LocalDispatcher`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ep_moe.ep.base import Dispatcher
+from ep_moe.kernels.permute import sum_slot_rows
+from ep_moe.routing import RouterOutput, RoutingMetadata, build_routing_metadata, combine_slots
+
+if TYPE_CHECKING:
+    from ep_moe.experts import GroupedExperts
+
+
+@dataclass
+class LocalTokens:
+    """What :meth:`LocalDispatcher.dispatch` hands its later steps."""
+
+    backend: str
+    x_TH: torch.Tensor
+    weights_N: torch.Tensor
+    """The top-k weights, flattened in slot order."""
+    meta: RoutingMetadata
+
+
+class LocalDispatcher(Dispatcher):
+    """EP=1: one gather GEMM, one scatter GEMM with the top-k weights fused in, then each
+    token's K slots summed."""
+
+    def dispatch(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
+                 backend: str) -> LocalTokens:
+        """The (token, slot) pairs sorted by expert (:func:`ep_moe.routing.build_routing_metadata`)."""
+        meta = build_routing_metadata(router.topk_ids_TK, self.config.num_experts, keep_TK)
+        return LocalTokens(backend, x_TH, router.topk_weights_TK.flatten(), meta)
+
+    def experts(self, routed: LocalTokens, experts: "GroupedExperts") -> torch.Tensor:
+        """GEMM1 gathering the tokens, GEMM2 weighting the rows: [N, H] in slot order
+        (dropless), else [R, H] in expert order."""
+        meta = routed.meta
+        configs = experts.kernel_configs(routed.backend, meta.slot_index_R.shape[0], routed.x_TH)
+        if meta.dropless:
+            return experts(routed.x_TH, meta.counts_E, gather_index=meta.token_index_R,
+                           scatter_index=meta.slot_index_R, row_weights=routed.weights_N,
+                           backend=routed.backend, configs=configs)
+        return experts(routed.x_TH, meta.counts_E, gather_index=meta.token_index_R,
+                       row_weights=routed.weights_N[meta.slot_index_R], backend=routed.backend, configs=configs)
+
+    def combine(self, routed: LocalTokens, out: torch.Tensor) -> torch.Tensor:
+        """Each token's K slots summed: [T, H]."""
+        if routed.meta.dropless:
+            return combine_slots(out, routed.meta)
+        return sum_slot_rows(out, routed.meta, routed.backend)
