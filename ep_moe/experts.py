@@ -90,7 +90,7 @@ class GroupedExperts(nn.Module):
             self.gate_up[j].normal_(0.0, std, generator=gen)
             self.down[j].normal_(0.0, std, generator=gen)
 
-    def gemm_problems(self, dtype: torch.dtype) -> list["GemmProblem"]:
+    def problems(self, dtype: torch.dtype) -> list["GemmProblem"]:
         """The two grouped GEMMs of these experts in ``dtype``, as :mod:`ep_moe.autotune` keys them."""
         from ep_moe.autotune.space import GemmProblem  # lazy: ep_moe.autotune may import this module
 
@@ -108,7 +108,7 @@ class GroupedExperts(nn.Module):
         (its dtype and device); (None, None) for the torch backend."""
         if backend != "triton":
             return (None, None)
-        return tuple(_kernel_configs(p, num_rows, like.device) for p in self.gemm_problems(like.dtype))
+        return tuple(_kernel_configs(p, num_rows, like.device) for p in self.problems(like.dtype))
 
     def on_routed_rows(self, rows_SH: torch.Tensor, weights_SK: torch.Tensor, local: RoutingMetadata,
                        gate_up: torch.Tensor, down: torch.Tensor, *, backend: str,

@@ -179,7 +179,7 @@ class MoELayer(nn.Module):
     def gemm_problems(self) -> list["GemmProblem"]:
         """The two grouped GEMMs of this layer, as :mod:`ep_moe.autotune` keys them (in
         :meth:`compute_dtype`: call ``warmup`` under the training autocast)."""
-        return self.experts.gemm_problems(self.compute_dtype())
+        return self.experts.problems(self.compute_dtype())
 
     def _check_input(self, x: torch.Tensor) -> None:
         hidden, param = self.config.hidden_size, self.experts.gate_up

@@ -2,7 +2,7 @@
 :class:`ep_moe.copy_engine.SymmetricWorkspace`'s own code (the layout, the regions, the flag
 protocols) and runs its stream operations at once on the calling thread: a copy is a plain
 ``copy_``, a flag wait blocks. Subclasses say where the buffers live and how a wait blocks:
-threads over plain buffers (``tests/test_copy_engine.py``) or :class:`FileWorkspace`, one
+threads over plain buffers (``tests/ep/test_copy_engine.py``) or :class:`FileWorkspace`, one
 file per rank that every rank maps (``torch.from_file(shared=True)``), flags polled there (on
 x86 the stores of one process become visible to the others in order, so a peer that sees a
 flag also sees the rows written before it), for gloo tests of the whole layer with

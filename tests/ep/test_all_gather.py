@@ -1,5 +1,5 @@
 """The all-gather dispatch's routing and collectives (ep_moe.gathered) on their own; the
-layer's use of them is tested against EP=1 in test_layer.py (gloo) and tests/gpu (NCCL)."""
+layer's use of them is tested against EP=1 in test_layer_ep.py (gloo) and tests/gpu (NCCL)."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """The copy-engine all-gather's flag protocols, on the CPU: P ranks as threads over plain
 buffers (a workspace double whose stream operations run at once, a flag wait blocking the
 thread), so where each rank stages and pulls from, and how the flags move, is checked
-without GPUs. The layer on top of it runs in tests/test_layer.py (gloo, file workspaces);
+without GPUs. The layer on top of it runs in tests/ep/test_layer_ep.py (gloo, file workspaces);
 the real symmetric-memory path in tests/gpu/test_ep_nccl.py."""
 
 from __future__ import annotations
