@@ -1,26 +1,23 @@
-"""Helpers of the autotune tests: an isolated cache, a counting stub tuner, and running a
-function in N fresh processes (optionally joined by a gloo group on 127.0.0.1).
+"""Helpers of the autotune tests: tiny problems, an isolated cache, a counting stub tuner,
+and what workers run by ``dist_utils.run_distributed`` need (``set_cache_env``,
+``wait_for_peers``).
 
 Imported by the test modules as ``_dist`` (pytest puts this directory on ``sys.path``;
-spawned children inherit it), so worker functions defined here can be pickled by name.
+the worker processes inherit it), so objects defined here can be pickled by name. The
+process tests run their workers with ``start_method="forkserver"`` (torch and ep_moe
+imported once, not per child); workers set the cache env they need (set_cache_env).
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import multiprocessing
 import os
-import socket
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ep_moe.autotune import GemmProblem, clear_memory_cache
 from ep_moe.autotune.coordinate import ENV_DISABLE, ENV_FORCE
@@ -81,57 +78,6 @@ class CountingTuner:
 def tune_calls(log: Path) -> list[str]:
     """Lines the stub tuner wrote (one per tuning call)."""
     return log.read_text().splitlines() if log.exists() else []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn: Callable, nprocs: int, port: int | None, tmp: str, args: tuple) -> None:
-    if port is not None:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=nprocs, timeout=datetime.timedelta(seconds=60))
-    try:
-        result = fn(rank, Path(tmp), *args)
-    except BaseException:
-        Path(tmp, f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        if port is not None:
-            dist.destroy_process_group()
-    Path(tmp, f"result{rank}.json").write_text(json.dumps(result))
-
-
-# Children fork from a fresh server process that has imported torch and ep_moe once but
-# never run anything: as clean as "spawn", without paying the ~4 s import per child (16
-# children on 2 cores). The server keeps the environment it started with, so workers set
-# what they need (set_cache_env) instead of inheriting the test's monkeypatched env.
-multiprocessing.get_context("forkserver").set_forkserver_preload(
-    ["torch", "torch.distributed", "torch.multiprocessing", "ep_moe.autotune"])
-
-
-def run_processes(fn: Callable, nprocs: int, tmp: Path, *args: Any, gloo: bool = True,
-                  timeout: float = 150.0) -> list[Any]:
-    """Run ``fn(rank, tmp, *args)`` in ``nprocs`` new processes and return their
-    JSON-able results by rank. With ``gloo`` the processes form a gloo world first.
-    Processes still running after ``timeout`` seconds are killed and the test fails."""
-    ctx = mp.start_processes(_entry, args=(fn, nprocs, free_port() if gloo else None, str(tmp), args),
-                             nprocs=nprocs, join=False, start_method="forkserver")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"processes still running after {timeout}s: a hang")
-    except mp.ProcessRaisedException as e:
-        errors = "\n".join(f"--- rank {p.name[5:-4]}:\n{p.read_text()}" for p in sorted(tmp.glob("error*.txt")))
-        raise AssertionError(f"a process failed:\n{errors}") from e
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return [json.loads(Path(tmp, f"result{r}.json").read_text()) for r in range(nprocs)]
 
 
 def wait_for_peers(tmp: Path, rank: int, nprocs: int, timeout: float = 120.0) -> None:

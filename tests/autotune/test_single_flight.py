@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from _dist import STUB_CONFIGS, TINY, CountingTuner, run_processes, set_cache_env, tune_calls, wait_for_peers
+from _dist import STUB_CONFIGS, TINY, CountingTuner, set_cache_env, tune_calls, wait_for_peers
+from dist_utils import run_distributed
 
 from ep_moe.autotune import warmup
 from ep_moe.autotune.cache import cache_dir, read_file
@@ -13,7 +14,7 @@ from ep_moe.autotune.cache import cache_dir, read_file
 NPROCS = 16
 
 
-def _race(rank, tmp, nprocs):
+def _race(rank, nprocs, tmp):
     set_cache_env(tmp)
     wait_for_peers(tmp, rank, nprocs)
     # The delay keeps the winner tuning while every other process reaches the lock.
@@ -23,7 +24,7 @@ def _race(rank, tmp, nprocs):
 
 @pytest.mark.distributed
 def test_sixteen_processes_one_tuning(tmp_path, monkeypatch):
-    results = run_processes(_race, NPROCS, tmp_path, NPROCS, gloo=False)
+    results = run_distributed(_race, NPROCS, tmp_path, gloo=False, start_method="forkserver", deadline_s=150)
     assert len(tune_calls(tmp_path / "tunes.log")) == 1
     assert sorted(r["source"] for r in results) == ["cache"] * (NPROCS - 1) + ["tuned"]
     assert all(r["configs"] == STUB_CONFIGS.forward.to_dict() for r in results)

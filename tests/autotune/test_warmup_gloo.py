@@ -13,7 +13,8 @@ import time
 import filelock
 import pytest
 import torch.distributed as dist
-from _dist import STUB_CONFIGS, TINY, TINY_UP, CountingTuner, run_processes, set_cache_env, tune_calls
+from _dist import STUB_CONFIGS, TINY, TINY_UP, CountingTuner, set_cache_env, tune_calls
+from dist_utils import run_distributed
 
 from ep_moe.autotune import WarmupTimeout, device_limits, get_kernel_configs, warmup
 from ep_moe.autotune.cache import ConfigCache, cache_dir, make_key
@@ -26,7 +27,7 @@ STALL_DELAY = 8.0
 LOCK_TIMEOUT = 2.0
 
 
-def _scenarios(rank, tmp):
+def _scenarios(rank, world_size, tmp):
     out = {}
     # 1. Normal: rank 0 tunes both problems, everyone installs what it sent.
     set_cache_env(tmp / "ok")
@@ -83,7 +84,7 @@ def _scenarios(rank, tmp):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gloo")
-    return tmp, run_processes(_scenarios, NPROCS, tmp)
+    return tmp, run_distributed(_scenarios, NPROCS, tmp, start_method="forkserver", timeout_s=60, deadline_s=150)
 
 
 @pytest.mark.distributed
