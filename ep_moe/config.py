@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Literal, Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
+from ep_moe.ep.base import all_gather_single
 from ep_moe.routing import DropPolicy, ScoreFunc
 
 Activation = Literal["swiglu", "gelu", "relu"]
@@ -219,3 +224,26 @@ def _refusing_removed_fields(init):
 
 
 MoEConfig.__init__ = _refusing_removed_fields(MoEConfig.__init__)
+
+
+@torch.compiler.disable  # a collective and a host read, once per layer
+def check_same_config(config: MoEConfig, group: ProcessGroup, device: torch.device) -> None:
+    """Raise unless every rank of ``group`` passes the same ``config`` (one small all-gather
+    of per-field digests and a host read; collective). Ranks whose settings differ
+    (``top_k``, ``dispatch``, ...) would exchange messages of different sizes, which aborts
+    gloo and can hang NCCL; the error names the fields that differ."""
+    names = [field.name for field in dataclasses.fields(config)]
+    mine = torch.tensor([_digest(getattr(config, name)) for name in names], dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    every = mine.new_empty(size * len(names))
+    all_gather_single(every, mine, group=group)
+    differ = [name for name, column in zip(names, every.view(size, -1).T.tolist()) if len(set(column)) > 1]
+    if differ:
+        mine_values = ", ".join(f"{name}={getattr(config, name)!r}" for name in differ)
+        raise ValueError(f"the MoEConfig of this layer differs across the EP group in {differ} (this rank: "
+                         f"{mine_values}); build the layer with the same MoEConfig on every rank")
+
+
+def _digest(value) -> int:
+    """A 64-bit digest of a config value's repr, the same on every rank."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)

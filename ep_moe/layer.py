@@ -26,7 +26,6 @@ experts: each rank picks its experts' keys and ignores the others (resharding on
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
@@ -37,9 +36,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.config import MoEConfig, check_experts_divide
+from ep_moe.config import MoEConfig, check_experts_divide, check_same_config
 from ep_moe.ep import build_dispatcher
-from ep_moe.ep.base import all_gather_single, group_size
+from ep_moe.ep.base import group_size
 from ep_moe.experts import GroupedExperts, SharedExperts
 from ep_moe.parallel import resolve_ep_group
 from ep_moe.routing import RouterOutput, capacity_keep_mask, expert_capacity, route
@@ -195,24 +194,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"the layer computes in {self.compute_dtype()}, but its experts run in float32, "
                              "float16 or bfloat16; cast the layer (layer.float()) and x, or run under autocast")
 
-    @torch.compiler.disable  # a collective and a host read, once
-    def _agree_config(self, device: torch.device) -> None:
-        """Raise unless every rank of the EP group built this layer with the same config
-        (one small all-gather and a host read, on the first forward). Ranks whose settings
-        differ (``top_k``, ``dispatch``, ...) would exchange messages of
-        different sizes, which aborts gloo and can hang NCCL."""
-        config = dataclasses.replace(self.config, ep_size=self.ep_size)  # None: the group's size
-        names = [field.name for field in dataclasses.fields(config)]
-        mine = torch.tensor([_digest(getattr(config, name)) for name in names], dtype=torch.int64, device=device)
-        every = mine.new_empty(self.ep_size * len(names))
-        all_gather_single(every, mine, group=self.ep_group)
-        differ = [name for name, column in zip(names, every.view(self.ep_size, -1).T.tolist()) if len(set(column)) > 1]
-        if differ:
-            mine_values = ", ".join(f"{name}={getattr(config, name)!r}" for name in differ)
-            raise ValueError(f"the MoEConfig of this layer differs across the EP group in {differ} (this rank: "
-                             f"{mine_values}); build the layer with the same MoEConfig on every rank")
-        self._config_agreed = True
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """MoE forward, ``x`` [..., H] -> same shape and dtype (under autocast, the
         autocast dtype, as ``nn.Linear``; the router stays in ``router_dtype``). Steps
@@ -246,7 +227,8 @@ class MoELayer(nn.Module):
         self._check_input(x)
         x_TH = x.reshape(-1, self.config.hidden_size).to(self.compute_dtype())
         if not self._config_agreed:
-            self._agree_config(x_TH.device)
+            check_same_config(dataclasses.replace(self.config, ep_size=self.ep_size), self.ep_group, x_TH.device)
+            self._config_agreed = True
         return x_TH
 
     def _route(self, x_TH: torch.Tensor) -> tuple[RouterOutput, Optional[torch.Tensor]]:
@@ -303,11 +285,6 @@ class MoELayer(nn.Module):
         step_E = self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
         self.expert_bias += step_E.to(self.expert_bias.dtype)
         self._load_since_update.zero_()
-
-
-def _digest(value) -> int:
-    """A 64-bit digest of a config value's repr, the same on every rank."""
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _in_backward() -> bool:
