@@ -36,6 +36,42 @@ split sizes of the same routing with rows as the layer sends them (ep_moe: one p
 and destination rank; the others: one per token and expert), and its share of the time.
 FLOPs per rank: 3 * (2*T*k*H*2I + 2*T*k*I*H) = 18*T*k*H*I (T tokens per rank).
 
+Routing (``--routing``): ``uniform`` (default) draws the tokens from N(0, 1), so the
+random router spreads them about evenly. ``zipf`` skews it as training does (the
+most-loaded expert at 1.5-2x the mean after warm-up, up to 8x in the first steps; with EP
+the slowest rank sets the step time): expert popularity follows a Zipf law,
+p_e ~ r(e)^-s (``--zipf-s`` s, default 1.0) over a random permutation r of the experts
+(fixed seed, the same on every rank, so the hot experts fall on any rank). The method
+shifts the inputs, not the layers, so that ep_moe, the plain layer and DeepSpeed, which
+hold the same router weight W [E, H], see the same skewed routing and still validate
+against each other: every token gets the same added vector v, the least-norm solution of
+W v = beta * (log p - mean log p), so every token's router logits gain beta * log p_e
+(+ a constant, which softmax ignores). The per-token logit noise x W^T is Gaussian with
+std ||w_e|| (about init_std * sqrt(H)); beta = sqrt(6)/pi * rms_e ||w_e|| makes that
+noise match a Gumbel of the same variance, for which the top-1 choice would be exactly
+p_e (Gaussian noise gives roughly that; top-k spreads it: an expert holds at most every
+token, E/k times the mean). Needs H >= E (every shape here). The load actually produced
+is measured from the routing (top-k of the router on the tokens, the EP group's counts
+summed) and reported for both modes: ``expert_load_max_mean`` (most-loaded expert over
+the mean), ``rank_load_max_mean`` (the most-loaded rank's tokens-slots over the mean; 1.0
+at EP=1), each the largest over EP groups, with ``routing`` and ``zipf_s`` in every row and
+in the printed lines; ``ms`` stays the slowest rank's time. Measured max/mean expert
+load (and rank load at EP=2/4/8), 16384 tokens, the layer's init (router std 0.02):
+
+    s     mixtral (8, k2)       qwen3 (128, k8)       gpt-oss (32, k4)      deepseek (32, k8)
+    0.2   1.28 (1.05/1.20/1.28) 2.72 (1.02/1.09/1.13) 1.76 (1.07/1.08/1.25) 1.54 (1.06/1.07/1.19)
+    0.3   1.43 (1.08/1.30/1.43) 4.11 (1.03/1.14/1.21) 2.27 (1.11/1.12/1.41) 1.86 (1.09/1.10/1.29)
+    0.5   1.75 (1.14/1.52/1.75) 7.22 (1.07/1.25/1.37) 3.32 (1.20/1.20/1.74) 2.46 (1.14/1.16/1.50)
+    1.0   2.52 (1.29/2.05/2.52) 13.7 (1.16/1.46/1.68) 5.90 (1.39/1.44/2.54) 3.55 (1.26/1.31/1.90)
+    1.5   3.15 (1.43/2.50/3.15) 15.7 (1.21/1.55/1.76) 7.33 (1.51/1.60/3.03) 3.93 (1.33/1.42/2.10)
+
+and tiny (8 experts, top-2, 256 tokens on 2 ranks, the CPU test) 2.38 (1.27 at EP=2) at
+s = 1. The Zipf law's own top-1 max/mean is E / H_E(s) (2.9x for 8 experts, 23x for 128 at
+s = 1); top-k caps an expert at E/k times the mean. So s = 1.0 (the default) is the
+early-training end (up to 8x; beyond it with 128 experts), s of 0.2-0.5 the 1.5-2x after
+warm-up with 8 to 32 experts (128 experts: below 0.2). A ``zipf`` run saves to
+``..._zipf<s>.json`` beside the uniform one.
+
 Results: ``benchmarks/results/ep_<device>_ep<S>.json`` (``_dp<P/S>`` added with replicas;
 ``--out`` to change), with the
 device, torch, triton and deepspeed versions. Exit status 1 when ep_moe fails validation.
@@ -98,6 +134,13 @@ def parse_args() -> argparse.Namespace:
                         help="also time each host-sync-free ep_moe layer (EP=1, or the 'ag' and 'agce' variants) "
                              "captured whole, forward and backward, in CUDA graphs (torch.cuda.make_graphed_callables; "
                              "named <layer>+graph)")
+    parser.add_argument("--routing", choices=("uniform", "zipf"), default="uniform",
+                        help="expert popularity: uniform (random router on N(0,1) tokens) or zipf (tokens shifted "
+                             "so that expert e's selection probability ~ rank(e)^-s over a random expert "
+                             "permutation; see the module docstring)")
+    parser.add_argument("--zipf-s", type=float, default=1.0,
+                        help="Zipf exponent s of --routing zipf (0: uniform; 1.0: 8 experts top-2 about 2.4x "
+                             "max/mean expert load)")
     parser.add_argument("--autotune", action="store_true",
                         help="run ep_moe.autotune.warmup for each shape first (may tune on rank 0)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
@@ -228,6 +271,47 @@ def time_all_to_all(layer: MoELayer, x: torch.Tensor, per_slot: bool, args, devi
         return median_ms(run, lambda: None, args.iters, args.warmup, device)
 
 
+ZIPF_PERMUTATION_SEED = 1234
+
+
+def zipf_logit_bias(num_experts: int, s: float) -> torch.Tensor:
+    """[E] float64: log p_e - mean, p_e ~ r(e)^-s over a fixed random permutation r (rank 1
+    the most popular expert), the same on every rank."""
+    ranks = torch.randperm(num_experts, generator=torch.Generator().manual_seed(ZIPF_PERMUTATION_SEED)) + 1
+    log_p = -s * ranks.double().log()
+    return log_p - log_p.mean()
+
+
+def zipf_shift(weight_EH: torch.Tensor, s: float) -> torch.Tensor:
+    """[H] float32: the vector v added to every token so that its router logits gain
+    beta * (log p_e - mean) (the least-norm solution of W v = that; beta matches the
+    tokens' logit noise to a Gumbel, see the module docstring)."""
+    w = weight_EH.detach().double().cpu()
+    num_experts, hidden = w.shape
+    if hidden < num_experts:
+        raise SystemExit(f"--routing zipf needs hidden >= experts ({hidden} < {num_experts})")
+    beta = (6 ** 0.5 / torch.pi) * w.norm(dim=1).pow(2).mean().sqrt()
+    target_E = beta * zipf_logit_bias(num_experts, s)
+    v = torch.linalg.lstsq(w, target_E.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    return v.float().to(weight_EH.device)
+
+
+def routing_load(layer: MoELayer, x: torch.Tensor, group, ep_size: int, device: torch.device) -> tuple[float, float]:
+    """(most-loaded expert, most-loaded rank) over the mean of the routing of ``x``: top-k
+    of ``layer``'s router, counts summed over the EP group; each the largest over groups."""
+    cfg = layer.config
+    with torch.no_grad():
+        ids = route(x, layer.router.weight, top_k=cfg.top_k, score_func=cfg.score_func,
+                    router_dtype=cfg.router_dtype).topk_ids_TK
+        counts_E = torch.bincount(ids.flatten(), minlength=cfg.num_experts).to(torch.float64)
+        if ep_size > 1:
+            dist.all_reduce(counts_E, group=group)
+        expert = (counts_E.max() / counts_E.mean()).item()
+        per_rank = counts_E.view(ep_size, -1).sum(1)
+        rank = (per_rank.max() / per_rank.mean()).item()
+    return max(across_ranks(expert, device)), max(across_ranks(rank, device))
+
+
 VARIANTS = {"nccl": "all_to_all", "ag": "all_gather", "agce": "all_gather_copy_engine"}
 """``--variants`` short names and the ``MoEConfig.dispatch`` each stands for. The all-gather
 variants never sync with the host: ``--graph`` captures them. (Before the EP slice was
@@ -322,6 +406,11 @@ def bench_shape(shape: MoEShape, args, group, ep_size: int, device: torch.device
     gen = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())  # each rank its own tokens
     x = torch.randn(args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
     dy = torch.randn(args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
+    if args.routing == "zipf":
+        x = (x.float() + zipf_shift(ours.router.weight, args.zipf_s)).to(dtype)
+    expert_load, rank_load = routing_load(ours, x, group, ep_size, device)
+    routing = args.routing if args.routing == "uniform" else f"zipf(s={args.zipf_s:g})"
+    print0(f"  routing {routing}: expert load max/mean {expert_load:.2f}, rank load max/mean {rank_load:.2f}")
     if args.graph and device.type == "cuda":
         layers.update(graphed_layers(ours, variants, x))
 
@@ -365,10 +454,13 @@ def bench_shape(shape: MoEShape, args, group, ep_size: int, device: torch.device
                          hidden=shape.hidden, intermediate=shape.intermediate, top_k=shape.top_k, impl=name,
                          ms=ms, ms_rounds=ms_rounds, ms_per_rank=[statistics.median(t) for t in zip(*rounds[name])],
                          tflops=flops / ms / 1e9, a2a_ms=a2a_ms, a2a_share=a2a_ms / ms, rel_err_y=err_y,
-                         rel_err_dx=err_dx, valid=valid[name]))
+                         rel_err_dx=err_dx, valid=valid[name], routing=args.routing,
+                         zipf_s=args.zipf_s if args.routing == "zipf" else None, expert_load_max_mean=expert_load,
+                         rank_load_max_mean=rank_load))
         spread = f"  rounds {min(ms_rounds):.2f}-{max(ms_rounds):.2f}" if len(ms_rounds) > 1 else ""
         print0(f"{shape.name:16s} {name:17s} EP={ep_size} fwd+bwd {ms:8.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s"
                f"  a2a {a2a_ms:6.2f} ms ({100 * a2a_ms / ms:4.1f}%)  err y {err_y:.1e} dx {err_dx:.1e}"
+               + f"  {routing} load expert {expert_load:.2f}x rank {rank_load:.2f}x"
                + ("" if valid[name] else "  INVALID: not timed") + spread)
     return rows
 
@@ -401,7 +493,8 @@ def main() -> int:
         at_once = f" (EP={ep_size}, {replicas} replicas at once)" if replicas > 1 else ""
         print0(f"device {env['device']} x{world_size}{at_once}, torch {env['torch']}, triton {env['triton']}, "
                f"deepspeed {deepspeed.__version__ if deepspeed else '-'}; {args.tokens} tokens per rank, "
-               f"{args.dtype}, median of {args.iters} after {args.warmup}")
+               f"{args.dtype}, median of {args.iters} after {args.warmup}, routing {args.routing}"
+               + (f" s={args.zipf_s:g}" if args.routing == "zipf" else ""))
         rows = []
         for shape in shapes:
             if shape.num_experts % ep_size:
@@ -413,9 +506,11 @@ def main() -> int:
                 torch.cuda.empty_cache()
         if dist.get_rank() == 0:
             out = args.out or REPO / "benchmarks" / "results" / (
-                f"ep_{env['device'].replace(' ', '_')}_ep{ep_size}" + (f"_dp{replicas}" if replicas > 1 else "") + ".json")
+                f"ep_{env['device'].replace(' ', '_')}_ep{ep_size}" + (f"_dp{replicas}" if replicas > 1 else "")
+                + (f"_zipf{args.zipf_s:g}" if args.routing == "zipf" else "") + ".json")
             save_results(out, {"ep_size": ep_size, "world_size": world_size, "tokens_per_rank": args.tokens, "dtype": args.dtype,
                                "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds, "autotune": args.autotune,
+                               "routing": args.routing, "zipf_s": args.zipf_s if args.routing == "zipf" else None,
                                "deepspeed": deepspeed.__version__ if deepspeed else None, "results": rows})
             print(json.dumps({"saved": str(out)}), flush=True)
         return 0 if all(r["valid"] for r in rows if r["impl"].startswith("ep_moe")) else 1

@@ -10,6 +10,8 @@
 #      captured in CUDA graphs: bench_ep --graph), kernel configs from $EP_MOE_CACHE_DIR (a
 #      cache benchmarks/run_autotune_gpu.sh filled, when run first on this machine) or shipped;
 #   4. copies the results JSON and the logs into $OUT (if set) and prints a summary table.
+#   ROUTING [uniform] / ZIPF_S [1.0]: bench_ep --routing/--zipf-s; ROUTING=zipf skews expert popularity
+#   (results ..._zipf<s>.json, the summary says which routing).
 #   EP1_RANKS [1]: GPUs of the EP=1 run; more run data-parallel replicas at once (bench_ep
 #   --ep-size 1), every GPU busy as at EP>1, the slowest one reported.
 # Every step has its own timeout (the tests TESTS_CAP_S [240], SIGINT so pytest still reports; a bench BENCH_CAP_S [150]), cut to what is left of a BUDGET_S [530] s budget. Run from anywhere:
@@ -25,6 +27,8 @@ VARIANTS=${VARIANTS:-nccl,ag,agce}  # bench_ep --variants: the all-to-all, the a
 GRAPH=${GRAPH:-1}
 IMPLS=${IMPLS:-ep_moe,plain,deepspeed}
 EP_SIZES=${EP_SIZES:-1 2 4}
+ROUTING=${ROUTING:-uniform}  # bench_ep --routing: uniform or zipf (with --zipf-s $ZIPF_S)
+ZIPF_S=${ZIPF_S:-1.0}
 TESTS=${TESTS:-tests/gpu tests/kernels}
 export EP_MOE_CACHE_DIR=${EP_MOE_CACHE_DIR:-/tmp/ep_moe_cache}
 BUDGET_END=$((SECONDS + ${BUDGET_S:-530}))
@@ -64,7 +68,7 @@ for P in $EP_SIZES; do
   [ "$RANKS" -le "$NGPU" ] || { echo "EP=$P on $RANKS ranks: only $NGPU GPUs; skipped" >&2; continue; }
   timeout "$(left "${BENCH_CAP_S:-150}")" python3 -m torch.distributed.run --nproc-per-node "$RANKS" benchmarks/bench_ep.py \
     --ep-size "$P" --tokens "$TOKENS" --iters "$ITERS" --warmup "$WARMUP" --rounds "$ROUNDS" --variants "$VARIANTS" \
-    --impls "$IMPLS" $([ "$GRAPH" = 1 ] && echo --graph) 2>&1 | tee "$LOGS/bench_ep$P.log"
+    --impls "$IMPLS" --routing "$ROUTING" --zipf-s "$ZIPF_S" $([ "$GRAPH" = 1 ] && echo --graph) 2>&1 | tee "$LOGS/bench_ep$P.log"
   BENCH_RC+=("EP=$P:${PIPESTATUS[0]}")
 done
 find benchmarks/results -name 'ep_*_ep*.json' -newer "$STARTED" -exec cp {} "$RESULTS/" \;
@@ -84,7 +88,11 @@ if not runs:
     sys.exit("no results")
 sizes = sorted(runs)
 device = runs[sizes[-1]]["environment"]["device"]
-print(f"\n== {device}, fwd+bwd ms per GPU (slowest rank), {runs[sizes[-1]]['tokens_per_rank']} tokens/GPU ==")
+routing = runs[sizes[-1]].get("routing", "uniform")
+if routing == "zipf":
+    routing += f" s={runs[sizes[-1]]['zipf_s']:g}"
+print(f"\n== {device}, fwd+bwd ms per GPU (slowest rank), {runs[sizes[-1]]['tokens_per_rank']} tokens/GPU, "
+      f"routing {routing} ==")
 rows = {}
 for ep, data in runs.items():
     for r in data["results"]:

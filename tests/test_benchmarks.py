@@ -1,7 +1,8 @@
 """The EP benchmark's CPU smoke run: ``benchmarks/bench_ep.py`` on gloo with two ranks, the
 tiny shape, ep_moe against the plain layer in rotated rounds, at EP=2 and as two EP=1
 replicas (``--ep-size 1``). Catches a benchmark broken by a change to the layer before a
-GPU session spends its time on it."""
+GPU session spends its time on it. And once with ``--routing zipf``: the skewed routing
+reaches every layer alike (they still validate) and is reported."""
 
 import json
 import os
@@ -36,3 +37,27 @@ def test_bench_ep_runs_validates_and_records_every_round(tmp_path, ep_size):
         assert row["local_experts"] == 8 // ep_size
         assert row["ms"] == sorted(row["ms_rounds"])[1] > 0
     assert (rows["ep_moe"]["a2a_ms"] > 0) == (ep_size > 1)
+
+
+@pytest.mark.distributed
+def test_bench_ep_zipf_routing_skews_expert_load_and_says_so(tmp_path):
+    out = tmp_path / "ep_zipf.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "benchmarks" / "bench_ep.py"), "--device", "cpu", "--dtype", "float32", "--shapes", "tiny",
+           "--tokens", "256", "--impls", "ep_moe,plain", "--iters", "1", "--warmup", "0",
+           "--routing", "zipf", "--zipf-s", "1.0", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "routing zipf" in proc.stdout and "zipf(s=1) load expert" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["routing"] == "zipf" and data["zipf_s"] == 1.0
+    rows = {row["impl"]: row for row in data["results"]}
+    assert set(rows) == {"ep_moe", "plain"}
+    for row in rows.values():
+        assert row["routing"] == "zipf" and row["zipf_s"] == 1.0
+        assert row["valid"] and row["rel_err_y"] < 1e-5 and row["rel_err_dx"] < 1e-5  # every layer routes alike
+        assert row["expert_load_max_mean"] > 1.5  # the hottest expert well above the mean (2.4x measured)
+        assert 1.0 < row["rank_load_max_mean"] <= row["expert_load_max_mean"]
+        assert len(row["ms_per_rank"]) == 2 and row["ms"] == max(row["ms_per_rank"]) > 0  # the slowest rank
