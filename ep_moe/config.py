@@ -227,21 +227,29 @@ MoEConfig.__init__ = _refusing_removed_fields(MoEConfig.__init__)
 
 
 @torch.compiler.disable  # a collective and a host read, once per layer
-def check_same_config(config: MoEConfig, group: ProcessGroup, device: torch.device) -> None:
-    """Raise unless every rank of ``group`` passes the same ``config`` (one small all-gather
-    of per-field digests and a host read; collective). Ranks whose settings differ
-    (``top_k``, ``dispatch``, ...) would exchange messages of different sizes, which aborts
-    gloo and can hang NCCL; the error names the fields that differ."""
-    names = [field.name for field in dataclasses.fields(config)]
-    mine = torch.tensor([_digest(getattr(config, name)) for name in names], dtype=torch.int64, device=device)
+def check_same_config(config: MoEConfig, group: ProcessGroup, device: torch.device,
+                      others: Optional[dict[str, Any]] = None) -> None:
+    """Raise unless every rank of ``group`` passes the same ``config`` and the same
+    ``others`` (named values: the parameters' dtype, the input's width...): one small
+    all-gather of digests and a host read; collective. Ranks whose settings differ
+    (``top_k``, ``dispatch``, the hidden size of their input, ...) would exchange messages of
+    different sizes, which aborts gloo and can hang NCCL; the error names what differs."""
+    others = others or {}
+    values = {**{field.name: getattr(config, field.name) for field in dataclasses.fields(config)}, **others}
+    mine = torch.tensor([_digest(value) for value in values.values()], dtype=torch.int64, device=device)
     size = dist.get_world_size(group)
-    every = mine.new_empty(size * len(names))
+    every = mine.new_empty(size * len(values))
     all_gather_single(every, mine, group=group)
-    differ = [name for name, column in zip(names, every.view(size, -1).T.tolist()) if len(set(column)) > 1]
+    differ = [name for name, column in zip(values, every.view(size, -1).T.tolist()) if len(set(column)) > 1]
+    config_differ = [name for name in differ if name not in others]
     if differ:
-        mine_values = ", ".join(f"{name}={getattr(config, name)!r}" for name in differ)
-        raise ValueError(f"the MoEConfig of this layer differs across the EP group in {differ} (this rank: "
-                         f"{mine_values}); build the layer with the same MoEConfig on every rank")
+        shown = config_differ or differ
+        mine_values = ", ".join(f"{name}={values[name]!r}" for name in shown)
+        what = ("the MoEConfig of this layer", "build the layer with the same MoEConfig") if config_differ else (
+            "the parameters or input of this layer", "give every rank a layer of the same dtype and inputs of "
+            "the same width and dtype")
+        raise ValueError(f"{what[0]} differs across the EP group in {shown} (this rank: {mine_values}); "
+                         f"{what[1]} on every rank")
 
 
 def _digest(value) -> int:

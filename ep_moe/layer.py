@@ -224,12 +224,35 @@ class MoELayer(nn.Module):
 
     def _input_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` checked and flattened to [T, H] in the compute dtype (step 1)."""
-        self._check_input(x)
-        x_TH = x.reshape(-1, self.config.hidden_size).to(self.compute_dtype())
-        if not self._config_agreed:
-            check_same_config(dataclasses.replace(self.config, ep_size=self.ep_size), self.ep_group, x_TH.device)
-            self._config_agreed = True
-        return x_TH
+        if self._config_agreed:
+            self._check_input(x)
+        else:
+            self._agree_first_call(x)
+        return x.reshape(-1, self.config.hidden_size).to(self.compute_dtype())
+
+    def _agree_first_call(self, x: torch.Tensor) -> None:
+        """First call at EP>1: every rank of the EP group checks that all have the same
+        config, parameter dtype and input width and dtype (:func:`ep_moe.config.check_same_config`).
+        A rank whose input fails its own check still takes part, then raises its error, so
+        its peers raise too instead of waiting in a collective it never joins."""
+        try:
+            self._check_input(x)
+            failed = None
+        except ValueError as err:
+            failed = err
+        param = self.experts.gate_up
+        others = {"parameter dtype": param.dtype, "input hidden size": x.shape[-1] if x.dim() else None,
+                  "input dtype": x.dtype, "input passes the layer's checks": failed is None}
+        try:
+            check_same_config(dataclasses.replace(self.config, ep_size=self.ep_size), self.ep_group, param.device,
+                              others)
+        except ValueError:
+            if failed is not None:
+                raise failed from None
+            raise
+        if failed is not None:
+            raise failed
+        self._config_agreed = True
 
     def _route(self, x_TH: torch.Tensor) -> tuple[RouterOutput, Optional[torch.Tensor]]:
         """The router's output and, with a capacity, which slots are kept (step 2)."""

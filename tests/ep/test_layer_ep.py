@@ -530,6 +530,43 @@ def test_ep_group_must_share_one_config():
         assert res["shape"] == (5, H)
 
 
+def _mismatched_input_worker(rank, world_size):
+    """Rank 1 passes tokens of the wrong width, then (a new layer) has bf16 parameters; every
+    rank raises on that first forward instead of waiting for a collective."""
+    out = {}
+    torch.manual_seed(0)
+    layer = MoELayer(_config(top_k=2), dist.group.WORLD)
+    try:
+        layer(torch.randn(5, H + 16 * rank))
+    except ValueError as err:
+        out["width_error"] = str(err)
+    torch.manual_seed(0)
+    layer = MoELayer(_config(top_k=2), dist.group.WORLD, dtype=(torch.float32, torch.bfloat16)[rank])
+    try:
+        layer(torch.randn(5, H, dtype=(torch.float32, torch.bfloat16)[rank]))
+    except ValueError as err:
+        out["dtype_error"] = str(err)
+    torch.manual_seed(0)  # alike everywhere: runs, the group still lined up
+    out["shape"] = tuple(MoELayer(_config(top_k=2), dist.group.WORLD)(torch.randn(5, H)).shape)
+    return out
+
+
+@pytest.mark.distributed
+def test_a_bad_input_on_one_rank_raises_on_every_rank():
+    """The first forward's agreement covers the parameter dtype and the input's width and
+    dtype, and a rank whose input fails its own check still takes part: its peers raise
+    at once (before, they waited in the collective until the process-group timeout)."""
+    results = run_distributed(_mismatched_input_worker, 2, timeout_s=30)
+    assert re.search(rf"x has shape \(5, {H + 16}\) but the layer's hidden_size is {H}", results[1]["width_error"])
+    assert re.search(r"the parameters or input of this layer differs across the EP group in \['input hidden size', "
+                     r"\"input passes the layer's checks\"\] \(this rank: input hidden size=16, ",
+                     results[0]["width_error"])
+    for rank, res in enumerate(results):
+        assert re.search(r"differs across the EP group in \['parameter dtype', 'input dtype'\] \(this rank: "
+                         rf"parameter dtype=torch.{('float32', 'bfloat16')[rank]}", res["dtype_error"])
+        assert res["shape"] == (5, H)
+
+
 def _compiled_worker(rank, world_size, backend, dispatch="all_to_all"):
     """Eager and ``torch.compile``d runs of the same EP layer on this rank's tokens, and the
     exceptions Python reported as unraisable (e.g. from a ``__del__``) meanwhile."""
