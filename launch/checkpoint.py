@@ -141,6 +141,7 @@ def save_checkpoint(root: Path, step: int, layout: Layout, model: nn.Module, opt
     """
     final = root / f"step_{step:08d}"
     partial = final.with_name(final.name + ".partial")
+    _check_finite(step, model, optimizer)
     if layout.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -169,12 +170,38 @@ def save_checkpoint(root: Path, step: int, layout: Layout, model: nn.Module, opt
     return final
 
 
+def _check_finite(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise, on every rank alike, when a weight, buffer or optimizer state tensor of any
+    rank holds NaN or inf: such a checkpoint is never written (nor does pruning then delete
+    an older, good one). Collective: one all-reduce of a flag over all ranks."""
+    named = [(n, t) for n, t in model.state_dict().items() if t.is_floating_point()]
+    named += [(f"optimizer state {k} of {n}", v) for n, p in model.named_parameters()
+              for k, v in optimizer.state.get(p, {}).items()
+              if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    device = next(model.parameters()).device
+    finite = [torch.isfinite(t).all().to(device) for _, t in named]
+    bad = torch.logical_not(torch.stack(finite)) if finite else torch.zeros(0, dtype=torch.bool, device=device)
+    count = bad.sum(dtype=torch.float32).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    if int(count.item()):
+        names = [n for (n, _), b in zip(named, bad.tolist()) if b]
+        here = (f"this rank: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}" if names
+                else "on other ranks")
+        raise FloatingPointError(f"refusing to save the checkpoint of step {step}: weights or optimizer "
+                                 f"state hold NaN or inf ({here}); the earlier checkpoints are kept")
+
+
 def _prune(root: Path, keep: int, step: int) -> None:
     """Keep the newest ``keep`` complete checkpoints up to ``step`` (the one just saved, so
-    always kept); newer ones belong to another run (this one resumed from an earlier step)
-    and are never touched."""
-    if keep:
-        for old in [p for p in complete_checkpoints(root) if checkpoint_step(p) <= step][:-keep]:
+    always kept, and finite: see ``_check_finite``); newer ones belong to another run (this
+    one resumed from an earlier step) and are never touched. Nothing is pruned unless the
+    checkpoint of ``step`` is complete, so the newest complete one always survives."""
+    saved = root / f"step_{step:08d}"
+    if not keep or not (saved / "meta.json").is_file():
+        return
+    for old in [p for p in complete_checkpoints(root) if checkpoint_step(p) <= step][:-keep]:
+        if old != saved:
             shutil.rmtree(old, ignore_errors=True)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -66,6 +67,10 @@ class TrainingConfig:
     """AdamW betas."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (dense and all expert shards) to this; 0 disables."""
+    max_skipped_steps: int = 0
+    """A step whose loss (on any rank) or global gradient norm is NaN or infinite is skipped
+    (no optimizer update) up to this many times in a run; the next one stops the run with an
+    error naming the step. 0: stop at the first."""
     seed: int = 0
     """Seeds initialisation, the data order and the embedded corpus."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -83,9 +88,15 @@ class TrainingConfig:
     host sync, collectives and Triton launches and compiles the rest)."""
 
     def __post_init__(self) -> None:
+        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "betas"):
+            value = getattr(self, name)
+            if not all(math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))):
+                raise ValueError(f"training.{name}={value} must be finite (not NaN or infinite)")
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"training.{name}={getattr(self, name)} must be positive")
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"training.max_skipped_steps={self.max_skipped_steps} must be >= 0")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"training.lr={self.lr} must be > 0 and training.min_lr_ratio="
                              f"{self.min_lr_ratio} in [0, 1]")

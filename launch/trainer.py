@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from checkpoint import Layout, find_checkpoint, load_checkpoint, newer_checkpoints, save_checkpoint
+from checkpoint import Layout, complete_checkpoints, find_checkpoint, load_checkpoint, newer_checkpoints, save_checkpoint
 from config import JobConfig, TrainingConfig
 from data import TokenBatches, build_token_streams
 from model import MoETransformer
@@ -140,6 +140,7 @@ class Trainer:
         self.layout = Layout(rank=self.ranks.rank, world_size=self.ranks.world_size,
                              ep_rank=self.ranks.ep_rank, ep_size=self.ranks.ep_size)
         self.step = 0
+        self.skipped_steps = 0  # non-finite steps skipped so far in this run (training.max_skipped_steps)
         self._resume()
         self._warmup_kernels()
         self.metrics = self._open_metrics()
@@ -236,19 +237,29 @@ class Trainer:
                              targets_BL.to(self.ranks.device, non_blocking=True).flatten())
         return ce, moe_aux_loss(self.model)
 
-    def _clip_gradients(self) -> torch.Tensor:
+    def _clip_gradients(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Global gradient norm over dense weights and every expert shard; clip to
         ``grad_clip``. Dense gradients are equal on every rank after the sync; expert norms
-        are summed (squared) over the EP group, whose ranks hold disjoint experts."""
+        are summed (squared) over the EP group, whose ranks hold disjoint experts.
+
+        Also returns whether this step is finite on every rank: the grad norm is global
+        already, and this rank's ``loss`` (a 0-dim tensor) is folded in through one
+        one-element all-reduce over all ranks, so every rank reaches the same verdict (a NaN
+        on one rank stops or skips the step everywhere, no rank is left waiting). One host
+        read per step; gradients are left unclipped when the step is not finite."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         dense = torch.nn.utils.get_total_norm([p.grad for p in params if not is_expert_param(p)])
         expert_sq = torch.nn.utils.get_total_norm([p.grad for p in params if is_expert_param(p)]).square()
         if self.ranks.ep_group is not None:
             dist.all_reduce(expert_sq, group=self.ranks.ep_group)
         total = (dense.square() + expert_sq).sqrt()
-        if self.job.training.grad_clip > 0:
+        bad = torch.logical_not(torch.isfinite(loss.detach().float()) & torch.isfinite(total))
+        bad = bad.to(total.dtype).reshape(1)
+        dist.all_reduce(bad)  # > 0 when any rank saw a non-finite loss or norm
+        finite = not bool(bad)  # the one host read
+        if finite and self.job.training.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.job.training.grad_clip, total)
-        return total
+        return total, finite
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step; returns this rank's (loss, aux loss, global grad norm)."""
@@ -259,11 +270,35 @@ class Trainer:
         ce, aux = self._loss(inputs_BL, targets_BL)
         (ce + aux).backward()
         sync_gradients(self.model, self.ranks.ep_group, self.ranks.edp_group)
-        grad_norm = self._clip_gradients()
+        grad_norm, finite = self._clip_gradients(ce + aux)
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._non_finite_step(step, ce.detach(), aux.detach(), grad_norm)
+            return ce.detach(), aux.detach(), grad_norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         update_expert_biases(self.model, dist.group.WORLD)  # no-op unless moe.expert_bias
         return ce.detach(), aux.detach(), grad_norm
+
+    def _non_finite_step(self, step: int, ce: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """A step whose loss (on some rank) or global grad norm is NaN/inf: skipped, weights
+        and optimizer untouched, while ``training.max_skipped_steps`` allows; else raise
+        (on every rank alike: the verdict is global), before anything of it is saved."""
+        tcfg = self.job.training
+        what = (f"step {step}: non-finite loss or gradient norm (this rank: loss {float(ce):.4g}, aux loss "
+                f"{float(aux):.4g}; global grad norm {float(grad_norm):.4g})")
+        if self.skipped_steps < tcfg.max_skipped_steps:
+            self.skipped_steps += 1
+            if self.ranks.rank == 0:
+                logger.warning("%s: step skipped (%d of training.max_skipped_steps=%d in this run)", what,
+                               self.skipped_steps, tcfg.max_skipped_steps)
+            return
+        last = complete_checkpoints(Path(self.job.checkpoint.dir))
+        raise FloatingPointError(
+            f"{what}; stopping the run (training.max_skipped_steps={tcfg.max_skipped_steps}, "
+            f"{self.skipped_steps} skipped). Nothing past the last checkpoint is saved; the newest complete "
+            f"checkpoint in {self.job.checkpoint.dir} is {last[-1].name if last else 'none'}. Lower "
+            f"training.lr, raise training.warmup_steps or check the data, then resume from it")
 
     # --- the loop ----------------------------------------------------------------------
 
