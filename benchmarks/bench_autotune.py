@@ -48,7 +48,7 @@ from common import REPO, environment, save_results  # noqa: E402
 
 from ep_moe.autotune import Tuner, clear_memory_cache, device_limits, get_kernel_configs, warmup  # noqa: E402
 from ep_moe.autotune.bench import PassLaunch, default_device, gpu_timer, time_configs, wall_clock_timer  # noqa: E402
-from ep_moe.autotune.cache import ENV_CACHE_DIR, device_dir_name, load_model_shape  # noqa: E402
+from ep_moe.autotune.cache import ENV_CACHE_DIR, SHIPPED_DIR, device_dir_name, load_model_shape  # noqa: E402
 from ep_moe.autotune.space import default_config, heuristic_config, initial_candidates  # noqa: E402
 from ep_moe.kernels.config import PASSES  # noqa: E402
 
@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: a fresh temporary directory")
     parser.add_argument("--ship", action="store_true",
-                        help="copy the tuned cache files to configs/kernels/<device>/")
+                        help="copy the tuned cache files to ep_moe/autotune/shipped/<device>/")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke run: tiny shape, float32, 2 candidates, wall-clock timer")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
@@ -207,7 +207,7 @@ def main() -> None:
             save_results(out, {"tokens": args.tokens, "dtype": args.dtype, **summary, "records": records})
             print(json.dumps({"saved": str(out)}))
             if args.ship:
-                ship = REPO / "configs" / "kernels" / device_dir_name(env["device"])
+                ship = SHIPPED_DIR / device_dir_name(env["device"])
                 ship.mkdir(parents=True, exist_ok=True)
                 for f in cache.glob("*.json"):
                     shutil.copy(f, ship)

@@ -476,7 +476,7 @@ def _config_order(run: dict) -> tuple:
 
 
 def device_tag(name: str) -> str:
-    """A device name as a file-name part (as ``configs/kernels/`` names its folders)."""
+    """A device name as a file-name part (as ``ep_moe/autotune/shipped/`` names its folders)."""
     return re.sub(r"[^A-Za-z0-9.]+", "_", name).strip("_") or "unknown"
 
 

@@ -2,7 +2,7 @@
 # Autotune and training checks in one go, for a machine of 2 or more GPUs (within $BUDGET_S):
 #   1. benchmarks/bench_autotune.py under torchrun over every GPU (split tuning) for the four
 #      ANCHORS.md shapes at E, E/2 and E/4 local experts, --ship: the tuned files land in
-#      configs/kernels/<device>/ (and in $CACHE, which later runs on this machine read);
+#      ep_moe/autotune/shipped/<device>/ (and in $CACHE, which later runs on this machine read);
 #   2. launch/warmup_node.sh on 2 GPUs, twice, into a fresh cache: the first run tunes once
 #      (rank 0's node splits the problems), the second must be a cache hit in seconds;
 #   3. the trainer on 2 GPUs, EP=2, Triton kernels, bf16 (configs/train/gpu.toml).

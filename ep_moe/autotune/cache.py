@@ -17,8 +17,9 @@ lock. A file that fails validation is ignored with a warning and replaced by the
 write. A directory that cannot be written turns this cache into an in-memory one, with
 one warning.
 
-Shipped configs are cache files copied into ``configs/kernels/<device dir>/`` (see that
-directory's README); they match on everything but the torch/triton versions and SM count.
+Shipped configs are cache files copied into ``ep_moe/autotune/shipped/<device dir>/`` (see
+that directory's README), package data, so a wheel carries them; they match on everything but
+the torch/triton versions and SM count.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ ENV_CACHE_DIR = "EP_MOE_CACHE_DIR"
 ENV_SHIPPED_DIR = "EP_MOE_SHIPPED_DIR"
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
-"""The repository's ``configs/`` (model shapes, shipped kernel configs)."""
+"""The repository's ``configs/`` (model shape presets; not in a wheel)."""
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+"""Tuned kernel configs shipped with the package (package data), one directory per device."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,9 +133,9 @@ def cache_dir() -> Path:
 
 
 def shipped_dir() -> Path:
-    """``$EP_MOE_SHIPPED_DIR``, else the repository's ``configs/kernels``."""
+    """``$EP_MOE_SHIPPED_DIR``, else the package's :data:`SHIPPED_DIR`."""
     env = os.environ.get(ENV_SHIPPED_DIR)
-    return Path(env).expanduser() if env else CONFIGS_DIR / "kernels"
+    return Path(env).expanduser() if env else SHIPPED_DIR
 
 
 class BadCacheFile(ValueError):

@@ -5,7 +5,7 @@ walks steps 2-5):
 
 1. memory: tables installed in this process (by :func:`warmup` or an earlier lookup);
 2. the user cache file (:mod:`ep_moe.autotune.cache`);
-3. configs shipped in ``configs/kernels/<device>/``;
+3. configs shipped with the package (``ep_moe/autotune/shipped/<device>/``);
 4. tuning, only at :func:`warmup` or when a caller passes ``allow_tuning=True``;
 5. the shape heuristic (:func:`ep_moe.autotune.space.heuristic_table`).
 
