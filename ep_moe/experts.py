@@ -187,26 +187,42 @@ def _mark_experts_hook(module: GroupedExperts, incompatible_keys) -> None:
 def _stack_experts_hook(module: GroupedExperts, state_dict, prefix, local_metadata, strict,
                         missing_keys, unexpected_keys, error_msgs) -> None:
     """load_state_dict: pick this rank's ``gate_up.{g}`` / ``down.{g}`` keys, stack them,
-    and drop the other experts' keys (they belong to other ranks). A missing expert is
-    reported by the key ``state_dict()`` gives it, and keeps its weights."""
+    and drop the keys of the layer's other experts (they belong to other ranks). A missing
+    expert is reported by the key ``state_dict()`` gives it, and keeps its weights; so does
+    an expert whose value is not a tensor of its shape, reported in the load's errors by its
+    key and both shapes. A key that names no expert of the layer (``gate_up.99`` with 4
+    experts, ``gate_up.07``) stays, for ``load_state_dict`` to report as unexpected."""
     for name in ("gate_up", "down"):
-        key_prefix = f"{prefix}{name}."
-        per_expert = [k for k in state_dict if k.startswith(key_prefix) and k[len(key_prefix):].isdigit()]
         if prefix + name in state_dict:
             continue
         current = getattr(module, name).detach()
-        local = []
-        for j, g in enumerate(module.global_ids()):
-            key = f"{key_prefix}{g}"
-            if key in state_dict:
-                local.append(state_dict[key])
-            else:
-                missing_keys.append(key)
-                local.append(current[j])
-        for key in per_expert:
-            del state_dict[key]
-        # on a meta module (built to load with assign=True) the loaded tensors stay where they are
-        state_dict[prefix + name] = torch.stack([t if current.is_meta else t.to(current.device) for t in local])
+        local = [_expert_tensor(state_dict, f"{prefix}{name}.{g}", current[j], missing_keys, error_msgs)
+                 for j, g in enumerate(module.global_ids())]
+        for g in range(module.config.num_experts):
+            state_dict.pop(f"{prefix}{name}.{g}", None)
+        if len({t.device for t in local}) == 1:  # else a meta module misses experts: left unloaded, reported
+            state_dict[prefix + name] = torch.stack(local)
+
+
+def _expert_tensor(state_dict, key: str, current: torch.Tensor, missing_keys: list[str],
+                   error_msgs: list[str]) -> torch.Tensor:
+    """What one local expert loads: ``state_dict[key]`` on ``current``'s device (where it is
+    on a meta module, built to load with assign=True), or ``current`` (weights kept) when
+    the key is missing or holds no tensor of ``current``'s shape, which is reported."""
+    if key not in state_dict:
+        missing_keys.append(key)
+        return current
+    value = state_dict[key]
+    if not isinstance(value, torch.Tensor):
+        error_msgs.append(f"expert weight {key} is a {type(value).__name__}, not a tensor of shape "
+                          f"{tuple(current.shape)}; save it from MoELayer.state_dict()")
+        return current
+    if value.shape != current.shape:
+        error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                          f"checkpoint, the shape in current model is {tuple(current.shape)}; load a "
+                          "checkpoint of a layer with the same hidden_size, intermediate_size and activation")
+        return current
+    return value if current.is_meta else value.to(current.device)
 
 
 class SharedExperts(nn.Module):

@@ -40,11 +40,23 @@ from ep_moe.config import MoEConfig, check_experts_divide, check_same_config
 from ep_moe.ep import build_dispatcher
 from ep_moe.ep.base import group_size
 from ep_moe.experts import GroupedExperts, SharedExperts
+from ep_moe.kernels.ops import debug_enabled
 from ep_moe.parallel import resolve_ep_group
 from ep_moe.routing import RouterOutput, capacity_keep_mask, expert_capacity, route
 
 if TYPE_CHECKING:
     from ep_moe.autotune.space import GemmProblem
+
+_EXPERT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes the experts compute in (the grouped GEMM's)."""
+
+
+def _check_finite_tokens(x_TH: torch.Tensor) -> None:
+    """Raise if some tokens hold NaN or inf, naming how many (a host sync)."""
+    bad = int((~torch.isfinite(x_TH)).any(dim=1).sum())
+    if bad:
+        raise ValueError(f"x has {bad} of {x_TH.shape[0]} tokens with NaN or inf values (EP_MOE_DEBUG is set); "
+                         "find where they turn non-finite upstream, e.g. with torch.autograd.detect_anomaly()")
 
 
 @dataclass(frozen=True)
@@ -181,18 +193,30 @@ class MoELayer(nn.Module):
         return self.experts.problems(self.compute_dtype())
 
     def _check_input(self, x: torch.Tensor) -> None:
+        """Raise naming what is wrong with ``x`` and the fix; with ``EP_MOE_DEBUG=1`` also
+        when some of its tokens hold NaN or inf (a host sync, so only then)."""
         hidden, param = self.config.hidden_size, self.experts.gate_up
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor [..., {hidden}], got {type(x).__name__}; "
+                            "convert it with torch.as_tensor")
         if x.dim() < 1 or x.shape[-1] != hidden:
             raise ValueError(f"x has shape {tuple(x.shape)} but the layer's hidden_size is {hidden}; "
                              f"pass x as [..., {hidden}]")
+        if not x.is_floating_point():
+            raise ValueError(f"x dtype {x.dtype} is not supported: the layer takes float32, float16 or bfloat16 "
+                             f"input (its parameter dtype, {param.dtype}, unless under autocast); "
+                             f"cast x with x.to({param.dtype})")
         if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type):
+            layer_fix = f" or the layer with layer.to({x.dtype})" if x.dtype in _EXPERT_DTYPES else ""
             raise ValueError(f"x dtype {x.dtype} does not match the layer's parameter dtype {param.dtype}; "
-                             f"cast x with x.to({param.dtype}) or the layer with layer.to({x.dtype})")
+                             f"cast x with x.to({param.dtype}){layer_fix}")
         if x.device != param.device:
             raise ValueError(f"x is on {x.device} but the layer is on {param.device}; move one of them")
-        if self.compute_dtype() not in (torch.float32, torch.float16, torch.bfloat16):
+        if self.compute_dtype() not in _EXPERT_DTYPES:
             raise ValueError(f"the layer computes in {self.compute_dtype()}, but its experts run in float32, "
                              "float16 or bfloat16; cast the layer (layer.float()) and x, or run under autocast")
+        if debug_enabled() and not torch.compiler.is_compiling():
+            _check_finite_tokens(x.reshape(-1, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """MoE forward, ``x`` [..., H] -> same shape and dtype (under autocast, the

@@ -223,13 +223,47 @@ def test_partial_load_names_the_missing_experts():
     assert torch.equal(layer.experts.gate_up, before)
 
 
+def test_load_reports_keys_of_no_expert_as_unexpected():
+    """A key that names no expert of the layer (id past num_experts, or not the id's own
+    spelling) is unexpected, not taken for another rank's expert and dropped."""
+    layer = MoELayer(_config(top_k=2, num_experts=4))
+    state = layer.state_dict()
+    state.update({"experts.gate_up.99": state["experts.gate_up.0"], "experts.down.07": state["experts.down.0"]})
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "experts.gate_up.99", '
+                                           r'"experts.down.07"'):
+        layer.load_state_dict(state)
+    result = layer.load_state_dict(state, strict=False)
+    assert result.unexpected_keys == ["experts.gate_up.99", "experts.down.07"] and result.missing_keys == []
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_names_an_expert_of_the_wrong_shape(strict):
+    layer = MoELayer(_config(top_k=2))
+    before = layer.experts.gate_up.detach().clone()
+    state = layer.state_dict()
+    state["experts.gate_up.2"] = torch.zeros(3, H)
+    with pytest.raises(RuntimeError, match=re.escape(f"size mismatch for experts.gate_up.2: copying a param with "
+                                                     f"shape (3, {H}) from checkpoint, the shape in current model "
+                                                     f"is ({2 * I}, {H})")):
+        layer.load_state_dict(state, strict=strict)
+    assert torch.equal(layer.experts.gate_up, before)
+    state["experts.gate_up.2"] = [0.0]
+    with pytest.raises(RuntimeError, match=r"expert weight experts.gate_up.2 is a list, not a tensor of shape"):
+        layer.load_state_dict(state, strict=strict)
+
+
 def test_layer_errors():
     layer = MoELayer(_config(top_k=2))
     with pytest.raises(ValueError, match=r"x has shape \(4, 12\) but the layer's hidden_size is 16; pass x as"):
         layer(torch.randn(4, 12))
     with pytest.raises(ValueError, match=r"x dtype torch.float64 does not match the layer's parameter dtype "
-                                         r"torch.float32; cast x"):
+                                         r"torch.float32; cast x with x.to\(torch.float32\)$"):
         layer(torch.randn(4, H, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"x dtype torch.int64 is not supported: the layer takes float32, float16 "
+                                         r"or bfloat16 input .*; cast x with x.to\(torch.float32\)$"):
+        layer(torch.ones(4, H, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor \[..., 16\], got list"):
+        layer([[0.0] * H])
     with pytest.raises(ValueError, match=r"the layer computes in torch.float64, but its experts run in float32, "
                                          r"float16 or bfloat16; cast the layer \(layer.float\(\)\) and x"):
         MoELayer(_config(top_k=2), dtype=torch.float64)(torch.randn(4, H, dtype=torch.float64))
@@ -239,6 +273,21 @@ def test_layer_errors():
         resolve_ep_group(4)
     with pytest.raises(ValueError, match=r"update_expert_bias needs MoEConfig\(expert_bias=True\)"):
         layer.update_expert_bias()
+
+
+def test_nonfinite_tokens_raise_only_in_debug_mode(monkeypatch):
+    """EP_MOE_DEBUG=1: a NaN or inf token raises at the layer, counted; without it the
+    layer adds no check (no host sync) and routes them as before."""
+    layer = MoELayer(_config(top_k=2))
+    x = torch.randn(2, 5, H)
+    x[0, 1, 3], x[1, 4, 0], x[1, 4, 1] = float("nan"), float("inf"), float("-inf")
+    monkeypatch.delenv("EP_MOE_DEBUG", raising=False)
+    y = layer(x)
+    assert y[0, 0].isfinite().all() and not y[0, 1].isfinite().all()
+    monkeypatch.setenv("EP_MOE_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"x has 2 of 10 tokens with NaN or inf values \(EP_MOE_DEBUG is set\)"):
+        layer(x)
+    layer(torch.randn(2, 5, H))  # finite tokens pass
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -378,7 +378,9 @@ def defer_weight_grads(queue: WeightGradQueue):
         _open_queues.remove(queue)
 
 
-def _debug_enabled(debug: Optional[bool]) -> bool:
+def debug_enabled(debug: Optional[bool] = None) -> bool:
+    """Whether the value checks that cost a host sync on the GPU run: ``debug`` when given,
+    else whether the ``EP_MOE_DEBUG`` environment variable is set to anything but ``0``."""
     if debug is not None:
         return debug
     return os.environ.get("EP_MOE_DEBUG", "0") not in ("", "0")
@@ -499,7 +501,7 @@ def grouped_gemm(
     Returns:
         [M, N] tensor of x's dtype: rows of expert e are ``x_e @ w[e]^T``.
     """
-    debug = _debug_enabled(debug)
+    debug = debug_enabled(debug)
     _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug, bounded_rows)
     if unique_gather and gather_index is not None and (debug or x.device.type == "cpu") \
             and not torch.compiler.is_compiling() and torch.unique(gather_index).numel() != gather_index.numel():
