@@ -41,7 +41,7 @@ def naive_moe(x, params, cfg: MoEConfig, bias_E=None):
     """Loop reference of the documented forward. ``params``: router [E, H], gate_up.{g},
     down.{g}, optional shared_up / shared_down. Returns (y, aux, z, counts, dropped)."""
     x_TH = x.reshape(-1, cfg.hidden_size)
-    num_tokens, top_k = x_TH.shape[0], cfg.top_k
+    num_tokens, top_k, num_experts = x_TH.shape[0], cfg.top_k, cfg.num_experts
     slots = []  # (t, e, weight, score)
     probs, lse = [], []
     for t in range(num_tokens):
@@ -49,14 +49,15 @@ def naive_moe(x, params, cfg: MoEConfig, bias_E=None):
         scores = torch.softmax(logits, 0) if cfg.score_func == "softmax" else torch.sigmoid(logits)
         probs.append(scores / scores.sum())
         lse.append(torch.log(torch.exp(logits).sum()))
-        select = [float(scores[e].detach()) + (0.0 if bias_E is None else float(bias_E[e])) for e in range(E)]
-        chosen = sorted(range(E), key=lambda e: -select[e])[:top_k]
+        select = [float(scores[e].detach()) + (0.0 if bias_E is None else float(bias_E[e]))
+                  for e in range(num_experts)]
+        chosen = sorted(range(num_experts), key=lambda e: -select[e])[:top_k]
         denom = sum(scores[e] for e in chosen) if cfg.norm_topk_prob else 1.0
         slots.extend((t, e, scores[e] / denom, float(scores[e].detach())) for e in chosen)
     keep = [True] * len(slots)
     if cfg.capacity_factor is not None:
-        capacity = math.ceil(cfg.capacity_factor * num_tokens * top_k / E)
-        for e in range(E):
+        capacity = math.ceil(cfg.capacity_factor * num_tokens * top_k / num_experts)
+        for e in range(num_experts):
             mine = [n for n, s in enumerate(slots) if s[1] == e]
             if cfg.drop_policy == "probs":
                 mine.sort(key=lambda n: -slots[n][3])
@@ -70,11 +71,11 @@ def naive_moe(x, params, cfg: MoEConfig, bias_E=None):
         rows = [r + _mlp(x_TH[t], params["shared_up"], params["shared_down"], cfg.activation)
                 for t, r in enumerate(rows)]
     y = torch.stack(rows).reshape(x.shape) if rows else x.new_zeros(x.shape)
-    counts = [sum(1 for s in slots if s[1] == e) for e in range(E)]
+    counts = [sum(1 for s in slots if s[1] == e) for e in range(num_experts)]
     aux = z = torch.zeros((), dtype=x_TH.dtype)
     if num_tokens:
-        aux = cfg.aux_loss_coef * E * sum(counts[e] / (num_tokens * top_k) * sum(p[e] for p in probs) / num_tokens
-                                          for e in range(E))
+        aux = cfg.aux_loss_coef * num_experts * sum(
+            counts[e] / (num_tokens * top_k) * sum(p[e] for p in probs) / num_tokens for e in range(num_experts))
         z = cfg.z_loss_coef * sum(v ** 2 for v in lse) / num_tokens
     return y, aux, z, counts, keep.count(False)
 
@@ -82,7 +83,7 @@ def naive_moe(x, params, cfg: MoEConfig, bias_E=None):
 def _naive_params(layer: MoELayer):
     sd = layer.state_dict()
     params = {"router": sd["router.weight"]}
-    for g in range(E):
+    for g in range(layer.config.num_experts):
         params[f"gate_up.{g}"] = sd[f"experts.gate_up.{g}"]
         params[f"down.{g}"] = sd[f"experts.down.{g}"]
     if layer.shared_experts is not None:
@@ -120,3 +121,38 @@ def _param_grads(layer):
 
 def _close(actual, expected):
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=1e-5)
+
+
+def assert_matches_naive(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, bias_E=None, atol=ATOL, rtol=1e-5):
+    """One forward and backward of ``sum(y * g) + aux + z`` through ``layer`` (EP=1) against
+    :func:`naive_moe` in float64: the output, the losses, the counts and drops, and the
+    gradients of x, the router, every expert and the shared experts. Returns the number of
+    dropped slots."""
+    cfg = layer.config
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    stats = layer.last_stats
+    ((y * g).sum() + moe_aux_loss(layer)).backward()
+    params = _naive_params(layer)
+    x64 = x.detach().double().requires_grad_()
+    y_ref, aux_ref, z_ref, counts_ref, dropped_ref = naive_moe(x64, params, cfg, bias_E)
+    ((y_ref * g.double()).sum() + aux_ref + z_ref).backward()
+
+    def close(actual, expected):
+        torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=rtol)
+
+    assert y.shape == x.shape and y.dtype == x.dtype
+    close(y, y_ref)
+    close(stats.aux_loss, aux_ref)
+    close(stats.z_loss, z_ref)
+    assert stats.tokens_per_expert.tolist() == counts_ref
+    assert int(stats.num_dropped) == dropped_ref
+    close(x.grad, x64.grad)
+    close(layer.router.weight.grad, _grad(params["router"]))
+    for j, g_id in enumerate(layer.experts.global_ids()):
+        close(_grad(layer.experts.gate_up)[j], _grad(params[f"gate_up.{g_id}"]))
+        close(_grad(layer.experts.down)[j], _grad(params[f"down.{g_id}"]))
+    if layer.shared_experts is not None:
+        close(layer.shared_experts.gate_up.weight.grad, params["shared_up"].grad)
+        close(layer.shared_experts.down.weight.grad, params["shared_down"].grad)
+    return dropped_ref

@@ -82,10 +82,43 @@ def test_aux_and_z_loss_formulas(score_func):
     z = z_coef * sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits) / T
     assert out.aux_loss.item() == pytest.approx(aux, rel=1e-5)
     assert out.z_loss.item() == pytest.approx(z, rel=1e-5)
+
+
+def _loop_losses(x_TH, w_EH, counts_E, top_k, score_func, aux_coef, z_coef):
+    """Float64 aux and z losses token by token from their formulas, differentiable in x and
+    the router weight; ``counts_E`` (the router's choice) is a constant, as in the layer."""
+    num_tokens, num_experts = x_TH.shape[0], w_EH.shape[0]
+    aux = z = torch.zeros((), dtype=torch.float64)
+    for x_H in x_TH:
+        logits_E = torch.stack([w_H @ x_H for w_H in w_EH])
+        exp_E = logits_E.exp()
+        scores_E = exp_E / exp_E.sum() if score_func == "softmax" else 1 / (1 + (-logits_E).exp())
+        probs_E = scores_E / scores_E.sum()
+        aux = aux + sum(float(counts_E[e]) / (num_tokens * top_k) * probs_E[e] for e in range(num_experts))
+        z = z + exp_E.sum().log() ** 2
+    return aux_coef * num_experts * aux / num_tokens, z_coef * z / num_tokens
+
+
+@pytest.mark.parametrize("router_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_aux_and_z_loss_gradients(score_func, router_dtype):
+    """The gradients of each loss in x and the router weight, against the float64 loop:
+    a loss cut off from the graph (detached probabilities) or scaled wrongly fails here."""
+    x_TH, w_EH = _inputs(6)
     x_TH.requires_grad_()
-    grad_out = route(x_TH, w_EH, top_k=top_k, score_func=score_func, aux_loss_coef=aux_coef, z_loss_coef=z_coef)
-    (grad_out.aux_loss + grad_out.z_loss).backward()
-    assert x_TH.grad.abs().sum() > 0
+    w_EH.requires_grad_()
+    top_k, aux_coef, z_coef = 2, 0.3, 0.05
+    out = route(x_TH, w_EH, top_k=top_k, score_func=score_func, aux_loss_coef=aux_coef, z_loss_coef=z_coef,
+                router_dtype=router_dtype)
+    x64, w64 = x_TH.detach().double().requires_grad_(), w_EH.detach().double().requires_grad_()
+    aux_ref, z_ref = _loop_losses(x64, w64, out.counts_E, top_k, score_func, aux_coef, z_coef)
+    for loss, ref in ((out.aux_loss, aux_ref), (out.z_loss, z_ref)):
+        got = torch.autograd.grad(loss, (x_TH, w_EH), allow_unused=True, retain_graph=True)
+        want = torch.autograd.grad(ref, (x64, w64), retain_graph=True)
+        for g, w in zip(got, want):
+            assert g is not None, "the loss has no gradient"
+            torch.testing.assert_close(g.double(), w, atol=1e-7, rtol=1e-5)
+            assert w.abs().max() > 1e-4  # a gradient worth checking
 
 
 def test_uniform_routing_aux_loss_equals_coef():
