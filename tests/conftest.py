@@ -22,6 +22,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_dir(tmp_path_factory):
+    """Every test (and every process it starts) uses a fresh autotune cache of this session,
+    never the user's ``~/.cache/ep_moe/autotune``; tests that need their own set it again."""
+    before = os.environ.get("EP_MOE_CACHE_DIR")
+    os.environ["EP_MOE_CACHE_DIR"] = str(tmp_path_factory.mktemp("ep_moe_cache"))
+    yield
+    if before is None:
+        os.environ.pop("EP_MOE_CACHE_DIR")
+    else:
+        os.environ["EP_MOE_CACHE_DIR"] = before
+
+
 @pytest.fixture
 def device() -> torch.device:
     """The device tests run on: CUDA when present, else the CPU (Triton interpreter)."""
