@@ -1,10 +1,8 @@
 """The ``ep-moe`` console script: ``autotune`` (per-node warmup) and ``cache`` housekeeping.
 
-Thin by design: parse, call public functions of :mod:`ep_moe.autotune`, print.
-
-    ep-moe autotune --model mixtral-8x7b --ep-size 1 --tokens 8192
-    torchrun --nproc-per-node 8 -m ep_moe.cli autotune --model deepseek-v3 --ep-size 8 --tokens 8192
-    ep-moe cache list | show KEY | clear | path
+Thin by design: parse, call public functions of :mod:`ep_moe.autotune`, print. Every
+failure the user can fix ends in one line on stderr and a non-zero exit status (2: bad
+arguments; 1: the machine or the cache directory), never a traceback.
 """
 
 from __future__ import annotations
@@ -21,17 +19,26 @@ import torch.distributed as dist
 from ep_moe.autotune import ResolvedConfigs, warmup
 from ep_moe.autotune.coordinate import target_buckets
 from ep_moe.autotune.bench import Tuner
-from ep_moe.autotune.cache import default_cache, load_model_shape, read_file
+from ep_moe.autotune.cache import CacheDirError, default_cache, load_model_shape, read_file
 from ep_moe.autotune.space import ELEMENT_BYTES, GemmProblem
 from ep_moe.kernels.config import PASSES
 
 
+DESCRIPTION = "Tune the grouped GEMM kernels of ep_moe on this node, and manage their cache."
+EXAMPLES = """examples:
+  ep-moe autotune --model mixtral-8x7b --ep-size 1 --tokens 8192
+  torchrun --nproc-per-node 8 -m ep_moe.cli autotune --model deepseek-v3 --ep-size 8 --tokens 8192
+  ep-moe cache list | show KEY | clear | path"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ep-moe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ep-moe", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log which source served each config")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    tune = sub.add_parser("autotune", help="tune (or load) kernel configs of a model's MoE layer and cache them")
+    tune = sub.add_parser("autotune", help="tune (or load) kernel configs of a model's MoE layer and cache them "
+                                           "(needs a CUDA GPU)")
     tune.add_argument("--model", required=True, help="preset name in configs/models/ or a JSON file")
     tune.add_argument("--ep-size", type=int, default=1, help="expert-parallel size (local experts = E / ep-size)")
     tune.add_argument("--tokens", type=int, nargs="+", default=None,
@@ -45,10 +52,11 @@ def _parser() -> argparse.ArgumentParser:
 
     cache = sub.add_parser("cache", help="inspect or clear the autotune cache")
     cache_sub = cache.add_subparsers(dest="action", required=True)
-    cache_sub.add_parser("list", help="one line per cache file")
+    cache_sub.add_parser("list", help="one line per file of the cache directory (invalid and foreign ones marked)")
     show = cache_sub.add_parser("show", help="print one cache file")
     show.add_argument("key", help="file name, digest, or a unique prefix of either")
-    cache_sub.add_parser("clear", help="delete every cache file (each under its lock; lock files stay)")
+    cache_sub.add_parser("clear", help="delete the files the cache wrote and their lock files (each under its "
+                                       "lock); anything else is listed and left alone")
     cache_sub.add_parser("path", help="print the cache directory")
     return parser
 
@@ -70,7 +78,20 @@ def _summary(results: dict[GemmProblem, ResolvedConfigs], tokens: list[int] | No
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines)
 
 
+NO_GPU = ("ep-moe autotune: tuning times the Triton kernels on a CUDA GPU, and torch sees none here "
+          "(torch.cuda.is_available() is False); run it on a GPU node. Without tuning, the layer serves "
+          "the shipped configs or the shape heuristic.")
+
+
+def _can_tune() -> bool:
+    """A CUDA GPU, or the Triton interpreter asked for (``TRITON_INTERPRET=1``: tests only)."""
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _autotune(args: argparse.Namespace) -> int:
+    if not _can_tune():
+        print(NO_GPU, file=sys.stderr)
+        return 1
     problems = load_model_shape(args.model).problems(args.ep_size, args.dtype)
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched:  # under torchrun: the node's GPUs warm up together, rank 0 tunes
@@ -89,33 +110,64 @@ def _autotune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _list(cache) -> int:
+    entries = cache.entries()
+    if not entries:
+        where = "" if cache.directory.exists() else " (the directory does not exist yet)"
+        print(f"cache is empty: {cache.directory}{where}")
+    for entry in entries:
+        name = entry.path.name
+        if entry.kind == "foreign":
+            print(f"{name}  FOREIGN: not an ep_moe cache file; `ep-moe cache clear` leaves it alone")
+        elif entry.kind == "invalid":
+            print(f"{name}  INVALID: {entry.detail}")
+        else:
+            data = entry.record
+            buckets = ",".join(sorted(data["buckets"], key=int))
+            link = f"  (a symlink to {os.readlink(entry.path)})" if entry.path.is_symlink() else ""
+            print(f"{name}  {data['key']['device_name']}  rows={buckets}  updated={data.get('updated', '?')}{link}")
+    return 0
+
+
+def _clear(cache) -> int:
+    report = cache.clear()
+    print(f"removed {len(report.removed)} cache files from {cache.directory}")
+    for path, why in report.kept:
+        print(f"left {path.name}: {why}")
+    if report.failed:
+        path, error = report.failed[0]
+        print(f"ep-moe: error: could not remove {len(report.failed)} cache file(s) of {cache.directory} "
+              f"(first: {path.name}: {error}); check that this user may write to that directory",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _show(cache, key: str) -> int:
+    cache.entries()  # a directory that cannot be listed is reported as such
+    path = cache.find(key)
+    if path is None:
+        print(f"no single cache file matches {key!r} in {cache.directory}; see `ep-moe cache list`",
+              file=sys.stderr)
+        return 1
+    data, why = read_file(path)
+    if data is None:
+        print(f"{path} is invalid: {why}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=1, sort_keys=True))
+    return 0
+
+
 def _cache(args: argparse.Namespace) -> int:
     cache = default_cache()
     if args.action == "path":
         print(cache.directory)
-    elif args.action == "clear":
-        print(f"removed {cache.clear()} files from {cache.directory}")
-    elif args.action == "list":
-        for path in cache.files():
-            data, why = read_file(path)
-            if data is None:
-                print(f"{path.name}  INVALID: {why}")
-                continue
-            key = data["key"]
-            buckets = ",".join(sorted(data["buckets"], key=int))
-            print(f"{path.name}  {key['device_name']}  rows={buckets}  updated={data.get('updated', '?')}")
-    else:
-        path = cache.find(args.key)
-        if path is None:
-            print(f"no single cache file matches {args.key!r} in {cache.directory}; see `ep-moe cache list`",
-                  file=sys.stderr)
-            return 1
-        data, why = read_file(path)
-        if data is None:
-            print(f"{path} is invalid: {why}", file=sys.stderr)
-            return 1
-        print(json.dumps(data, indent=1, sort_keys=True))
-    return 0
+        return 0
+    if args.action == "clear":
+        return _clear(cache)
+    if args.action == "list":
+        return _list(cache)
+    return _show(cache, args.key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"ep-moe: error: {e}", file=sys.stderr)
         return 2
+    except (CacheDirError, OSError) as e:
+        print(f"ep-moe: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@
 # and --tokens (tokens per rank per step) should match the training job, since the cache
 # keys on the local expert count and the row bucket. With several GPUs the script runs
 # `ep-moe autotune` under torchrun over all of them: rank 0 tunes and writes the cache, the
-# others receive its configs (the run every job start does). With one GPU, or none, it runs
-# one process. A second run finds everything in the cache and returns in seconds; pass
-# --force to retune.
+# others receive its configs (the run every job start does). With one GPU it runs one
+# process; on a machine without a CUDA GPU `ep-moe autotune` says that tuning needs one and
+# exits 1. A second run finds everything in the cache and returns in seconds; pass --force
+# to retune.
 #
 # Environment:
 #   NPROC             processes to start (default: the GPUs of CUDA_VISIBLE_DEVICES, else the

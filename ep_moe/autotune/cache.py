@@ -15,7 +15,11 @@ Writes go to a temp file in the same directory, are fsynced and ``os.replace``d 
 ``filelock.FileLock`` on ``<file>.lock``, so readers never see half a file and need no
 lock. A file that fails validation is ignored with a warning and replaced by the next
 write. A directory that cannot be written turns this cache into an in-memory one, with
-one warning.
+one warning. Every wait for a lock is bounded (:data:`DEFAULT_LOCK_TIMEOUT` unless the caller
+gives another bound): a lock held longer, by a process tuning that key or one stopped while
+holding it, gives :class:`CacheLockTimeout` (``get_or_tune``) or a warning and the
+in-memory fallback (``store``, ``merge``). ``clear`` deletes only files this cache wrote
+(name and schema) and their lock files; anything else in the directory is left alone.
 
 Shipped configs are cache files copied into ``ep_moe/autotune/shipped/<device dir>/`` (see
 that directory's README), package data, so a wheel carries them; they match on everything but
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import glob
 import hashlib
 import json
 import logging
@@ -54,6 +59,11 @@ SCHEMA_VERSION = 1
 
 ENV_CACHE_DIR = "EP_MOE_CACHE_DIR"
 ENV_SHIPPED_DIR = "EP_MOE_SHIPPED_DIR"
+
+DEFAULT_LOCK_TIMEOUT = 600.0
+"""Seconds a wait for a cache file's lock lasts at most unless the caller says otherwise (as
+long as :func:`ep_moe.autotune.warmup`'s default timeout): the lock is held while a key is
+tuned, which takes minutes on a GPU."""
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The repository's ``configs/`` (model shape presets; not in a wheel)."""
@@ -215,6 +225,75 @@ TuneBuckets = Callable[[tuple[int, ...]], Table]
 """Tunes the given buckets of one key's problem and returns their table."""
 
 
+class CacheLockTimeout(RuntimeError):
+    """A cache file's lock stayed held longer than the caller's bound (not an OSError: the
+    directory is fine, another process holds the lock)."""
+
+
+class CacheDirError(RuntimeError):
+    """The cache directory cannot be listed: it is a file, or unreadable."""
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One file of a cache directory as ``ep-moe cache list`` shows it.
+
+    ``kind`` is ``"cache"`` (a valid file of this cache), ``"invalid"`` (named like one but
+    not valid: ``detail`` says why) or ``"foreign"`` (not named like a cache file).
+    """
+
+    path: Path
+    kind: str
+    detail: str = ""
+    record: dict[str, Any] | None = None
+
+
+@dataclass
+class ClearReport:
+    """What :meth:`ConfigCache.clear` did: files removed, files left alone (and why), and
+    files it could not remove (and the error)."""
+
+    removed: list[Path] = dataclasses.field(default_factory=list)
+    kept: list[tuple[Path, str]] = dataclasses.field(default_factory=list)
+    failed: list[tuple[Path, str]] = dataclasses.field(default_factory=list)
+
+
+_FILE_NAME = re.compile(r"(gate_up|down)-e\d+-n\d+-k\d+-top\d+-\w+-[A-Za-z0-9._]+-[0-9a-f]{16}\.json")
+"""Names of the files :meth:`CacheKey.file_name` makes."""
+
+LOCK_SUFFIX = ".lock"
+
+
+def is_cache_file_name(name: str) -> bool:
+    """Whether ``name`` has the form of a cache file's name."""
+    return _FILE_NAME.fullmatch(name) is not None
+
+
+def _is_lock_name(name: str) -> bool:
+    return name.endswith(LOCK_SUFFIX) and is_cache_file_name(name.removesuffix(LOCK_SUFFIX))
+
+
+def _locked_message(lock_path: str, timeout: float) -> str:
+    return (f"{lock_path} stayed locked for {timeout:g}s: another process is tuning this key, or "
+            f"holds the lock while stopped or hung; let it finish, or stop it (a lock goes with "
+            f"the process that holds it)")
+
+
+def _acquire(lock_path: str, timeout: float) -> filelock.FileLock:
+    """The acquired lock of ``lock_path``, waiting at most ``timeout`` seconds (else
+    :class:`CacheLockTimeout`). Every wait for a cache lock goes through here: none is
+    unbounded."""
+    if not 0 <= timeout < float("inf"):
+        raise ValueError(f"lock_timeout={timeout!r}: give seconds >= 0 (a wait for a cache lock is "
+                         f"always bounded)")
+    lock = filelock.FileLock(lock_path, timeout=timeout)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise CacheLockTimeout(_locked_message(lock_path, timeout)) from None
+    return lock
+
+
 class ConfigCache:
     """The tuned configs of one cache directory, falling back to memory if unwritable."""
 
@@ -251,9 +330,18 @@ class ConfigCache:
         found = self._read(key)
         return found[0] if found else None
 
-    def store(self, key: CacheKey, table: Table) -> None:
-        """Write ``table`` as the whole record of ``key`` (atomic, under the key's lock)."""
-        lock = self._lock(key, timeout=-1)
+    def store(self, key: CacheKey, table: Table, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
+        """Write ``table`` as the whole record of ``key`` (atomic, under the key's lock).
+
+        A lock held longer than ``lock_timeout`` seconds leaves the file as it is: the table
+        is kept in memory for this process, with a warning.
+        """
+        try:
+            lock = self._lock(key, lock_timeout)
+        except CacheLockTimeout as e:
+            logger.warning("ep_moe autotune cache: %s; not written, kept in memory for this process", e)
+            self._memory[key.digest()] = dict(table)
+            return
         if lock is None:
             self._memory[key.digest()] = dict(table)
             return
@@ -268,9 +356,8 @@ class ConfigCache:
         lock stays held ``lock_timeout`` seconds; returns whether it wrote."""
         try:
             lock = self._lock(key, lock_timeout)
-        except filelock.Timeout:
-            logger.warning("ep_moe autotune cache: %s stayed locked for %ss; not updated", self.path(key),
-                           lock_timeout)
+        except CacheLockTimeout as e:
+            logger.warning("ep_moe autotune cache: %s; not updated", e)
             return False
         try:
             now = self._read(key)
@@ -302,29 +389,25 @@ class ConfigCache:
 
     def _lock(self, key: CacheKey, timeout: float) -> filelock.FileLock | None:
         """The acquired file lock of ``key``; None in memory-only mode (an unwritable
-        directory); ``filelock.Timeout`` after ``timeout`` seconds (-1: wait forever)."""
+        directory); :class:`CacheLockTimeout` after ``timeout`` seconds."""
         if self._memory_only:
             return None
-        lock = filelock.FileLock(str(self.path(key)) + ".lock", timeout=timeout)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            lock.acquire()
-        except filelock.Timeout:
-            raise
+            return _acquire(str(self.path(key)) + LOCK_SUFFIX, timeout)
         except OSError as e:
             self._go_memory_only(e)
             return None
-        return lock
 
     def get_or_tune(self, key: CacheKey, buckets: Iterable[int], tune: TuneBuckets, *,
-                    force: bool = False, lock_timeout: float = -1) -> tuple[Table, str]:
+                    force: bool = False, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> tuple[Table, str]:
         """The table of ``key`` covering ``buckets``, tuning what is missing: (table, source).
 
         Single flight: tuning runs under the key's file lock, and the file is re-read once
         the lock is held, so a process that waited on another one tuning the same key reads
         its result (source ``"cache"``) instead of tuning again. ``force`` retunes
         ``buckets`` unless another process rewrote the file while this one waited.
-        ``lock_timeout`` seconds bound that wait (``filelock.Timeout``).
+        ``lock_timeout`` seconds bound that wait (:class:`CacheLockTimeout`).
         """
         want = tuple(sorted(set(buckets)))
         before = self._read(key)
@@ -349,11 +432,42 @@ class ConfigCache:
             if lock is not None:
                 lock.release()
 
-    def files(self) -> list[Path]:
-        """Cache files in the directory, sorted by name."""
-        if not self.directory.is_dir():
+    def _names(self) -> list[str]:
+        """Names in the directory (none if it does not exist); :class:`CacheDirError` if it
+        is not a directory or cannot be listed."""
+        try:
+            return sorted(os.listdir(self.directory))
+        except FileNotFoundError:
             return []
-        return sorted(p for p in self.directory.glob("*.json") if p.is_file())
+        except NotADirectoryError:
+            raise CacheDirError(f"the cache directory {self.directory} is a file, not a directory; "
+                                f"move it away, or set {ENV_CACHE_DIR} to a directory") from None
+        except OSError as e:
+            raise CacheDirError(f"cannot list the cache directory {self.directory}: {e.strerror or e}; "
+                                f"check its permissions, or set {ENV_CACHE_DIR} to another directory") from None
+
+    def entries(self) -> list[CacheEntry]:
+        """Every file of the directory but lock, temp and hidden files, classified (see
+        :class:`CacheEntry`); :class:`CacheDirError` if the directory cannot be listed."""
+        found = []
+        for name in self._names():
+            if name.startswith(".") or _is_lock_name(name):
+                continue
+            path = self.directory / name
+            if not is_cache_file_name(name):
+                found.append(CacheEntry(path, "foreign", "not named like an ep_moe cache file"))
+                continue
+            data, why = read_file(path)
+            found.append(CacheEntry(path, "cache", record=data) if why is None else CacheEntry(path, "invalid", why))
+        return found
+
+    def files(self) -> list[Path]:
+        """Files named like cache files (valid or not), sorted by name; none if the directory
+        does not exist or is not one."""
+        try:
+            return [e.path for e in self.entries() if e.kind != "foreign"]
+        except CacheDirError:
+            return []
 
     def find(self, name: str) -> Path | None:
         """A cache file by file name, digest, or unique prefix of either."""
@@ -364,30 +478,65 @@ class ConfigCache:
         prefix = [p for p in files if p.name.startswith(name) or p.stem.rsplit("-", 1)[-1].startswith(name)]
         return prefix[0] if len(prefix) == 1 else None
 
-    def clear(self, lock_timeout: float = 10.0) -> int:
-        """Delete every cache file of the directory, each under its lock (one held longer
-        than ``lock_timeout`` seconds is skipped with a warning); returns how many. Lock and
-        temp files stay: other processes may hold or be writing them."""
-        removed = 0
-        for path in self.files():
-            lock = filelock.FileLock(str(path) + ".lock", timeout=lock_timeout)
+    def clear(self, lock_timeout: float = 10.0) -> ClearReport:
+        """Delete the files this cache wrote: each valid cache file (name and schema), under
+        its lock, with its lock file and any temp file a killed writer left. Anything else is
+        left alone and reported (foreign or invalid files; a file locked longer than
+        ``lock_timeout`` seconds, being tuned). Lock files of absent cache files go too, when
+        free. :class:`CacheDirError` if the directory cannot be listed."""
+        report = ClearReport()
+        for entry in self.entries():
+            if entry.kind != "cache":
+                report.kept.append((entry.path, f"{entry.kind}: {entry.detail}"))
+                continue
             try:
-                with lock:
-                    path.unlink(missing_ok=True)
-                    removed += 1
-            except filelock.Timeout:
-                logger.warning("ep_moe autotune cache: %s is locked (being tuned?); not deleted", path)
+                self._remove(entry.path, lock_timeout)
+                report.removed.append(entry.path)
+            except CacheLockTimeout:
+                report.kept.append((entry.path, f"locked for {lock_timeout:g}s (being tuned?)"))
+            except OSError as e:
+                report.failed.append((entry.path, f"{type(e).__name__}: {e.strerror or e}"))
+        for name in self._names():
+            orphan = self.directory / name.removesuffix(LOCK_SUFFIX)
+            if _is_lock_name(name) and not os.path.lexists(orphan):
+                try:
+                    self._remove(orphan, 0)
+                except (CacheLockTimeout, OSError):
+                    pass  # held (a key being tuned) or not removable: a lock file is harmless
         self._memory.clear()
-        return removed
+        return report
+
+    def _remove(self, path: Path, lock_timeout: float) -> None:
+        """Delete ``path``, its writers' leftover temp files and its lock file, holding the
+        lock (so no writer is between its temp file and ``os.replace``)."""
+        lock_path = str(path) + LOCK_SUFFIX
+        lock = _acquire(lock_path, lock_timeout)
+        try:
+            path.unlink(missing_ok=True)
+            for tmp in self.directory.glob(f".{glob.escape(path.name)}.*.tmp"):
+                tmp.unlink(missing_ok=True)
+            Path(lock_path).unlink(missing_ok=True)
+        finally:
+            lock.release()
 
 
 def read_file(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(decoded record, None) of a cache file, or (None, what is wrong with it)."""
+    """(decoded record, None) of a cache file, or (None, what is wrong with it): unreadable,
+    not valid JSON of the current schema, or holding another key than its name says (a
+    copy or a symlink of another key's file)."""
     try:
         data = _read_json(path)
+        if data is None:
+            raise BadCacheFile("gone (a dangling symlink?)" if path.is_symlink() else "gone")
         parse_record(data)
+        named = CacheKey.from_dict(data["key"]).file_name()
     except BadCacheFile as e:
         return None, str(e)
+    except TypeError as e:
+        return None, f"its key has other fields than a cache key: {e}"
+    if named != path.name:
+        link = f" (a symlink to {os.readlink(path)})" if path.is_symlink() else ""
+        return None, f"holds the key of {named}, not of its own name{link}"
     return data, None
 
 

@@ -17,6 +17,19 @@ walks steps 2-5):
 group resolves every problem (cache, else tune) and publishes the tables as JSON in the
 job's c10d store; the other ranks wait for them with ``timeout`` and install exactly what
 it sent. The only module of :mod:`ep_moe.autotune` that imports ``torch.distributed``.
+
+Timeouts. Rank 0's waits for cache locks and tuning shares end by ``timeout``; its own
+tuning of a problem is not interrupted. A rank that hears nothing from rank 0 within
+``timeout`` plus a grace gives up, and that is settled in the store by one
+compare-and-set against rank 0's publication: whichever comes first is what every rank
+takes, so either all install rank 0's tables or all (rank 0 too, once it gets there) take
+the heuristic with a warning. Left to torch: every store call here rides on the job's c10d
+store. Under torchrun its agent hosts the store, so a rank 0 that stalls or dies never
+blocks the others' store calls. With a ``tcp://`` (or ``env://`` outside torchrun)
+rendezvous rank 0 hosts the store itself; if it freezes, the others' calls to the store
+block until the store's own timeout (``init_process_group(timeout=...)``, 30 minutes by
+default) and then raise :class:`WarmupTimeout`. While debugging, launch with torchrun or
+give ``init_process_group`` a short timeout (e.g. ``timedelta(seconds=60)``).
 """
 
 from __future__ import annotations
@@ -37,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ep_moe.autotune.bench import Tuner, TuneFn, default_device, device_limits
-from ep_moe.autotune.cache import CacheKey, default_cache, load_shipped, make_key
+from ep_moe.autotune.cache import DEFAULT_LOCK_TIMEOUT, CacheKey, default_cache, load_shipped, make_key
 from ep_moe.autotune.space import (
     STANDARD_BUCKETS,
     DeviceLimits,
@@ -73,7 +86,8 @@ def _publish_grace(timeout: float) -> float:
 
 
 class WarmupTimeout(RuntimeError):
-    """Rank 0 of the warmup group did not deliver configs within the timeout."""
+    """Rank 0 of the warmup group sent no configs within the timeout, and the job's c10d
+    store no longer answers (rank 0 hosted it and stalled or died)."""
 
 
 @dataclass(frozen=True)
@@ -154,30 +168,38 @@ def clear_memory_cache() -> None:
 
 def get_kernel_configs(problem: GemmProblem, num_rows: int,
                        device: torch.device | str | int | None = None, *,
-                       allow_tuning: bool = False) -> GemmConfigs:
+                       allow_tuning: bool = False,
+                       lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> GemmConfigs:
     """Kernel configs (forward, dX, dW) for ``problem`` at ``num_rows`` routed rows.
 
     Cheap enough for every layer call: after the first lookup of a (problem, device) it is
     a dict lookup and a bisect over the token buckets. The first lookup walks the chain of
     the module docstring without tuning (unless ``allow_tuning``; tune at :func:`warmup`
-    instead) and logs which source served.
+    instead) and logs which source served. With ``allow_tuning`` a failure of tuning, or a
+    cache lock held longer than ``lock_timeout`` seconds, gives the heuristic with a
+    warning, as at :func:`warmup`.
     """
     dev_key = _device_key(device)
     resolved = _INSTALLED.get((problem, dev_key))
     if resolved is None:
-        resolved = resolve(problem, _torch_device(dev_key), tune=allow_tuning)
+        if allow_tuning:
+            resolved = _resolve_or_fallback(problem, _torch_device(dev_key), STANDARD_BUCKETS, False, None,
+                                            lock_timeout)
+        else:
+            resolved = resolve(problem, _torch_device(dev_key))
         _install(problem, dev_key, resolved)
     return resolved.for_rows(num_rows)
 
 
 def resolve(problem: GemmProblem, device: torch.device | None = None, *, tune: bool = False,
             force: bool = False, buckets: tuple[int, ...] = STANDARD_BUCKETS,
-            tuner: TuneFn | None = None, lock_timeout: float = -1) -> ResolvedConfigs:
+            tuner: TuneFn | None = None, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> ResolvedConfigs:
     """Walk the lookup chain for ``problem`` on ``device``, skipping memory.
 
     With ``tune`` a cache file missing some of ``buckets`` is completed by ``tuner``
-    (single flight across processes, ``lock_timeout`` bounding the wait). Errors of
-    tuning propagate; :func:`warmup` turns them into a fallback.
+    (single flight across processes; a lock held longer than ``lock_timeout`` seconds
+    raises :class:`~ep_moe.autotune.cache.CacheLockTimeout`). Errors of tuning propagate;
+    :func:`warmup` and :func:`get_kernel_configs` turn them into a fallback.
     """
     dev_key = _device_key(device)
     dev = _limits(dev_key)
@@ -264,7 +286,9 @@ def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout
     shipped, else tune, writing the cache) and publishes the tables; the other ranks never
     tune and install exactly what it sent. A failure on rank 0 leaves every rank on the
     same heuristic configs, with a warning. If rank 0 sends nothing within ``timeout``
-    seconds, the others raise :class:`WarmupTimeout`. On other nodes, local rank 0
+    seconds (plus a grace), every rank, rank 0 included once it gets there, takes the
+    heuristic with a warning; :class:`WarmupTimeout` only if the store itself stops
+    answering (see the module docstring for what is left to torch). On other nodes, local rank 0
     (``LOCAL_RANK``) writes the tables into its node's cache when its key matches.
 
     With ``split_tuning`` (default: on for CUDA devices with the world group under
@@ -326,21 +350,48 @@ def _exchange_key(ranks: list[int]) -> str:
     return f"ep_moe/autotune/warmup/{group_id}/{count}"
 
 
-def _wait_for_root(store, keys: list[str], root: int, timeout: float, grace: float = 0.0) -> None:
+def _store_wait(store, keys: list[str], seconds: float) -> None:
+    """``store.wait`` with a deadline of ``seconds``, at least 10 ms: a zero timedelta means
+    no deadline to FileStore and HashStore."""
+    store.wait(keys, datetime.timedelta(seconds=max(seconds, 0.01)))
+
+
+def _settle(store, key: str, value: dict[str, Any]) -> dict[str, Any]:
+    """Set ``key`` to ``value`` unless it holds a value already, and return what it holds:
+    the first writer wins (the store's compare-and-set), so every rank reads the same."""
+    return json.loads(store.compare_set(key, "", json.dumps(value)))
+
+
+def _await_root(store, key: str, root: int, timeout: float, grace: float) -> dict[str, Any]:
+    """What rank 0 published under ``key``, waited for ``timeout + grace`` seconds. After
+    that this rank settles the exchange as timed out, unless rank 0 published first: every
+    rank, rank 0 included, then reads the same outcome. :class:`WarmupTimeout` only when the
+    store itself does not answer."""
+    rank = dist.get_rank()
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout + grace))
-    except RuntimeError as e:  # DistStoreError on timeout; a lost store reads the same
+        try:
+            _store_wait(store, [key], timeout + grace)
+            return json.loads(store.get(key))
+        except RuntimeError:  # DistStoreError: the wait timed out (or the store is gone: see below)
+            gave_up = {"ok": False, "timed_out": True,
+                       "error": f"rank {rank} got no configs from rank {root} within timeout={timeout}s "
+                                f"(+{grace}s) and gave up for every rank (rank {root} stalled, or its "
+                                f"tuning took longer; what it tuned stays in its cache for the next run)"}
+            return _settle(store, key, gave_up)
+    except RuntimeError as e:
         raise WarmupTimeout(
-            f"ep_moe warmup: rank {dist.get_rank()} got no configs from rank {root} within "
-            f"timeout={timeout}s{f' (+{grace}s)' if grace else ''} (rank 0 stalled or died while tuning). "
-            f"Raise `timeout`, or fill "
-            f"the cache beforehand with `ep-moe autotune` on each node. Cause: {e}") from e
+            f"ep_moe warmup: rank {rank} got no configs from rank {root} within timeout={timeout}s, and "
+            f"the job's c10d store does not answer: it is hosted by rank {root} (a tcp:// or env:// "
+            f"init outside torchrun), which stalled or died. Launch with torchrun (its agent hosts the "
+            f"store), or give init_process_group a shorter timeout while debugging. Cause: {e}") from e
 
 
 def _warmup_group(buckets, group, timeout, force, tuner, device, split):
     """Rank 0 resolves and publishes JSON in the job's c10d store; the others wait for it
-    with ``timeout``. The store (not a collective on ``group``) carries it, so the wait
-    has its own deadline whatever the group's backend, and nothing is pickled."""
+    with ``timeout`` (plus a grace). The store (not a collective on ``group``) carries it, so
+    the wait has its own deadline whatever the group's backend, and nothing is pickled.
+    Rank 0's result and a peer's timeout are settled by one compare-and-set, so every rank
+    takes the same one: rank 0's tables, or the heuristic if any rank gave up first."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     is_root = dist.get_rank() == ranks[0]
     key = _exchange_key(ranks)
@@ -348,16 +399,14 @@ def _warmup_group(buckets, group, timeout, force, tuner, device, split):
     deadline = time.monotonic() + timeout  # rank 0's waits for locks and shares end by it
     tuned_by_shares: set[int] = set()
     if split:
-        tuned_by_shares = _tune_node_share(buckets, key, store, ranks[0], is_root, force, tuner, device, deadline)
+        tuned_by_shares = _tune_node_share(buckets, key, store, is_root, force, tuner, device, deadline)
     if is_root:
-        payload = _root_payload(buckets, device, force, tuner, deadline, tuned_by_shares)
-        store.set(key, json.dumps(payload))
+        payload = _settle(store, key, _root_payload(buckets, device, force, tuner, deadline, tuned_by_shares))
     else:
-        _wait_for_root(store, [key], ranks[0], timeout, _publish_grace(timeout))
-        payload = json.loads(store.get(key))
+        payload = _await_root(store, key, ranks[0], timeout, _publish_grace(timeout))
     if not payload["ok"]:
-        logger.warning("ep_moe autotune: rank 0 failed (%s); every rank uses heuristic configs",
-                       payload["error"])
+        reason = payload["error"] if payload.get("timed_out") else f"rank 0 failed ({payload['error']})"
+        logger.warning("ep_moe autotune: %s; every rank uses heuristic configs", reason)
         dev = _limits(_device_key(device))
         return {p: ResolvedConfigs("fallback", heuristic_table(p, dev), payload["error"]) for p in buckets}
     resolved = {}
@@ -376,16 +425,20 @@ def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-def _tune_node_share(buckets, key, store, root, is_root, force, tuner, device, deadline) -> set[int]:
+def _tune_node_share(buckets, key, store, is_root, force, tuner, device, deadline) -> set[int]:
     """Split tuning: each rank on rank 0's node tunes ``problems[LOCAL_RANK::LOCAL_WORLD_SIZE]``
     into the node cache and reports which of them it tuned; rank 0 waits for the shares (at
     most ``timeout``; it tunes anything missing itself afterwards) and returns the indices
-    of the problems tuned (empty elsewhere). Ranks on other nodes only pass through."""
+    of the problems tuned (empty elsewhere). Ranks on other nodes only pass through, and so
+    does a rank that does not hear from rank 0 by the deadline."""
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if is_root:
         store.set(f"{key}/host", socket.gethostname())
     else:
-        _wait_for_root(store, [f"{key}/host"], root, _left(deadline))
+        try:
+            _store_wait(store, [f"{key}/host"], _left(deadline))
+        except RuntimeError:
+            return set()  # rank 0 is late: the exchange that follows settles what every rank takes
         if store.get(f"{key}/host").decode() != socket.gethostname():
             return set()
     problems = list(buckets)
@@ -397,7 +450,7 @@ def _tune_node_share(buckets, key, store, root, is_root, force, tuner, device, d
         return set()
     shares = [f"{key}/share/{i}" for i in range(local_world)]
     try:
-        store.wait(shares, datetime.timedelta(seconds=_left(deadline)))
+        _store_wait(store, shares, _left(deadline))
     except RuntimeError:
         logger.warning("ep_moe autotune: not every local rank finished its tuning share within "
                        "the timeout; rank 0 tunes what is missing")

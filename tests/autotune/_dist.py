@@ -1,6 +1,6 @@
-"""Helpers of the autotune tests: tiny problems, an isolated cache, a counting stub tuner,
-and what workers run by ``dist_utils.run_distributed`` need (``set_cache_env``,
-``wait_for_peers``).
+"""Helpers of the autotune tests: tiny problems, an isolated cache, a counting stub tuner, a
+lock holder in another (stopped) process, and what workers run by
+``dist_utils.run_distributed`` need (``set_cache_env``, ``wait_for_peers``).
 
 Imported by the test modules as ``_dist`` (pytest puts this directory on ``sys.path``;
 the worker processes inherit it), so objects defined here can be pickled by name. The
@@ -11,7 +11,11 @@ imported once, not per child); workers set the cache env they need (set_cache_en
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,23 +60,50 @@ def isolated(tmp_path, monkeypatch):
 
 @dataclass(frozen=True)
 class CountingTuner:
-    """Stub tuner: appends one line per call to ``log``, sleeps ``delay``, optionally raises,
-    and returns :data:`STUB_CONFIGS` for every bucket."""
+    """Stub tuner: appends one line per call to ``log``, sleeps ``delay``, optionally stops
+    its process (SIGSTOP: frozen until another process sends SIGCONT), optionally raises, and
+    returns :data:`STUB_CONFIGS` for every bucket."""
 
     log: str
     delay: float = 0.0
     fail: bool = False
+    freeze: bool = False
 
     def __call__(self, problem: GemmProblem, dev: Any, buckets: tuple[int, ...]) -> Table:
         rank = dist.get_rank() if dist.is_initialized() else -1
         with open(self.log, "a") as f:
             f.write(f"{rank} {os.getpid()} {problem.projection} {list(buckets)}\n")
         time.sleep(self.delay)
+        if self.freeze:
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.fail:
             raise RuntimeError("stub tuning failure")
         timing = CandidateTiming(config=STUB_CONFIG, median_ms=1.0, p20_ms=0.9, p80_ms=1.1)
         return {b: TunedBucket(configs=STUB_CONFIGS, timings={"forward": (timing,)},
                                default_ms={"forward": 2.0}) for b in buckets}
+
+
+_HOLD_LOCKS = """import filelock, os, signal, sys
+locks = [filelock.FileLock(path) for path in sys.argv[1:]]
+for lock in locks:
+    lock.acquire()
+print("held", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+@contextmanager
+def locks_held_by_a_stopped_process(*lock_paths: Path):
+    """Another process acquires the file locks ``lock_paths`` and stops itself (SIGSTOP): a
+    holder that never lets go until it is killed on exit."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LOCKS, *map(str, lock_paths)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held", "the lock holder failed to start"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def tune_calls(log: Path) -> list[str]:

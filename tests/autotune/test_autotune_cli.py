@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 import pytest
-from _dist import CountingTuner, isolated, tune_calls  # noqa: F401
+import torch
+from _dist import TINY, TINY_UP, CountingTuner, isolated, tune_calls  # noqa: F401
 
 from ep_moe import cli
-from ep_moe.autotune.cache import cache_dir
+from ep_moe.autotune import device_limits
+from ep_moe.autotune.cache import ConfigCache, cache_dir, make_key
 
 
 @pytest.fixture
@@ -41,11 +45,16 @@ def test_cache_commands(stub_tuner, capsys):
     assert cli.main(["cache", "show", digest]) == 0
     assert json.loads(capsys.readouterr().out)["digest"] == digest
     assert cli.main(["cache", "show", "no-such-key"]) == 1
+    broken = make_key(TINY, device_limits(torch.device("cpu"))).file_name().replace("-e4-", "-e8-")
+    (cache_dir() / broken).write_text("{")
     (cache_dir() / "down-broken.json").write_text("{")
     cli.main(["cache", "list"])
-    assert "down-broken.json  INVALID" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{broken}  INVALID: not valid JSON" in out and "down-broken.json  FOREIGN" in out
     assert cli.main(["cache", "clear"]) == 0
-    assert "removed" in capsys.readouterr().out and list(cache_dir().glob("*.json")) == []
+    out = capsys.readouterr().out
+    assert "removed 2 cache files" in out and f"left {broken}: invalid" in out and "left down-broken.json" in out
+    assert sorted(p.name for p in cache_dir().iterdir()) == sorted([broken, "down-broken.json"])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -55,3 +64,80 @@ def test_cache_commands(stub_tuner, capsys):
 def test_autotune_bad_input_exits_2(stub_tuner, capsys, args, message):
     assert cli.main(["autotune", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_autotune_without_a_gpu_exits_1_with_one_line_and_writes_nothing(isolated, monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' interpreter would tune
+    assert cli.main(["autotune", "--model", "tiny", "--tokens", "32"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "tuning times the Triton kernels on a CUDA GPU" in captured.err and "run it on a GPU node" in captured.err
+    assert not cache_dir().exists(), "no cache directory, no lock files"
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_list_of_an_empty_cache_says_so(isolated, capsys, exists):
+    if exists:
+        cache_dir().mkdir(parents=True)
+    assert cli.main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"cache is empty: {cache_dir()}") and ("does not exist" in out) != exists
+
+
+def test_list_reports_a_file_symlinked_to_another_keys_file(isolated, capsys):
+    dev = device_limits(torch.device("cpu"))
+    cache = ConfigCache(cache_dir())
+    cache.store(make_key(TINY, dev), CountingTuner("/dev/null")(TINY, dev, (64,)))
+    linked = cache.path(make_key(TINY_UP, dev))
+    linked.symlink_to(cache.path(make_key(TINY, dev)))
+    assert cli.main(["cache", "list"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith(linked.name)][0]
+    assert "INVALID: holds the key of" in line and "symlink" in line
+
+
+@pytest.mark.parametrize("action", [["list"], ["clear"], ["show", "down"]])
+def test_a_cache_directory_that_is_a_file_is_an_error(isolated, capsys, action):
+    cache_dir().parent.mkdir(parents=True, exist_ok=True)
+    cache_dir().write_text("not a directory")
+    assert cli.main(["cache", *action]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"the cache directory {cache_dir()} is a file" in err
+    assert cache_dir().read_text() == "not a directory"
+
+
+def test_clear_that_cannot_delete_prints_one_line(isolated, capsys, monkeypatch):
+    """As a user without write access (the tests run as root, so chmod would not deny)."""
+    dev = device_limits(torch.device("cpu"))
+    for problem in (TINY, TINY_UP):
+        ConfigCache(cache_dir()).store(make_key(problem, dev), CountingTuner("/dev/null")(problem, dev, (64,)))
+
+    def denied(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", denied)
+    assert cli.main(["cache", "clear"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "could not remove 2 cache file(s)" in err and "Permission denied" in err
+    assert "Traceback" not in err and len(list(cache_dir().glob("*.json"))) == 2
+
+
+def _help_texts() -> list[str]:
+    parser = cli._parser()
+    texts = [parser.format_help()]
+    todo = [parser]
+    while todo:
+        for action in todo.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    texts.append(sub.format_help())
+                    todo.append(sub)
+    return texts
+
+
+def test_help_is_plain_text():
+    texts = _help_texts()
+    assert len(texts) == 7  # ep-moe, autotune, cache and its four actions
+    for text in texts:
+        assert "``" not in text and ":func:" not in text and ":mod:" not in text, text

@@ -5,17 +5,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import time
+from pathlib import Path
 
 import filelock
 import pytest
-from _dist import STUB_CONFIGS, TINY, TINY_UP, CountingTuner, tune_calls
+from _dist import STUB_CONFIGS, TINY, TINY_UP, CountingTuner, locks_held_by_a_stopped_process, tune_calls
 
 from ep_moe.autotune.cache import (
     SCHEMA_VERSION,
     CacheKey,
+    CacheLockTimeout,
     ConfigCache,
+    cache_dir,
     device_dir_name,
     load_model_shape,
     load_shipped,
@@ -28,7 +32,7 @@ DEV = DeviceLimits(name="NVIDIA H100 80GB HBM3", smem_per_block=232448, num_sms=
 
 
 def stub_table(tmp_path, buckets=(1024, 4096)):
-    return CountingTuner(str(tmp_path / "unused.log"))(TINY, DEV, buckets)
+    return CountingTuner(os.devnull)(TINY, DEV, buckets)
 
 
 def test_key_json_round_trip_and_digest():
@@ -143,16 +147,18 @@ def test_find_list_clear(tmp_path):
     assert cache.files() == [cache.path(key)]
     assert cache.find(key.digest()) == cache.path(key) == cache.find(key.file_name())
     assert cache.find("down-e4") == cache.path(key) and cache.find("nothing") is None
-    assert cache.clear() == 1  # the cache file; its lock file stays (another process may hold it)
+    assert cache.clear().removed == [cache.path(key)]
     assert cache.files() == [] and cache.load(key) is None
+    assert list(tmp_path.iterdir()) == [], "the lock file goes with its cache file"
 
 
-def test_clear_leaves_a_file_that_is_being_tuned(tmp_path, caplog):
+def test_clear_leaves_a_file_that_is_being_tuned(tmp_path):
     cache, key = ConfigCache(tmp_path), make_key(TINY, DEV)
     cache.store(key, stub_table(tmp_path))
-    with filelock.FileLock(str(cache.path(key)) + ".lock"), caplog.at_level(logging.WARNING):
-        assert ConfigCache(tmp_path).clear(lock_timeout=0.1) == 0
-    assert "is locked" in caplog.text and cache.files() == [cache.path(key)]
+    with filelock.FileLock(str(cache.path(key)) + ".lock"):
+        report = ConfigCache(tmp_path).clear(lock_timeout=0.1)
+    assert report.removed == [] and report.kept == [(cache.path(key), "locked for 0.1s (being tuned?)")]
+    assert cache.files() == [cache.path(key)]
 
 
 def test_merge_keeps_the_buckets_on_file_and_gives_up_on_a_held_lock(tmp_path, caplog):
@@ -216,3 +222,65 @@ def test_lock_released_after_store_and_tuning(tmp_path):
         other = filelock.FileLock(str(cache.path(k)) + ".lock", timeout=0)
         other.acquire()  # raises filelock.Timeout if this process still held it
         other.release()
+
+
+def test_every_lock_wait_is_bounded_when_a_stopped_process_holds_the_lock(tmp_path, caplog):
+    """``store`` and ``get_or_tune`` waited forever on a lock held by a stopped process."""
+    cache, key, log = ConfigCache(tmp_path), make_key(TINY, DEV), tmp_path / "tunes.log"
+    table = stub_table(tmp_path)
+    with locks_held_by_a_stopped_process(str(cache.path(key)) + ".lock"), caplog.at_level(logging.WARNING):
+        start = time.monotonic()
+        cache.store(key, table, lock_timeout=0.5)
+        assert time.monotonic() - start < 5
+        assert "stayed locked for 0.5s" in caplog.text and "kept in memory" in caplog.text
+        assert cache.load(key) == table and not cache.path(key).exists()
+        other = ConfigCache(tmp_path)
+        start = time.monotonic()
+        with pytest.raises(CacheLockTimeout, match="stayed locked for 0.5s: another process"):
+            other.get_or_tune(key, (1024,), lambda b: CountingTuner(str(log))(TINY, DEV, b), lock_timeout=0.5)
+        assert time.monotonic() - start < 5 and tune_calls(log) == []
+
+
+@pytest.mark.parametrize("timeout", [-1, float("inf"), float("nan")])
+def test_an_unbounded_lock_wait_is_refused(tmp_path, timeout):
+    with pytest.raises(ValueError, match="lock_timeout=.*bounded"):
+        ConfigCache(tmp_path).store(make_key(TINY, DEV), stub_table(tmp_path), lock_timeout=timeout)
+
+
+def test_clear_removes_only_what_it_wrote(tmp_path):
+    cache, key, up = ConfigCache(tmp_path), make_key(TINY, DEV), make_key(TINY_UP, DEV)
+    cache.store(key, stub_table(tmp_path))
+    cache.store(up, stub_table(tmp_path))
+    (tmp_path / "settings.json").write_text('{"theme": "dark"}')  # listed as INVALID, then deleted, before
+    (tmp_path / "notes.txt").write_text("mine")
+    named_like_ours = tmp_path / make_key(dataclasses.replace(TINY, n=128), DEV).file_name()
+    named_like_ours.write_text('{"schema_version": 0}')
+    linked = tmp_path / make_key(dataclasses.replace(TINY, n=256), DEV).file_name()
+    linked.symlink_to(cache.path(key))
+    leftover = tmp_path / f".{cache.path(up).name}.abc123.tmp"  # a writer killed before os.replace
+    leftover.write_text("{")
+    orphan_lock = tmp_path / (make_key(dataclasses.replace(TINY, n=512), DEV).file_name() + ".lock")
+    orphan_lock.touch()  # a tuning that failed before writing
+    report = cache.clear(lock_timeout=1.0)
+    assert sorted(report.removed) == sorted([cache.path(key), cache.path(up)]) and report.failed == []
+    kept = dict(report.kept)
+    assert kept[tmp_path / "settings.json"].startswith("foreign") and kept[tmp_path / "notes.txt"].startswith("foreign")
+    assert "schema_version 0" in kept[named_like_ours] and "holds the key of" in kept[linked]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([linked.name, named_like_ours.name, "notes.txt",
+                                                                 "settings.json"])
+
+
+def test_read_file_reports_a_file_holding_another_keys_record(tmp_path):
+    cache, key = ConfigCache(tmp_path), make_key(TINY, DEV)
+    cache.store(key, stub_table(tmp_path))
+    other = tmp_path / make_key(TINY_UP, DEV).file_name()
+    other.symlink_to(cache.path(key))
+    data, why = read_file(other)
+    assert data is None and f"holds the key of {key.file_name()}" in why and "symlink" in why
+    assert read_file(cache.path(key))[1] is None
+
+
+def test_the_tests_never_use_the_users_cache(tmp_path_factory):
+    """conftest points EP_MOE_CACHE_DIR at a directory of this pytest session."""
+    assert Path(tmp_path_factory.getbasetemp()) in cache_dir().parents
+    assert Path.home() / ".cache" / "ep_moe" not in [cache_dir(), *cache_dir().parents]

@@ -10,7 +10,15 @@ import time
 
 import pytest
 import torch
-from _dist import STUB_CONFIGS, TINY, TINY_UP, CountingTuner, isolated, tune_calls  # noqa: F401
+from _dist import (  # noqa: F401
+    STUB_CONFIGS,
+    TINY,
+    TINY_UP,
+    CountingTuner,
+    isolated,
+    locks_held_by_a_stopped_process,
+    tune_calls,
+)
 
 from ep_moe.autotune import clear_memory_cache, collect_problems, device_limits, get_kernel_configs, warmup
 from ep_moe.autotune.cache import ConfigCache, cache_dir, device_dir_name, make_key
@@ -175,3 +183,16 @@ def test_env_flags(monkeypatch, caplog, value, on):
 def test_warmup_refuses_a_timeout_that_is_not_positive(isolated):
     with pytest.raises(ValueError, match="timeout=-1; give seconds > 0"):
         warmup([TINY], timeout=-1)
+
+
+def test_a_tuning_lookup_falls_back_when_a_stopped_process_holds_the_lock(isolated, caplog):
+    """``get_kernel_configs(..., allow_tuning=True)`` waited forever on a held lock; now it
+    falls back to the heuristic with warmup's warning, within the bound."""
+    cache_dir().mkdir(parents=True)
+    lock = str(ConfigCache(cache_dir()).path(make_key(TINY, DEV))) + ".lock"
+    with locks_held_by_a_stopped_process(lock), caplog.at_level(logging.WARNING):
+        start = time.monotonic()
+        configs = get_kernel_configs(TINY, 128, allow_tuning=True, lock_timeout=0.5)
+        assert time.monotonic() - start < 5
+    assert configs == heuristic_configs(TINY, 128, DEV)
+    assert "using heuristic configs" in caplog.text and "stayed locked for 0.5s" in caplog.text
