@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import hashlib
 import math
@@ -213,12 +214,20 @@ assert set(_RULES) == {f.name for f in fields(MoEConfig)}, "every MoEConfig fiel
 
 
 def _refusing_removed_fields(init):
-    """``MoEConfig.__init__`` that names the replacement of a removed field instead of
-    raising a bare ``TypeError`` (a config file or ``--set moe.transport=...``)."""
+    """``MoEConfig.__init__`` that names the replacement of a removed field, and the fields
+    there are for an unknown one or a positional argument, instead of a bare ``TypeError``
+    (a config file or ``--set moe.transport=...``)."""
     @functools.wraps(init)
-    def checked(self, **kwargs):
+    def checked(self, *args, **kwargs):
+        if args:
+            raise TypeError(f"MoEConfig takes keyword arguments only, got {len(args)} positional; "
+                            "write MoEConfig(hidden_size=..., intermediate_size=..., num_experts=..., top_k=...)")
         for name in sorted(kwargs.keys() & _REMOVED_FIELDS.keys()):
             raise ValueError(f"MoEConfig.{name} no longer exists: {_REMOVED_FIELDS[name]}")
+        for name in sorted(kwargs.keys() - _RULES.keys()):
+            close = difflib.get_close_matches(name, _RULES, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TypeError(f"MoEConfig has no field {name!r}; {hint}its fields are {', '.join(_RULES)}")
         init(self, **kwargs)
     return checked
 
