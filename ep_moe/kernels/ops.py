@@ -322,11 +322,12 @@ def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tenso
     weighting pass) instead of first gathering it to [M, N]. Its dW joins an open
     :func:`defer_weight_grads` queue like the grouped GEMM's. ``bounded_rows`` as for
     :func:`grouped_gemm` (rows past ``m_sizes.sum()``: no slot may name them). Arguments
-    are trusted (the layer builds them).
+    are checked as :func:`grouped_gemm`'s are (their values on the CPU or with ``EP_MOE_DEBUG``).
 
     Inside :func:`ep_moe.kernels.arrival.rows_departing` the sums are produced source by
     source into the departure's buffer, which is returned (``source_ends`` [E, S]: each
     expert's rows are sorted by source, so many from sources <= w; required then)."""
+    _validate_slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, bounded_rows)
     configs = configs or GemmConfigs.defaults(a.element_size(), smem_limit_for(a.device))
     departure = take_departure()
     if departure is not None and (source_ends is None or source_ends.shape[1] != departure.num_sources):
@@ -386,47 +387,85 @@ def debug_enabled(debug: Optional[bool] = None) -> bool:
     return os.environ.get("EP_MOE_DEBUG", "0") not in ("", "0")
 
 
-def _check_index(name: str, idx: Optional[torch.Tensor], length: int, device: torch.device) -> None:
+def _check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; convert it with torch.as_tensor")
+
+
+def _check_index(name: str, idx: Optional[torch.Tensor], length: int, device: torch.device,
+                 rows_name: str = "x") -> None:
     if idx is None:
         return
+    _check_tensor(name, idx)
     if idx.dim() != 1 or idx.shape[0] != length:
         raise ValueError(f"{name} must be 1-D with {length} entries (one per routed row), got shape {tuple(idx.shape)}")
     if idx.dtype not in _INDEX_DTYPES:
         raise ValueError(f"{name} must be int32 or int64, got {idx.dtype}; convert with .to(torch.int32)")
     if idx.device != device:
-        raise ValueError(f"{name} is on {idx.device} but x is on {device}; move it with .to(x.device)")
+        raise ValueError(f"{name} is on {idx.device} but {rows_name} is on {device}; move it with "
+                         f".to({rows_name}.device)")
 
 
-def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bool, bounded_rows: bool) -> None:
+def _check_operands(x, w, m_sizes, x_name: str = "x") -> None:
+    """The checks every grouped GEMM makes of its rows ``x`` (called ``x_name``), its
+    weights and its counts: kinds, shapes, dtypes, devices (host only)."""
+    for name, value in ((x_name, x), ("w", w), ("m_sizes", m_sizes)):
+        _check_tensor(name, value)
     if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
+        raise ValueError(f"{x_name} must be 2-D [rows, K], got shape {tuple(x.shape)}")
     if w.dim() != 3:
         raise ValueError(f"w must be 3-D [E, N, K], got shape {tuple(w.shape)}")
     if x.shape[1] != w.shape[2]:
-        raise ValueError(f"x has K={x.shape[1]} columns but w is [E, N, K] with K={w.shape[2]}; "
+        raise ValueError(f"{x_name} has K={x.shape[1]} columns but w is [E, N, K] with K={w.shape[2]}; "
                          "pass w as [E, N, K] (out_features before in_features)")
     if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
+        raise ValueError(f"{x_name} dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
     if w.dtype != x.dtype:
-        raise ValueError(f"w dtype {w.dtype} does not match x dtype {x.dtype}; cast one of them")
+        raise ValueError(f"w dtype {w.dtype} does not match {x_name} dtype {x.dtype}; cast one of them")
     if w.device != x.device:
-        raise ValueError(f"w is on {w.device} but x is on {x.device}; move both to one device")
+        raise ValueError(f"w is on {w.device} but {x_name} is on {x.device}; move both to one device")
     if m_sizes.dim() != 1 or m_sizes.shape[0] != w.shape[0]:
-        raise ValueError(f"m_sizes must be 1-D with one count per expert ({w.shape[0]}), got shape {tuple(m_sizes.shape)}")
+        raise ValueError(f"m_sizes must be 1-D with one count per expert ({w.shape[0]}), got shape "
+                         f"{tuple(m_sizes.shape)}")
     if m_sizes.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"m_sizes must be int32 or int64, got {m_sizes.dtype}")
+        raise ValueError(f"m_sizes must be int32 or int64, got {m_sizes.dtype}; convert with .to(torch.int32)")
     if m_sizes.device != x.device:
-        raise ValueError(f"m_sizes is on {m_sizes.device} but x is on {x.device}; keep the counts on x's device")
+        raise ValueError(f"m_sizes is on {m_sizes.device} but {x_name} is on {x.device}; keep the counts on "
+                         f"{x_name}'s device")
+
+
+def _check_row_weights(row_weights, rows: int, device: torch.device, per: str) -> None:
+    _check_tensor("row_weights", row_weights)
+    if row_weights.dim() != 1 or row_weights.shape[0] != rows:
+        raise ValueError(f"row_weights must be 1-D with {rows} entries (one per {per}), got shape "
+                         f"{tuple(row_weights.shape)}")
+    if not row_weights.is_floating_point():
+        raise ValueError(f"row_weights must be a float tensor, got {row_weights.dtype}; convert with .float()")
+    if row_weights.device != device:
+        raise ValueError(f"row_weights is on {row_weights.device} but the rows are on {device}; "
+                         "move it to their device")
+
+
+def _check_counts(m_sizes: torch.Tensor, rows: int, bounded_rows: bool, what: str) -> None:
+    """``m_sizes`` against the ``rows`` routed rows (values: a host sync on the GPU)."""
+    total = int(m_sizes.sum())
+    if bool((m_sizes < 0).any()):
+        raise ValueError("m_sizes has negative counts; pass each expert's number of rows (>= 0)")
+    if total > rows or (total < rows and not bounded_rows):
+        raise ValueError(f"m_sizes sums to {total} but there are {rows} routed rows ({what}); "
+                         "counts must cover every row exactly once (or, with bounded_rows=True, "
+                         "at most every row)")
+
+
+def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bool, bounded_rows: bool) -> None:
+    _check_operands(x, w, m_sizes)
+    if gather_index is not None:
+        _check_tensor("gather_index", gather_index)
     rows = _routed_rows(x, gather_index)
-    _check_index("gather_index", gather_index, gather_index.shape[0] if gather_index is not None else 0, x.device)
+    _check_index("gather_index", gather_index, rows, x.device)
     _check_index("scatter_index", scatter_index, rows, x.device)
     if row_weights is not None:
-        if row_weights.dim() != 1 or row_weights.shape[0] != rows:
-            raise ValueError(f"row_weights must be 1-D with {rows} entries (one per output row), got shape {tuple(row_weights.shape)}")
-        if not row_weights.is_floating_point():
-            raise ValueError(f"row_weights must be a float tensor, got {row_weights.dtype}")
-        if row_weights.device != x.device:
-            raise ValueError(f"row_weights is on {row_weights.device} but x is on {x.device}")
+        _check_row_weights(row_weights, rows, x.device, "output row")
     if bounded_rows and scatter_index is not None:
         raise ValueError("bounded_rows=True does not take a scatter_index (a permutation of every row); "
                          "sum the rows with row_of_slot instead (ep_moe.kernels.permute.sum_slot_rows)")
@@ -434,21 +473,37 @@ def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bo
         return
     # Value checks: free on the CPU; on a GPU each costs a host sync, so only in debug mode.
     # Never while tracing: the values are data-dependent.
-    total = int(m_sizes.sum())
-    if bool((m_sizes < 0).any()):
-        raise ValueError("m_sizes has negative counts")
-    if total > rows or (total < rows and not bounded_rows):
-        raise ValueError(f"m_sizes sums to {total} but there are {rows} routed rows "
-                         f"({'gather_index entries' if gather_index is not None else 'rows of x'}); "
-                         "counts must cover every row exactly once (or, with bounded_rows=True, "
-                         "at most every row)")
+    _check_counts(m_sizes, rows, bounded_rows, "gather_index entries" if gather_index is not None else "rows of x")
     if gather_index is not None and rows and not bool(((gather_index >= 0) & (gather_index < x.shape[0])).all()):
-        raise ValueError(f"gather_index has entries outside [0, {x.shape[0]}) (the rows of x)")
+        raise ValueError(f"gather_index has entries outside [0, {x.shape[0]}) (the rows of x); index rows of x only")
     if scatter_index is not None and rows:
         if not bool(((scatter_index >= 0) & (scatter_index < rows)).all()):
-            raise ValueError(f"scatter_index has entries outside [0, {rows})")
+            raise ValueError(f"scatter_index has entries outside [0, {rows}); pass a permutation of the {rows} "
+                             "output rows")
         if torch.unique(scatter_index).numel() != rows:
             raise ValueError("scatter_index must be a permutation: every output row written exactly once")
+
+
+def _validate_slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, bounded_rows: bool) -> None:
+    """:func:`grouped_gemm_slot_sum`'s arguments: kinds, shapes, dtypes and devices always
+    (host only); the counts and ``row_of_slot``'s values where that is free (the CPU) or
+    asked for (``EP_MOE_DEBUG``), as :func:`grouped_gemm` does."""
+    _check_operands(a, w, m_sizes, x_name="a")
+    rows = a.shape[0]
+    _check_row_weights(row_weights, rows, a.device, "row of a")
+    _check_index("token_index", token_index, rows, a.device, "a")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int (slots per token), got {top_k!r}")
+    _check_tensor("row_of_slot", row_of_slot)
+    if row_of_slot.dim() != 1 or row_of_slot.shape[0] % top_k:
+        raise ValueError(f"row_of_slot must be 1-D with top_k={top_k} entries per token (slot t*K + k), got "
+                         f"shape {tuple(row_of_slot.shape)}")
+    _check_index("row_of_slot", row_of_slot, row_of_slot.shape[0], a.device, "a")
+    if torch.compiler.is_compiling() or (not debug_enabled() and a.device.type != "cpu"):
+        return
+    _check_counts(m_sizes, rows, bounded_rows, "rows of a")
+    if row_of_slot.numel() and not bool(((row_of_slot >= -1) & (row_of_slot < rows)).all()):
+        raise ValueError(f"row_of_slot has entries outside [-1, {rows}) (a routed row of a, or -1 for none)")
 
 
 def grouped_gemm(
