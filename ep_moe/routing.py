@@ -135,6 +135,7 @@ def route(
       It equals ``coef`` under perfectly uniform routing.
     - z (ST-MoE): ``coef * mean_t logsumexp(logits_t)^2``.
     """
+    _check_route_args(x_TH, weight_EH, top_k, expert_bias_E, router_dtype)
     num_tokens, num_experts = x_TH.shape[0], weight_EH.shape[0]
     with torch.autocast(x_TH.device.type, enabled=False):  # the router stays in router_dtype
         logits_TE = F.linear(x_TH.to(router_dtype), weight_EH.to(router_dtype))
@@ -167,6 +168,24 @@ def route(
         topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK, topk_scores_TK=topk_scores_TK,
         counts_E=counts_E, aux_loss=aux_loss, z_loss=z_loss,
     )
+
+
+def _check_route_args(x_TH: torch.Tensor, weight_EH: torch.Tensor, top_k: int,
+                      expert_bias_E: Optional[torch.Tensor], router_dtype: torch.dtype) -> None:
+    """:func:`route`'s arguments, shapes and kinds only (no value read, no host sync)."""
+    if x_TH.dim() != 2 or weight_EH.dim() != 2 or x_TH.shape[1] != weight_EH.shape[1]:
+        raise ValueError(f"route: x_TH {tuple(x_TH.shape)} and weight_EH {tuple(weight_EH.shape)} must be [T, H] "
+                         "and [E, H] with the same H; pass the tokens flattened to [T, H] and the router weight "
+                         "as [num_experts, H]")
+    num_experts = weight_EH.shape[0]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"route: top_k={top_k} must be in [1, {num_experts}] (weight_EH has {num_experts} "
+                         "experts); lower top_k or add experts")
+    if not router_dtype.is_floating_point:
+        raise ValueError(f"route: router_dtype={router_dtype} must be a float dtype, normally torch.float32")
+    if expert_bias_E is not None and tuple(expert_bias_E.shape) != (num_experts,):
+        raise ValueError(f"route: expert_bias_E has shape {tuple(expert_bias_E.shape)}; pass one bias per "
+                         f"expert, shape ({num_experts},)")
 
 
 def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
