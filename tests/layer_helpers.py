@@ -129,7 +129,7 @@ def assert_matches_naive(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, bias
     gradients of x, the router, every expert and the shared experts. Returns the number of
     dropped slots."""
     cfg = layer.config
-    x = x.detach().clone().requires_grad_()
+    x = x.detach().requires_grad_()  # its layout kept (a view of the caller's tensor)
     y = layer(x)
     stats = layer.last_stats
     ((y * g).sum() + moe_aux_loss(layer)).backward()
