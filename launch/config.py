@@ -18,13 +18,21 @@ built: an integer where the field is an int (``steps = 1e3`` is an error), a num
 it is a float (integers are converted), true/false for a bool, a string for a str (a
 string of digits needs TOML quotes: ``--set "logging.sample_prompt='42'"``). ``[moe]`` is
 checked by ``MoEConfig``.
+
+Errors are ``ConfigError``s, raised before any process group or model is built. Each names
+the key, who set it (the file, or the command-line option: ``--set training.stepz=10``,
+``--steps 0``) and the fix: an unknown key lists the section's keys, the closest first; a
+value of the wrong type and a value outside a field's choices (``training.dtype='fp16'``)
+get different messages.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -38,6 +46,7 @@ except ImportError:  # Python 3.10
 
 from checkpoint import CheckpointConfig
 from data import DataConfig
+from errors import ConfigError
 from model import ModelConfig
 
 from ep_moe import MoEConfig
@@ -95,13 +104,13 @@ class TrainingConfig:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"training.{name}={getattr(self, name)} must be positive")
-        if self.max_skipped_steps < 0:
-            raise ValueError(f"training.max_skipped_steps={self.max_skipped_steps} must be >= 0")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"training.lr={self.lr} must be > 0 and training.min_lr_ratio="
-                             f"{self.min_lr_ratio} in [0, 1]")
-        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
-            raise ValueError("training.warmup_steps, grad_clip and weight_decay must be >= 0")
+        for name in ("max_skipped_steps", "warmup_steps", "grad_clip", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"training.{name}={getattr(self, name)} must be >= 0")
+        if self.lr <= 0:
+            raise ValueError(f"training.lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"training.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"training.device={self.device!r}: use 'auto', 'cpu' or 'cuda'")
         if self.dtype not in ("float32", "bfloat16"):
@@ -148,9 +157,9 @@ class LoggingConfig:
     """Tokens to generate for the sample."""
 
     def __post_init__(self) -> None:
-        if self.log_interval < 1 or self.eval_interval < 0 or self.eval_batches < 1 or self.sample_tokens < 0:
-            raise ValueError("logging.log_interval and eval_batches must be >= 1, eval_interval and "
-                             "sample_tokens >= 0")
+        for name, least in (("log_interval", 1), ("eval_batches", 1), ("eval_interval", 0), ("sample_tokens", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"logging.{name}={getattr(self, name)} must be >= {least}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +187,7 @@ class JobConfig:
 
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(JobConfig)}
+_MOE_KEYS = sorted(f.name for f in dataclasses.fields(MoEConfig) if f.name != "hidden_size")
 
 
 def _describe(annotation: Any) -> str:
@@ -199,9 +209,14 @@ class _WrongType(Exception):
     pass
 
 
+class _WrongValue(Exception):
+    """The right type, but not one of the values a ``Literal`` field allows."""
+
+
 def _coerce(value: Any, annotation: Any) -> Any:
     """``value`` as a value of ``annotation`` (int -> float, list -> tuple), or raise
-    ``_WrongType``. Driven by the annotation alone, so a new config field is checked too."""
+    ``_WrongType`` (or ``_WrongValue``: a value of an allowed type that is not among a
+    ``Literal``'s choices). Driven by the annotation alone, so a new config field is checked too."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is Any:
         return value
@@ -209,14 +224,17 @@ def _coerce(value: Any, annotation: Any) -> Any:
         # Literal[...] members are str/int/bool here: compare type and value, so True != 1.
         if any(type(value) is type(a) and value == a for a in args):
             return value
-        raise _WrongType
+        raise _WrongValue if any(type(value) is type(a) for a in args) else _WrongType
     if origin in (Union, types.UnionType):
+        wrong_value = False
         for arm in args:
             try:
                 return _coerce(value, arm)
+            except _WrongValue:
+                wrong_value = True
             except _WrongType:
                 pass
-        raise _WrongType
+        raise _WrongValue if wrong_value else _WrongType
     if annotation is type(None):
         if value is None:
             return value
@@ -248,37 +266,115 @@ def _coerce(value: Any, annotation: Any) -> Any:
     return value  # an annotation this checker does not know: leave it to the dataclass
 
 
-def _section(name: str, cls: type, table: dict[str, Any], source: str):
+class Origins:
+    """Where each value was set, for error messages: the config file, or the command-line
+    option (``--set training.lr=1e-3``, ``--steps 7``) that set it last."""
+
+    def __init__(self, default: str) -> None:
+        self.default = default
+        """Blamed for keys set nowhere else (and for defaults): normally the config file."""
+        self._by_key: dict[str, str] = {}
+
+    def set(self, key: str, origin: str) -> None:
+        """Record that ``key`` (``section.name``) was set by ``origin``."""
+        self._by_key[key] = origin
+
+    def of(self, key: str) -> str:
+        """Who set ``key``."""
+        return self._by_key.get(key, self.default)
+
+    def blame(self, section: str, table: dict[str, Any], message: str) -> str:
+        """Who set the keys of ``table`` that ``message`` (a dataclass's error) names: the
+        command line first; the default source when it names none that was set."""
+        named = [self.of(f"{section}.{key}") for key in table
+                 if re.search(rf"\b(?:{section}|MoEConfig)\.{re.escape(key)}\b", message)]
+        named.sort(key=lambda origin: not origin.startswith("--"))
+        return named[0] if named else self.default
+
+
+def _keys_listed(key: str, known: list[str]) -> str:
+    """``known``, the closest matches to ``key`` first, then the rest in order."""
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    return ", ".join(close + [k for k in sorted(known) if k not in close])
+
+
+def _unknown_keys(section: str, unknown: list[str], known: list[str], origins: Origins) -> ConfigError:
+    """The error for keys of ``[section]`` that no field has, each with who set it."""
+    first = unknown[0]
+    close = difflib.get_close_matches(first, known, n=1, cutoff=0.6)
+    hint = f"did you mean {section}.{close[0]}? " if close else ""
+    where = "; ".join(f"{origins.of(f'{section}.{k}')}: unknown key {section}.{k}" for k in unknown)
+    return ConfigError(f"{where}; {hint}[{section}] takes {_keys_listed(first, known)}")
+
+
+def _section(name: str, cls: type, table: dict[str, Any], origins: Union[Origins, str]):
     """Build the dataclass ``cls`` of table ``[name]``, checking every value against its
-    field's annotation first (so a wrong type fails here, naming the field, not later)."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(table) - known)
+    field's annotation first (so a wrong type fails here, naming the field, not later).
+    ``origins``: who set each key (a plain string blames one source for all)."""
+    origins = Origins(origins) if isinstance(origins, str) else origins
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(table) - set(known))
     if unknown:
-        raise ValueError(f"{source}: unknown key(s) {', '.join(f'{name}.{k}' for k in unknown)}; "
-                         f"[{name}] takes {', '.join(sorted(known))}")
+        raise _unknown_keys(name, unknown, known, origins)
     hints = typing.get_type_hints(cls)  # resolves the string annotations of `from __future__`
     checked = {}
     for key, value in table.items():
+        where = origins.of(f"{name}.{key}")
         try:
             checked[key] = _coerce(value, hints[key])
+        except _WrongValue:
+            raise ConfigError(f"{where}: {name}.{key}={value!r} is not an allowed value: use "
+                              f"{_describe(hints[key])}") from None
         except _WrongType:
-            raise ValueError(f"{source}: {name}.{key}={value!r} ({type(value).__name__}) has the wrong type: "
-                             f"expected {_describe(hints[key])}") from None
-    return cls(**checked)
+            raise ConfigError(f"{where}: {name}.{key}={value!r} ({type(value).__name__}) has the wrong type: "
+                              f"expected {_describe(hints[key])}") from None
+    try:
+        return cls(**checked)
+    except ValueError as exc:
+        raise ConfigError(f"{origins.blame(name, table, str(exc))}: {exc}") from None
 
 
-def build_job_config(raw: dict[str, Any], source: str = "config") -> JobConfig:
-    """Turn the nested dict of a TOML file (after overrides) into a validated ``JobConfig``."""
+def _check_moe(table: dict[str, Any], dim: int, origins: Origins) -> None:
+    """Build ``MoEConfig`` from ``[moe]`` once, turning its errors into config errors that
+    name the key, who set it and the fix (an unknown key lists the valid ones)."""
+    if "hidden_size" in table:
+        raise ConfigError(f"{origins.of('moe.hidden_size')}: moe.hidden_size is set from model.dim; "
+                          f"remove it from [moe]")
+    try:
+        MoEConfig(hidden_size=dim, **table)
+    except TypeError:  # a keyword MoEConfig does not take, or a required one missing
+        unknown = sorted(set(table) - set(_MOE_KEYS))
+        if unknown:
+            raise _unknown_keys("moe", unknown, _MOE_KEYS, origins) from None
+        required = [f.name for f in dataclasses.fields(MoEConfig) if f.name != "hidden_size"
+                    and f.default is dataclasses.MISSING and f.name not in table]
+        raise ConfigError(f"{origins.default}: [moe] needs {', '.join(f'moe.{k}' for k in required)}: set "
+                          f"them in the file or with --set moe.{required[0]}=...") from None
+    except ValueError as exc:
+        raise ConfigError(f"{origins.blame('moe', table, str(exc))}: {exc}") from None
+
+
+def build_job_config(raw: dict[str, Any], source: Union[Origins, str] = "config") -> JobConfig:
+    """Turn the nested dict of a TOML file (after overrides) into a validated ``JobConfig``;
+    raise ``ConfigError`` naming the key, who set it (``source``: the file, or an
+    :class:`Origins` that knows the command-line overrides) and the fix."""
+    origins = Origins(source) if isinstance(source, str) else source
     unknown = sorted(set(raw) - set(_SECTIONS))
     if unknown:
-        raise ValueError(f"{source}: unknown table(s) {unknown}; use {sorted(_SECTIONS)}")
+        close = difflib.get_close_matches(unknown[0], list(_SECTIONS), n=1, cutoff=0.6)
+        keys = [f"{t}.{k}" for t in unknown for k in (raw[t] if isinstance(raw[t], dict) else [""])]
+        hint = f"did you mean [{close[0]}]? " if close else ""
+        raise ConfigError(f"{origins.of(keys[0])}: unknown table(s) {', '.join(f'[{t}]' for t in unknown)}; "
+                          f"{hint}the tables are {', '.join(f'[{t}]' for t in _SECTIONS)}")
     kwargs: dict[str, Any] = {}
     for name, table in raw.items():
         if not isinstance(table, dict):
-            raise ValueError(f"{source}: [{name}] must be a table, got {table!r}")
-        kwargs[name] = dict(table) if name == "moe" else _section(name, _SECTIONS[name].default_factory, table, source)
+            raise ConfigError(f"{origins.of(name)}: [{name}] must be a table, got {table!r}; set its keys "
+                              f"as {name}.KEY")
+        kwargs[name] = dict(table) if name == "moe" else _section(name, _SECTIONS[name].default_factory,
+                                                                    table, origins)
     job = JobConfig(**kwargs)
-    job.moe_config()  # fail now, with MoEConfig's own message, not after process-group setup
+    _check_moe(job.moe, job.model.dim, origins)  # now, not after process-group setup
     return job
 
 
@@ -289,17 +385,37 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def apply_override(raw: dict[str, Any], assignment: str) -> None:
-    """Apply one ``SECTION.KEY=VALUE`` to the nested dict in place."""
+def apply_override(raw: dict[str, Any], assignment: str, origins: Optional[Origins] = None) -> None:
+    """Apply one ``SECTION.KEY=VALUE`` to the nested dict in place (and note in
+    ``origins`` that ``--set`` set it)."""
     key, sep, value = assignment.partition("=")
     section, dot, name = key.strip().partition(".")
-    if not sep or not dot or not name:
-        raise ValueError(f"--set {assignment!r}: expected SECTION.KEY=VALUE, e.g. moe.num_experts=16")
-    raw.setdefault(section, {})[name] = _parse_value(value.strip())
+    if not sep or not dot or not name or not section:
+        raise ConfigError(f"--set {assignment!r}: expected SECTION.KEY=VALUE, e.g. --set moe.num_experts=16")
+    table = raw.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"--set {assignment!r}: {section} is not a table in the config file")
+    table[name] = _parse_value(value.strip())
+    if origins is not None:
+        origins.set(f"{section}.{name}", f"--set {assignment.strip()}")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The config file as a nested dict; a file that is not TOML names its line."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not a valid TOML file ({exc}); fix the file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {path}: cannot be read ({exc})") from None
 
 
 def parse_args(argv: Optional[list[str]] = None) -> JobConfig:
-    """Read ``--config`` (default: tiny.toml), apply the overrides, validate."""
+    """Read ``--config`` (default: tiny.toml), apply the overrides, validate.
+
+    Raises ``ConfigError`` (before anything is built) for an unknown key, a wrong type or
+    value, naming who set it: the file, or the command-line option."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML file (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -316,14 +432,16 @@ def parse_args(argv: Optional[list[str]] = None) -> JobConfig:
         parser.add_argument(flag, type=typ, default=None, help=f"same as --set {key}=...")
     args = parser.parse_args(argv)
     if not args.config.is_file():
-        parser.error(f"--config {args.config}: no such file")
-    with open(args.config, "rb") as f:
-        raw = tomllib.load(f)
+        raise ConfigError(f"--config {args.config}: no such file; pass a TOML file such as "
+                          f"{DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])}")
+    raw = _read_toml(args.config)
+    origins = Origins(str(args.config))
     for assignment in args.overrides:
-        apply_override(raw, assignment)
+        apply_override(raw, assignment, origins)
     for flag, (key, _) in shorthands.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             section, name = key.split(".")
             raw.setdefault(section, {})[name] = value
-    return build_job_config(raw, source=str(args.config))
+            origins.set(key, f"{flag} {value}")
+    return build_job_config(raw, origins)

@@ -27,6 +27,8 @@ from typing import Literal
 
 import torch
 
+from errors import DataError
+
 Format = Literal["auto", "text", "uint16", "int32"]
 _TOKEN_SUFFIXES: dict[str, Format] = {".bin": "uint16", ".u16": "uint16", ".i32": "int32"}
 _FILE_DTYPES = {"uint16": torch.uint16, "int32": torch.int32}
@@ -109,20 +111,23 @@ def load_tokens(path: str, fmt: Format = "auto") -> tuple[torch.Tensor, int]:
     """
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"data.path={path!r} is not a file: pass a text file or a flat token file")
+        raise DataError(f"data.path={path!r} is not a file: pass a text file or a flat token file")
     fmt = _resolve_format(file, fmt)
+    nbytes = os.path.getsize(file)
+    if nbytes == 0:
+        raise DataError(f"data.path={path!r} is empty (0 bytes): pass a file that holds the training "
+                        f"{'text' if fmt == 'text' else 'tokens'}, or drop --data for the embedded corpus")
     if fmt == "text":
         return torch.frombuffer(bytearray(file.read_bytes()), dtype=torch.uint8), 256
     dtype = _FILE_DTYPES[fmt]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = os.path.getsize(file)
     if nbytes % itemsize:
-        raise ValueError(f"data.path={path!r} has {nbytes} bytes, not a multiple of {itemsize} ({fmt}); "
-                         f"set data.format to the file's token type")
+        raise DataError(f"data.path={path!r} has {nbytes} bytes, not a multiple of {itemsize} ({fmt}); "
+                        f"set data.format to the file's token type")
     tokens = torch.from_file(str(file), shared=False, size=nbytes // itemsize, dtype=dtype)
     lo, hi = _min_max(tokens)
     if lo < 0:
-        raise ValueError(f"data.path={path!r} holds negative token ids; is it really int32?")
+        raise DataError(f"data.path={path!r} holds negative token ids; is it really int32? Set data.format")
     return tokens, hi + 1
 
 
@@ -148,7 +153,7 @@ class TokenBatches:
         """``split`` names the stream and ``hint`` adds a remedy, in the error raised when
         ``tokens`` is too short for one window."""
         if tokens.numel() <= seq_len + 1:
-            raise ValueError(f"the {split} has {tokens.numel()} tokens, fewer than seq_len + 2 = {seq_len + 2}: "
+            raise DataError(f"the {split} has {tokens.numel()} tokens, fewer than seq_len + 2 = {seq_len + 2}: "
                              f"{hint + ', ' if hint else ''}lower training.seq_len or use more data")
         self.tokens = tokens
         self.seq_len = seq_len

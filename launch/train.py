@@ -31,6 +31,10 @@ logged step as JSON. ``--set training.activation_checkpointing=true`` recomputes
 block in the backward (less activation memory), ``--set training.compile=true`` compiles
 each block with ``torch.compile``. Every option is described in ``launch/config.py`` and
 ``configs/train/tiny.toml``.
+
+A bad config value, data file or checkpoint stops the run before training with one line
+naming it and the fix (``train.py: error: ...``, exit status 2; under torchrun printed by
+rank 0, followed by torchrun's own summary of the failed processes).
 """
 
 import logging
@@ -40,19 +44,30 @@ import sys
 import torch.distributed as dist
 
 from config import parse_args
+from errors import UserError
 from trainer import Trainer
 
 
 def main(argv=None) -> None:
-    """Parse the config, build the trainer, train; always tear the process group down."""
-    job = parse_args(argv)
+    """Parse the config, build the trainer, train; always tear the process group down.
+
+    A :class:`errors.UserError` (a bad config value, data file or checkpoint) is printed by
+    rank 0 as one line, ``train.py: error: ...``, and the process exits with status 2;
+    every rank raises it alike (before the process group starts, or after the ranks
+    agreed), so it is printed once. Anything else is a bug and keeps its traceback.
+    """
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     trainer = None
     try:
+        job = parse_args(argv)
+        logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, stream=sys.stdout,
+                            format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
         trainer = Trainer(job)
         trainer.train()
+    except UserError as exc:
+        if rank0:
+            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     finally:
         if trainer is not None:
             trainer.close()

@@ -35,6 +35,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from checkpoint import Layout, complete_checkpoints, find_checkpoint, load_checkpoint, newer_checkpoints, save_checkpoint
 from config import JobConfig, TrainingConfig
 from data import TokenBatches, build_token_streams
+from errors import ConfigError, DataError
 from model import MoETransformer
 
 from ep_moe.layer import expert_load, moe_aux_loss, update_expert_biases
@@ -58,16 +59,37 @@ class Ranks:
     """Replicas of this rank's experts; None when there are none."""
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size as torchrun sets them (0 and 1 without it),
+    known before any process group exists."""
+    if "RANK" not in os.environ:
+        return 0, 1
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def check_parallel(job: JobConfig, world_size: int) -> int:
+    """The EP size ``job`` asks for on ``world_size`` ranks; ``ConfigError`` unless it
+    divides the world size and the number of experts, or when ``training.device='cuda'``
+    and no GPU is visible. Needs no process group, so every rank fails alike before one."""
+    if job.training.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device='cuda' but no CUDA GPU is visible; use 'auto' or 'cpu'")
+    ep_size = job.parallel.ep_size or world_size
+    num_experts = job.moe_config().num_experts
+    if world_size % ep_size or num_experts % ep_size:
+        raise ConfigError(f"parallel.ep_size={ep_size} must divide the world size ({world_size}) and "
+                          f"moe.num_experts ({num_experts}); pass --ep-size with a common divisor")
+    return ep_size
+
+
 def init_distributed(job: JobConfig) -> Ranks:
     """Start torch.distributed (NCCL on CUDA, gloo on CPU) and build the EP groups.
 
     Under torchrun the rendezvous comes from its environment; run as a plain script, the
-    process forms a group of one, so the same code path serves both.
+    process forms a group of one, so the same code path serves both. The config is checked
+    (:func:`check_parallel`) before the process group starts.
     """
-    want = job.training.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ValueError("training.device='cuda' but no CUDA GPU is visible; use 'auto' or 'cpu'")
-    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    ep_size = check_parallel(job, rank_and_world()[1])
+    use_cuda = job.training.device == "cuda" or (job.training.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -81,11 +103,6 @@ def init_distributed(job: JobConfig) -> Ranks:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    ep_size = job.parallel.ep_size or world
-    num_experts = job.moe_config().num_experts
-    if world % ep_size or num_experts % ep_size:
-        raise ValueError(f"parallel.ep_size={ep_size} must divide the world size ({world}) and "
-                         f"moe.num_experts ({num_experts}); pass --ep-size with a common divisor")
     groups = build_ep_groups(ep_size)
     return Ranks(rank=rank, world_size=world, device=device, ep_size=ep_size, ep_rank=rank % ep_size,
                  ep_group=groups.ep_group if ep_size > 1 else None,
@@ -110,19 +127,17 @@ class Trainer:
     """Owns the model, optimizer, data and checkpoints of one run; ``train()`` runs it."""
 
     def __init__(self, job: JobConfig) -> None:
+        """Build everything; the config and the data are checked before the process group
+        starts, so a bad value or file fails alike on every rank, with no collective."""
         self.job = job
-        self.ranks = init_distributed(job)
         tcfg = job.training
-        if self.ranks.rank == 0:
-            logger.info("config: %s", json.dumps(job.to_dict(), default=str))
-        torch.manual_seed(tcfg.seed)
+        rank, world = rank_and_world()
         streams = build_token_streams(job.data, tcfg.seed)
         if streams.vocab_size > job.model.vocab_size:
-            raise ValueError(f"the data has token ids up to {streams.vocab_size - 1} but model.vocab_size="
-                             f"{job.model.vocab_size}; set model.vocab_size >= {streams.vocab_size}")
+            raise DataError(f"the data has token ids up to {streams.vocab_size - 1} but model.vocab_size="
+                            f"{job.model.vocab_size}; set model.vocab_size >= {streams.vocab_size}")
         self.byte_level = streams.byte_level
-        dp = dict(seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, dp_rank=self.ranks.rank,
-                  dp_size=self.ranks.world_size)
+        dp = dict(seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, dp_rank=rank, dp_size=world)
         held_out = f"data.val_fraction={job.data.val_fraction} held out"
         self.batches = TokenBatches(streams.train, seed=tcfg.seed, split=f"training split ({held_out})", **dp)
         self.val_batches = None  # evaluation off (logging.eval_interval=0): no validation split needed
@@ -130,6 +145,10 @@ class Trainer:
             self.val_batches = TokenBatches(
                 streams.val, seed=tcfg.seed + 1, split=f"validation split ({held_out})",
                 hint="raise data.val_fraction, set logging.eval_interval=0 (no evaluation)", **dp)
+        self.ranks = init_distributed(job)
+        if self.ranks.rank == 0:
+            logger.info("config: %s", json.dumps(job.to_dict(), default=str))
+        torch.manual_seed(tcfg.seed)
         self.model = MoETransformer(job.model, job.moe_config(), self.ranks.ep_group).to(self.ranks.device)
         self.model.checkpoint_blocks = tcfg.activation_checkpointing
         if tcfg.compile:

@@ -235,8 +235,9 @@ def test_short_validation_split(tmp_path):
     proc = subprocess.run(_train_cmd(tmp_path, *args), cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0
-    assert re.search(r"ValueError: the validation split \(data.val_fraction=0.005 held out\) has 60 tokens.*"
-                     r"raise data.val_fraction", proc.stdout + proc.stderr), proc.stderr[-3000:]
+    assert re.search(r"train.py: error: the validation split \(data.val_fraction=0.005 held out\) has 60 tokens.*"
+                     r"raise data.val_fraction", proc.stderr), proc.stderr[-3000:]
+    assert proc.stderr.count("train.py: error:") == 1, "printed by rank 0 only"
     records = _train(tmp_path, *args, "--set", "logging.eval_interval=0")
     assert [r["step"] for r in records] == [1, 2]
 
@@ -261,7 +262,8 @@ def test_config_overrides(launch_modules):
     assert job.moe_config().num_experts == 16 and job.moe_config().hidden_size == job.model.dim
     assert (job.training.lr, job.training.steps, job.training.betas) == (1e-3, 7, (0.8, 0.9))
     assert job.data.path == "corpus.txt"
-    with pytest.raises(ValueError, match=r"unknown key\(s\) model.n_layer; \[model\] takes .*n_layers"):
+    with pytest.raises(ValueError, match=r"^--set model.n_layer=2: unknown key model.n_layer; did you mean "
+                                         r"model.n_layers\? \[model\] takes n_layers, "):
         config.parse_args(["--set", "model.n_layer=2"])
     with pytest.raises(ValueError, match="training.steps=0 must be positive"):
         config.parse_args(["--steps", "0"])
@@ -275,18 +277,21 @@ class _OptionalField:
 
 
 def test_config_values_are_type_checked(launch_modules):
-    """A value of the wrong type fails in parsing, naming the field and the type it takes;
-    ints pass for floats (converted), TOML arrays become tuples."""
+    """A value of the wrong type fails in parsing, naming the field and the type it takes
+    (a value of the right type outside a field's choices is a wrong value); ints pass for
+    floats (converted), TOML arrays become tuples."""
     _, config, _ = launch_modules
     wrong = {"training.steps=1e1": "an integer", 'training.lr="3e-3"': "a number",
              "training.betas=[0.9]": "a list of 2 values", "training.betas=[0.9, '1']": "a list of 2 values",
              "checkpoint.resume=true": "a string", "logging.sample_prompt=42": "a string",
              "training.batch_size=4.0": "an integer", "training.steps=true": "an integer",
-             "model.qk_norm=1": "true or false", "training.device='gpu'": "one of 'auto', 'cpu', 'cuda'"}
+             "model.qk_norm=1": "true or false", "training.device=1": "one of 'auto', 'cpu', 'cuda'"}
     for assignment, expected in wrong.items():
         message = rf"{re.escape(assignment.partition('=')[0])}=.* has the wrong type: expected {re.escape(expected)}"
         with pytest.raises(ValueError, match=message):
             config.parse_args(["--set", assignment])
+    with pytest.raises(ValueError, match=r"training.device='gpu' is not an allowed value: use one of 'auto', 'cpu'"):
+        config.parse_args(["--set", "training.device='gpu'"])
     job = config.parse_args(["--set", "training.lr=1", "--set", "training.betas=[1, 0.99]"])
     assert type(job.training.lr) is float and job.training.betas == (1.0, 0.99)
     assert all(type(b) is float for b in job.training.betas)

@@ -6,7 +6,9 @@
 - ``training.max_skipped_steps`` skips that many non-finite steps, then stops;
 - under torchrun (2 ranks), a NaN loss on one rank only stops every rank (no hang), and the
   job exits non-zero;
-- NaN and inf config values are rejected, naming the field.
+- NaN and inf config values are rejected, naming the field;
+- under torchrun (2 ranks), a config error is printed once, as one line, with no
+  traceback from the ranks, and the job exits non-zero before any process group exists.
 
 The in-process runs use a group of one (``init_distributed`` without torchrun) and a
 small batch; the NaN comes from a patched ``Trainer.train_step`` / ``Trainer._loss``.
@@ -197,3 +199,26 @@ def test_max_skipped_steps_is_checked(launch):
         config.parse_args(["--set", "training.max_skipped_steps=-1"])
     assert config.parse_args([]).training.max_skipped_steps == 0
     assert math.isfinite(config.parse_args([]).training.lr)
+
+
+@pytest.mark.parametrize("assignment, expected", [
+    ("moe.num_expert=16", "--set moe.num_expert=16: unknown key moe.num_expert; did you mean moe.num_experts?"),
+    ("training.stepz=10", "--set training.stepz=10: unknown key training.stepz; did you mean training.steps?"),
+    ("training.dtype='fp16'", "training.dtype='fp16' is not an allowed value: use one of 'float32', 'bfloat16'"),
+])
+def test_config_error_under_torchrun_is_printed_once(tmp_path, assignment, expected):
+    """Both ranks exit with status 2 (torchrun reports them); rank 0 alone prints the
+    error, as one line; neither rank prints a traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--standalone", "launch/train.py", "--set", assignment,
+           "--checkpoint-dir", str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert output.count("train.py: error:") == 1, output
+    line = next(line for line in output.splitlines() if "train.py: error:" in line)
+    assert expected in line, line
+    assert "exitcode  : 2" in output, output[-2000:]
+    assert "ConfigError" not in output and 'File "' + str(REPO / "launch") not in output, output[-3000:]
+    assert not (tmp_path / "ckpt").exists()
