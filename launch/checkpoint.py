@@ -10,7 +10,8 @@ One checkpoint is a directory ``{dir}/step_{step:08d}/``::
                               EP rank p of the first EP group (global rank p): its experts'
                               weights and AdamW state, keyed by *global* expert id
     rng-{r:05d}.pt            every rank: its torch CPU (and CUDA) RNG states
-    meta.json                 written last, by rank 0: step, world and EP sizes, config
+    meta.json                 rank 0: step, world and EP sizes, config
+    COMPLETE                  written last, by rank 0: the checkpoint is complete
 
 Replicas hold identical values (dense weights on every rank, experts on every rank of an
 expert-data-parallel group), so only one copy is written. Expert tensors are stored per
@@ -18,17 +19,27 @@ global expert id, in the layout of ``MoELayer.state_dict()`` (``...experts.gate_
 and optimizer state the same way; so a checkpoint loads at any EP size that divides the
 number of experts, each rank reading only the shards that hold its experts.
 
-Files are written into ``step_XXXXXXXX.partial/`` and renamed once every rank is done, so
-a directory without the suffix is complete. Pruning (``keep``) only considers checkpoints
-up to the step just saved: newer ones (another run's, when this one resumed from an
-earlier step) are left alone. Under several nodes ``dir`` must be on a file
-system that every node sees.
+Nothing a kill interrupts looks complete. Files are written into ``step_XXXXXXXX.partial/``;
+once every rank is done, rank 0 writes the ``COMPLETE`` marker there and renames the
+directory into place. Only a directory holding the marker counts as a checkpoint.
+Deleting one (pruning, or a re-save of the same step replacing it) first renames the
+directory to ``*.deleting`` (atomic; no lookup matches that name), then removes its marker
+and deletes it. A re-save killed after the old directory was renamed away leaves the new
+one complete as ``.partial``, which ``--resume latest`` puts in place. ``--resume latest`` takes the newest complete checkpoint that loads on every rank,
+naming in the log each one it skips and why; a damaged file is named with its checkpoint
+and an earlier step to resume from, a checkpoint of another model config with the
+``[model]`` and ``[moe]`` values that differ.
+
+Pruning (``keep``) only considers checkpoints up to the step just saved, which is never
+deleted: newer ones (another run's, when this one resumed from an earlier step) are left
+alone. Under several nodes ``dir`` must be on a file system that every node sees.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -39,11 +50,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from errors import CheckpointError
+
 from ep_moe.parallel import is_expert_param
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+MARKER = "COMPLETE"
+"""The file that makes a checkpoint directory complete: written last, removed first."""
+_DELETING = ".deleting"
+"""Suffix of a checkpoint directory being deleted (renamed so, after its marker is gone)."""
 # param_group entries that are not hyper-parameters of the run: which parameters, the lr the
 # schedule sets every step, and implementation choices that follow the device.
 _NOT_HYPER = frozenset({"params", "lr", "initial_lr", "fused", "foreach", "capturable", "differentiable"})
@@ -62,14 +79,15 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints up to the step just saved (newer ones, left by
     another run, are never deleted); 0 keeps all."""
     resume: str = ""
-    """``""``: start fresh; ``"latest"``: newest complete checkpoint in ``dir`` (fresh start
-    if there is none, so a preempted job can be resubmitted unchanged); or a path to one
-    ``step_XXXXXXXX`` directory."""
+    """``""``: start fresh; ``"latest"``: the newest complete checkpoint in ``dir`` that
+    loads (fresh start if there is none, so a preempted job can be resubmitted unchanged);
+    or a path to one ``step_XXXXXXXX`` directory."""
 
     def __post_init__(self) -> None:
-        if self.interval < -1 or self.keep < 0:
-            raise ValueError(f"checkpoint.interval={self.interval} must be >= -1 and "
-                             f"checkpoint.keep={self.keep} >= 0")
+        if self.interval < -1:
+            raise ValueError(f"checkpoint.interval={self.interval} must be >= -1 (-1: never save)")
+        if self.keep < 0:
+            raise ValueError(f"checkpoint.keep={self.keep} must be >= 0 (0: keep all)")
 
 
 @dataclass(frozen=True)
@@ -137,13 +155,16 @@ def save_checkpoint(root: Path, step: int, layout: Layout, model: nn.Module, opt
                     extra: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
     """Write this rank's part of the checkpoint of ``step``; collective (call on every rank).
 
-    Returns the final directory. Every rank must see the same ``root``.
+    Returns the final directory. Every rank must see the same ``root``. A kill at any point
+    leaves every earlier checkpoint complete, and this one complete or unmarked.
     """
     final = root / f"step_{step:08d}"
     partial = final.with_name(final.name + ".partial")
     _check_finite(step, model, optimizer)
     if layout.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
+        _discard(partial)  # an interrupted save of this step
+        for trash in root.glob(f"step_*{_DELETING}"):  # an interrupted deletion
+            shutil.rmtree(trash, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
     model_state = model.state_dict()
@@ -163,11 +184,38 @@ def save_checkpoint(root: Path, step: int, layout: Layout, model: nn.Module, opt
     if layout.rank == 0:
         (partial / "meta.json").write_text(json.dumps(
             {"step": step, "world_size": layout.world_size, "ep_size": layout.ep_size, **meta}, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
+        _mark_complete(partial, step)
+        _discard(final)  # a re-save of this step: the old one stops counting before it goes
         partial.rename(final)
         _prune(root, keep, step)
     dist.barrier()
     return final
+
+
+def _mark_complete(path: Path, step: int) -> None:
+    """Write the marker that makes ``path`` a complete checkpoint, once every file is in
+    place (temp file, fsync, rename: the marker exists whole or not at all)."""
+    tmp = path / f"{MARKER}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"step {step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / MARKER)
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory so that no kill on the way leaves it looking complete:
+    it is renamed away first (``*.deleting``, which no lookup matches: atomic), then loses
+    its marker, then is deleted."""
+    if not path.exists():
+        return
+    trash = path.with_name(path.name + _DELETING)
+    shutil.rmtree(trash, ignore_errors=True)  # left by an interrupted deletion
+    path.rename(trash)
+    (trash / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(trash, ignore_errors=True)
+    if trash.exists():
+        logger.warning("could not delete all of %s; remove it by hand", trash)
 
 
 def _check_finite(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -196,13 +244,19 @@ def _prune(root: Path, keep: int, step: int) -> None:
     """Keep the newest ``keep`` complete checkpoints up to ``step`` (the one just saved, so
     always kept, and finite: see ``_check_finite``); newer ones belong to another run (this
     one resumed from an earlier step) and are never touched. Nothing is pruned unless the
-    checkpoint of ``step`` is complete, so the newest complete one always survives."""
+    checkpoint of ``step`` is complete, so the newest complete one always survives, and each
+    deletion unmarks first (``_discard``), so a kill while pruning leaves no half-deleted
+    checkpoint that looks complete."""
     saved = root / f"step_{step:08d}"
-    if not keep or not (saved / "meta.json").is_file():
+    if not keep or not _is_complete(saved):
         return
     for old in [p for p in complete_checkpoints(root) if checkpoint_step(p) <= step][:-keep]:
         if old != saved:
-            shutil.rmtree(old, ignore_errors=True)
+            _discard(old)
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / MARKER).is_file()
 
 
 def checkpoint_step(path: Path) -> int:
@@ -211,10 +265,10 @@ def checkpoint_step(path: Path) -> int:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoint directories under ``root``, oldest first."""
+    """Complete checkpoint directories under ``root`` (those holding the marker), oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and _is_complete(p)]
     return sorted(found, key=lambda p: p.name)
 
 
@@ -223,18 +277,118 @@ def newer_checkpoints(root: Path, step: int) -> list[Path]:
     return [p for p in complete_checkpoints(root) if checkpoint_step(p) > step]
 
 
-def find_checkpoint(resume: str, root: Path) -> Optional[Path]:
-    """The directory ``resume`` names (see :attr:`CheckpointConfig.resume`), or None."""
+def _finish_interrupted_saves(root: Path) -> None:
+    """A ``step_X.partial`` holding the marker was written whole, and its save was killed
+    while it replaced an older ``step_X`` (a re-save of that step): finish the replacement."""
+    for partial in sorted(root.glob("step_*.partial")):
+        if _STEP_DIR.match(partial.stem) and _is_complete(partial):
+            final = partial.with_name(partial.stem)
+            _discard(final)
+            partial.rename(final)
+            logger.warning("%s: finished an interrupted save (its files were complete in %s)", final, partial.name)
+
+
+def _earlier_hint(path: Path) -> str:
+    """How to go on without checkpoint ``path``: the newest complete one before it, if any."""
+    match = re.match(r"^step_(\d{8})", path.name)
+    earlier = [p for p in complete_checkpoints(path.parent)
+               if p != path and (match is None or checkpoint_step(p) < int(match.group(1)))]
+    if earlier:
+        return (f"Resume from an earlier step with --resume {earlier[-1]} (or --resume latest: the newest "
+                f"checkpoint that loads)")
+    return f"There is no earlier complete checkpoint in {path.parent}: restore it, or start fresh (no --resume)"
+
+
+def resume_candidates(resume: str, root: Path) -> list[Path]:
+    """The checkpoints ``resume`` (see :attr:`CheckpointConfig.resume`) may start from, in
+    the order to try them. Call on rank 0 only: with ``"latest"`` it finishes an interrupted
+    re-save in ``root`` and returns the complete checkpoints newest first, naming in the log
+    the incomplete ones newer than those; with a path, that checkpoint, which must be
+    complete (else ``CheckpointError``)."""
     if not resume:
-        return None
-    if resume == "latest":
-        found = complete_checkpoints(root)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"checkpoint.resume={resume!r} is not a complete checkpoint directory "
-                                f"(no meta.json); pass a step_XXXXXXXX directory or 'latest'")
-    return path
+        return []
+    if resume != "latest":
+        path = Path(resume)
+        if not _is_complete(path):
+            why = (f"no {MARKER} marker: its save or deletion was interrupted" if path.is_dir()
+                   else "no such directory")
+            raise CheckpointError(f"checkpoint.resume={resume!r} is not a complete checkpoint ({why}); pass a "
+                                  f"step_XXXXXXXX directory or 'latest'. {_earlier_hint(path)}")
+        return [path]
+    if not root.is_dir():
+        return []
+    _finish_interrupted_saves(root)
+    complete = complete_checkpoints(root)[::-1]
+    newest = complete[0].name if complete else ""
+    for path in sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.name > newest):
+        if not _is_complete(path):
+            logger.warning("skipping %s: incomplete (no %s marker: its save or deletion was interrupted)",
+                           path, MARKER)
+    return complete
+
+
+def resume(spec: str, root: Path, layout: Layout, model: nn.Module, optimizer: torch.optim.Optimizer,
+           config: Optional[dict[str, Any]] = None) -> Optional[tuple[Path, dict[str, Any]]]:
+    """Load the checkpoint ``spec`` (``checkpoint.resume``) names; collective (every rank,
+    same arguments). Returns (its path, its ``extra``), or None: nothing to resume.
+
+    Rank 0 lists the candidates (:func:`resume_candidates`) and every rank loads each in
+    turn (``config``: see :func:`load_checkpoint`) until all ranks loaded the same one.
+    With ``"latest"`` a checkpoint that fails to load on any rank is skipped, named in the
+    log with why; with a path, that failure is the error. ``CheckpointError`` is raised
+    alike on every rank; an unexpected exception on one rank is re-raised there and named
+    on the others, so no rank is left waiting.
+    """
+    box: list[Any] = [None]
+    if layout.rank == 0:
+        try:
+            box = [(resume_candidates(spec, root), None)]
+        except CheckpointError as exc:
+            box = [(None, str(exc))]
+    dist.broadcast_object_list(box, src=0)
+    candidates, error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
+    skipped = []
+    for path in candidates:
+        extra, reason = _load_agreed(path, layout, model, optimizer, config)
+        if reason is None:
+            return path, extra
+        if spec != "latest":
+            raise CheckpointError(reason)
+        if layout.rank == 0:
+            logger.warning("skipping %s: %s", path, reason)
+        skipped.append(f"{path.name}: {reason}")
+    if skipped:
+        raise CheckpointError(f"no complete checkpoint in {root} loads (newest first): {' | '.join(skipped)}. "
+                              f"Fix or move them away, then resume again or start fresh")
+    return None
+
+
+def _load_agreed(path: Path, layout: Layout, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 config: Optional[dict[str, Any]]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """Every rank loads ``path``; returns (``extra``, None) when all did, else (None, why
+    not: the ranks' errors). Collective: one all-gather of the outcomes."""
+    extra, outcome, bug = None, None, None
+    try:
+        extra = load_checkpoint(path, layout, model, optimizer, config)
+    except CheckpointError as exc:
+        outcome = ("error", str(exc))
+    except Exception as exc:  # a bug: re-raised below, once the other ranks know
+        outcome, bug = ("bug", f"{type(exc).__name__}: {exc}"), exc
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    if bug is not None:
+        raise bug
+    bugs = [(rank, o[1]) for rank, o in enumerate(outcomes) if o is not None and o[0] == "bug"]
+    if bugs:
+        raise RuntimeError(f"loading {path} failed on rank {bugs[0][0]} ({bugs[0][1]}); see that rank's traceback")
+    errors = {o[1] for o in outcomes if o is not None}
+    if not errors:
+        return extra, None
+    if len(errors) == 1:
+        return None, errors.pop()
+    return None, " / ".join(f"rank {rank}: {o[1]}" for rank, o in enumerate(outcomes) if o is not None)
 
 
 def _shards_for(path: Path, saved_ep: int, num_experts: int, experts: range) -> list[Path]:
@@ -244,34 +398,142 @@ def _shards_for(path: Path, saved_ep: int, num_experts: int, experts: range) -> 
     return [path / f"experts-{p:03d}-of-{saved_ep:03d}.pt" for p in range(first, last + 1)]
 
 
-def load_checkpoint(path: Path, layout: Layout, model: nn.Module,
-                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(path: Path, layout: Layout, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    config: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Load weights, optimizer state and (same world size only) RNG states; return ``extra``.
 
     Loading is local (no collective): each rank reads ``dense.pt`` and the expert shards
-    that cover its experts, whatever EP size they were saved at.
+    that cover its experts, whatever EP size they were saved at. Raises ``CheckpointError``
+    naming the checkpoint, the file and an earlier checkpoint to resume from when a file is
+    missing, empty or damaged; and, when the tensors do not fit the model, naming the
+    ``[model]`` and ``[moe]`` values that differ between the checkpoint's config and
+    ``config`` (this run's ``JobConfig.to_dict()``). A failed load may leave the model and
+    optimizer partly loaded: load another checkpoint, or stop.
     """
-    meta = json.loads((path / "meta.json").read_text())
-    dense = torch.load(path / "dense.pt", map_location="cpu", weights_only=True)
+    meta = _read_meta(path)
+    dense = _read_part(path, "dense.pt", ("model", "optimizer", "param_groups", "extra"))
+    extra = dense["extra"]
+    if not (isinstance(extra, dict) and isinstance(extra.get("step"), int) and "data" in extra):
+        raise _damaged(path, "dense.pt", "holds no step and data position")
     model_state, optim_state = dict(dense["model"]), dict(dense["optimizer"])
+    diffs = _config_diff(meta.get("config"), config)
     owners = _expert_modules(model)
     if owners:
         num_experts = next(iter(owners.values())).num_local_experts * layout.ep_size
+        if num_experts % meta["ep_size"]:
+            raise _not_this_model(path, diffs, f"saved at EP {meta['ep_size']}, which does not divide this "
+                                               f"model's {num_experts} experts")
         mine = range(min(m.first_expert for m in owners.values()),
                      max(m.first_expert + m.num_local_experts for m in owners.values()))
-        for shard in _shards_for(path, int(meta["ep_size"]), num_experts, mine):
-            part = torch.load(shard, map_location="cpu", weights_only=True)
+        for shard in _shards_for(path, meta["ep_size"], num_experts, mine):
+            if diffs and not shard.is_file():
+                raise _not_this_model(path, diffs, f"no shard {shard.name} for its experts")
+            part = _read_part(path, shard.name, ("model", "optimizer"))
             model_state.update(part["model"])
             optim_state.update(part["optimizer"])
-    model.load_state_dict(model_state, strict=True)
-    _load_optimizer(model, optimizer, optim_state, dense["param_groups"], warn=layout.rank == 0)
-    if int(meta["world_size"]) == layout.world_size:
-        _set_rng_state(torch.load(path / f"rng-{layout.rank:05d}.pt", weights_only=True))
+    try:
+        model.load_state_dict(model_state, strict=True)
+        _load_optimizer(model, optimizer, optim_state, dense["param_groups"], warn=layout.rank == 0)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise _not_this_model(path, diffs, _summary(exc)) from None
+    if meta["world_size"] == layout.world_size:
+        name = f"rng-{layout.rank:05d}.pt"
+        try:
+            _set_rng_state(_read_part(path, name, ("cpu",)))
+        except (TypeError, RuntimeError) as exc:
+            raise _damaged(path, name, f"holds no RNG state ({_summary(exc)})") from None
     else:
         logger.warning("checkpoint %s was saved by %s ranks, this run has %s: RNG states are not "
                        "restored and the data order differs from the original run",
                        path, meta["world_size"], layout.world_size)
-    return dense["extra"]
+    return extra
+
+
+def _summary(exc: BaseException, lines: int = 3) -> str:
+    """The first few non-empty lines of ``exc``'s message, joined: torch's errors run long."""
+    text = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    more = f" (and {len(text) - lines} more)" if len(text) > lines else ""
+    return "; ".join(text[:lines])[:600] + more
+
+
+def _gist(exc: BaseException) -> str:
+    """The first sentence of ``exc``'s message: torch's advice after it (``weights_only=False``)
+    does not apply to a damaged file."""
+    text = str(exc).strip()
+    return (text.splitlines()[0].split(". ")[0] if text else "no message")[:200]
+
+
+def _damaged(path: Path, name: str, problem: str) -> CheckpointError:
+    return CheckpointError(f"cannot resume from checkpoint {path}: its file {name} {problem}. {_earlier_hint(path)}")
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of checkpoint ``path``, checked for the fields loading needs."""
+    file = path / "meta.json"
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _damaged(path, file.name, "is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        problem = "is empty (0 bytes)" if file.stat().st_size == 0 else f"is not valid JSON ({exc})"
+        raise _damaged(path, file.name, problem) from None
+    sizes = ("step", "world_size", "ep_size")
+    if not (isinstance(meta, dict) and all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in sizes)
+            and meta["ep_size"] > 0):
+        raise _damaged(path, file.name, f"lacks {', '.join(sizes)} (non-negative integers)")
+    return meta
+
+
+def _read_part(path: Path, name: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``torch.load`` of file ``name`` of checkpoint ``path``: a dict holding ``keys``."""
+    file = path / name
+    try:
+        if file.stat().st_size == 0:
+            problem = "is empty (0 bytes)"
+        else:
+            part = torch.load(file, map_location="cpu", weights_only=True)
+            if isinstance(part, dict) and all(k in part for k in keys):
+                return part
+            problem = f"does not hold a checkpoint part (the keys {', '.join(keys)})"
+    except FileNotFoundError:
+        problem = "is missing"
+    except Exception as exc:  # a damaged file fails in many ways: zip reader, unpickler, EOF
+        problem = f"cannot be read: it is truncated or not a checkpoint file ({type(exc).__name__}: {_gist(exc)})"
+    raise _damaged(path, name, problem)
+
+
+_UNSET = object()
+
+
+def _config_diff(saved: Any, current: Optional[dict[str, Any]]) -> list[str]:
+    """``section.key`` with both values, for each ``[model]`` and ``[moe]`` value in which
+    the checkpoint's config (from its meta.json) and this run's differ."""
+    if not isinstance(saved, dict) or current is None:
+        return []
+    diffs = []
+    for section in ("model", "moe"):
+        old, new = saved.get(section) or {}, current.get(section) or {}
+        for key in sorted(old.keys() | new.keys()):
+            before, now = old.get(key, _UNSET), new.get(key, _UNSET)
+            if before != now:
+                diffs.append(f"{section}.{key}={_shown(before)} in the checkpoint, {_shown(now)} in this run")
+    return diffs
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is _UNSET else repr(value)
+
+
+def _not_this_model(path: Path, diffs: list[str], detail: str) -> CheckpointError:
+    """The error for a checkpoint whose tensors do not fit the model (``detail``), naming
+    the config values that differ (``diffs``) first."""
+    if diffs:
+        return CheckpointError(
+            f"cannot resume from checkpoint {path}: it was saved with another model config ({'; '.join(diffs)}), "
+            f"so its tensors do not fit this model ({detail}). Resume with the checkpoint's [model] and [moe] "
+            f"values (its meta.json holds its config), or start fresh in another checkpoint.dir")
+    return CheckpointError(f"cannot resume from checkpoint {path}: its tensors do not fit this model ({detail}); "
+                           f"resume with the config it was saved with, or start fresh in another checkpoint.dir")
 
 
 def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, by_key: dict[str, dict[str, Any]],

@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from checkpoint import Layout, complete_checkpoints, find_checkpoint, load_checkpoint, newer_checkpoints, save_checkpoint
+from checkpoint import Layout, complete_checkpoints, newer_checkpoints, resume, save_checkpoint
 from config import JobConfig, TrainingConfig
 from data import TokenBatches, build_token_streams
 from errors import ConfigError, DataError
@@ -167,21 +167,20 @@ class Trainer:
     # --- setup -------------------------------------------------------------------------
 
     def _resume(self) -> None:
-        """Load the checkpoint named by ``checkpoint.resume``, if any (rank 0 picks it)."""
+        """Load the checkpoint named by ``checkpoint.resume``, if any (see
+        :func:`checkpoint.resume`: the newest that loads, for ``latest``)."""
         ccfg = self.job.checkpoint
-        box = [find_checkpoint(ccfg.resume, Path(ccfg.dir)) if self.ranks.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        path = box[0]
-        if path is not None:
-            extra = load_checkpoint(path, self.layout, self.model, self.optimizer)
+        found = resume(ccfg.resume, Path(ccfg.dir), self.layout, self.model, self.optimizer, self.job.to_dict())
+        if found is not None:
+            path, extra = found
             self.step = int(extra["step"])
             self.batches.load_state_dict(extra["data"])
         if self.ranks.rank != 0:
             return
-        if path is not None:
-            logger.info("resumed from %s at step %d", path, self.step)
+        if found is not None:
+            logger.info("resumed from %s at step %d", found[0], self.step)
         elif ccfg.resume:
-            logger.info("no checkpoint in %s: starting from step 0", ccfg.dir)
+            logger.info("no complete checkpoint in %s: starting from step 0", ccfg.dir)
         newer = newer_checkpoints(Path(ccfg.dir), self.step)
         if newer:
             logger.warning("%s holds complete checkpoints past the starting step %d, from another run: %s. "

@@ -309,16 +309,21 @@ def test_every_preset_parses(launch_modules):
 
 
 def test_latest_checkpoint_skips_partial_ones(launch_modules, tmp_path):
+    """Only directories holding the COMPLETE marker are candidates, newest first; a
+    ``.partial`` without it, or a step directory without it (a save or a deletion was
+    interrupted), is passed over; a path must be complete."""
     checkpoint, _, _ = launch_modules
-    assert checkpoint.find_checkpoint("latest", tmp_path / "missing") is None
-    for name in ("step_00000010", "step_00000020", "step_00000030.partial"):
+    assert checkpoint.resume_candidates("latest", tmp_path / "missing") == []
+    for name in ("step_00000010", "step_00000020", "step_00000030.partial", "step_00000040"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "meta.json").write_text("{}")
-    (tmp_path / "step_00000040").mkdir()  # no meta.json: interrupted before completion
-    assert checkpoint.find_checkpoint("latest", tmp_path) == tmp_path / "step_00000020"
-    assert checkpoint.find_checkpoint("", tmp_path) is None
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
-        checkpoint.find_checkpoint(str(tmp_path / "step_00000040"), tmp_path)
+    for name in ("step_00000010", "step_00000020"):
+        (tmp_path / name / checkpoint.MARKER).write_text("")
+    assert checkpoint.resume_candidates("latest", tmp_path) == [tmp_path / "step_00000020", tmp_path / "step_00000010"]
+    assert checkpoint.resume_candidates("", tmp_path) == []
+    with pytest.raises(checkpoint.CheckpointError, match=r"not a complete checkpoint \(no COMPLETE marker.*"
+                                                         r"--resume .*step_00000020"):
+        checkpoint.resume_candidates(str(tmp_path / "step_00000040"), tmp_path)
 
 
 def test_batches_are_a_function_of_step_and_rank(launch_modules, tmp_path):
