@@ -159,8 +159,9 @@ def parse_record(data: Any, key: CacheKey | None = None) -> Table:
     """
     if not isinstance(data, dict):
         raise BadCacheFile("not a JSON object")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise BadCacheFile(f"schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    version = data.get("schema_version")
+    if type(version) is not int or version != SCHEMA_VERSION:  # not True, 1.0 or "1"
+        raise BadCacheFile(f"schema_version {version!r}, expected {SCHEMA_VERSION}")
     if not isinstance(data.get("key"), dict):
         raise BadCacheFile("no key object")
     if key is not None and data.get("key") != key.to_dict():
@@ -192,12 +193,17 @@ def _record(key: CacheKey, table: Table, write_id: str) -> dict[str, Any]:
     }
 
 
+_ABSENT = object()
+"""What :func:`_read_json` returns for a file that does not exist (a file may hold ``null``)."""
+
+
 def _read_json(path: Path) -> Any:
-    """Decoded JSON of ``path``; None if absent; :class:`BadCacheFile` if unreadable."""
+    """Decoded JSON of ``path``; :data:`_ABSENT` if there is no such file;
+    :class:`BadCacheFile` if unreadable."""
     try:
         text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError):
-        return None
+        return _ABSENT
     except (OSError, UnicodeDecodeError) as e:
         raise BadCacheFile(f"unreadable: {e}") from None
     try:
@@ -294,6 +300,16 @@ def _acquire(lock_path: str, timeout: float) -> filelock.FileLock:
     return lock
 
 
+def _checked(tuned: Any, buckets: tuple[int, ...]) -> Table:
+    """``tuned`` if it is a table covering ``buckets``; else ``ValueError`` (nothing is written)."""
+    if (not isinstance(tuned, dict) or not set(buckets) <= tuned.keys()
+            or not all(isinstance(v, TunedBucket) for v in tuned.values())):
+        raise ValueError(f"the tuner returned {type(tuned).__name__} "
+                         f"{sorted(tuned) if isinstance(tuned, dict) else ''}: expected a table "
+                         f"(bucket -> TunedBucket) covering the buckets {list(buckets)}")
+    return tuned
+
+
 class ConfigCache:
     """The tuned configs of one cache directory, falling back to memory if unwritable."""
 
@@ -318,7 +334,7 @@ class ConfigCache:
         path = self.path(key)
         try:
             data = _read_json(path)
-            if data is None:
+            if data is _ABSENT:
                 return None
             return parse_record(data, key), data.get("write_id")
         except BadCacheFile as e:
@@ -422,7 +438,7 @@ class ConfigCache:
                 return now[0], "cache"
             old = now[0] if now else {}
             missing = want if force else tuple(b for b in want if b not in old)
-            table = {**old, **tune(missing)}
+            table = {**old, **_checked(tune(missing), missing)}
             if lock is None:
                 self._memory[key.digest()] = table
             else:
@@ -440,8 +456,9 @@ class ConfigCache:
         except FileNotFoundError:
             return []
         except NotADirectoryError:
-            raise CacheDirError(f"the cache directory {self.directory} is a file, not a directory; "
-                                f"move it away, or set {ENV_CACHE_DIR} to a directory") from None
+            what = "is a file" if self.directory.exists() else "lies under a file"
+            raise CacheDirError(f"the cache directory {self.directory} {what}, not a directory; "
+                                f"move that file away, or set {ENV_CACHE_DIR} to a directory") from None
         except OSError as e:
             raise CacheDirError(f"cannot list the cache directory {self.directory}: {e.strerror or e}; "
                                 f"check its permissions, or set {ENV_CACHE_DIR} to another directory") from None
@@ -479,15 +496,19 @@ class ConfigCache:
         return prefix[0] if len(prefix) == 1 else None
 
     def clear(self, lock_timeout: float = 10.0) -> ClearReport:
-        """Delete the files this cache wrote: each valid cache file (name and schema), under
-        its lock, with its lock file and any temp file a killed writer left. Anything else is
-        left alone and reported (foreign or invalid files; a file locked longer than
-        ``lock_timeout`` seconds, being tuned). Lock files of absent cache files go too, when
-        free. :class:`CacheDirError` if the directory cannot be listed."""
+        """Delete the files this cache wrote: each valid cache file (name and schema; not a
+        symlink), under its lock, with its lock file and any temp file a killed writer left.
+        Anything else is left alone and reported (foreign or invalid files, symlinks; a file
+        locked longer than ``lock_timeout`` seconds, being tuned). Lock files of absent cache
+        files go too, when free. :class:`CacheDirError` if the directory cannot be listed."""
         report = ClearReport()
         for entry in self.entries():
             if entry.kind != "cache":
                 report.kept.append((entry.path, f"{entry.kind}: {entry.detail}"))
+                continue
+            if entry.path.is_symlink():
+                report.kept.append((entry.path, f"a symlink to {os.readlink(entry.path)}: this cache writes "
+                                                f"regular files only"))
                 continue
             try:
                 self._remove(entry.path, lock_timeout)
@@ -526,7 +547,7 @@ def read_file(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     copy or a symlink of another key's file)."""
     try:
         data = _read_json(path)
-        if data is None:
+        if data is _ABSENT:
             raise BadCacheFile("gone (a dangling symlink?)" if path.is_symlink() else "gone")
         parse_record(data)
         named = CacheKey.from_dict(data["key"]).file_name()
