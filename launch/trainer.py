@@ -123,6 +123,32 @@ def _all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
     return values / dist.get_world_size()
 
 
+def clip_gradients(model: torch.nn.Module, max_norm: float, ep_group: Optional[ProcessGroup],
+                   loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Global gradient norm over dense weights and every expert shard, after the gradient
+    sync; clip to ``max_norm`` (0: no clipping). Dense gradients are equal on every rank;
+    expert norms are summed (squared) over ``ep_group``, whose ranks hold disjoint experts.
+
+    Also returns whether this step is finite on every rank: the grad norm is global
+    already, and this rank's ``loss`` (a 0-dim tensor) is folded in through one
+    one-element all-reduce over all ranks, so every rank reaches the same verdict (a NaN
+    on one rank stops or skips the step everywhere, no rank is left waiting). One host
+    read per step; gradients are left unclipped when the step is not finite."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    dense = torch.nn.utils.get_total_norm([p.grad for p in params if not is_expert_param(p)])
+    expert_sq = torch.nn.utils.get_total_norm([p.grad for p in params if is_expert_param(p)]).square()
+    if ep_group is not None:
+        dist.all_reduce(expert_sq, group=ep_group)
+    total = (dense.square() + expert_sq).sqrt()
+    bad = torch.logical_not(torch.isfinite(loss.detach().float()) & torch.isfinite(total))
+    bad = bad.to(total.dtype).reshape(1)
+    dist.all_reduce(bad)  # > 0 when any rank saw a non-finite loss or norm
+    finite = not bool(bad)  # the one host read
+    if finite and max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total, finite
+
+
 class Trainer:
     """Owns the model, optimizer, data and checkpoints of one run; ``train()`` runs it."""
 
@@ -172,7 +198,7 @@ class Trainer:
         ccfg = self.job.checkpoint
         found = resume(ccfg.resume, Path(ccfg.dir), self.layout, self.model, self.optimizer, self.job.to_dict())
         if found is not None:
-            path, extra = found
+            _, extra = found
             self.step = int(extra["step"])
             self.batches.load_state_dict(extra["data"])
         if self.ranks.rank != 0:
@@ -256,28 +282,9 @@ class Trainer:
         return ce, moe_aux_loss(self.model)
 
     def _clip_gradients(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Global gradient norm over dense weights and every expert shard; clip to
-        ``grad_clip``. Dense gradients are equal on every rank after the sync; expert norms
-        are summed (squared) over the EP group, whose ranks hold disjoint experts.
-
-        Also returns whether this step is finite on every rank: the grad norm is global
-        already, and this rank's ``loss`` (a 0-dim tensor) is folded in through one
-        one-element all-reduce over all ranks, so every rank reaches the same verdict (a NaN
-        on one rank stops or skips the step everywhere, no rank is left waiting). One host
-        read per step; gradients are left unclipped when the step is not finite."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        dense = torch.nn.utils.get_total_norm([p.grad for p in params if not is_expert_param(p)])
-        expert_sq = torch.nn.utils.get_total_norm([p.grad for p in params if is_expert_param(p)]).square()
-        if self.ranks.ep_group is not None:
-            dist.all_reduce(expert_sq, group=self.ranks.ep_group)
-        total = (dense.square() + expert_sq).sqrt()
-        bad = torch.logical_not(torch.isfinite(loss.detach().float()) & torch.isfinite(total))
-        bad = bad.to(total.dtype).reshape(1)
-        dist.all_reduce(bad)  # > 0 when any rank saw a non-finite loss or norm
-        finite = not bool(bad)  # the one host read
-        if finite and self.job.training.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.job.training.grad_clip, total)
-        return total, finite
+        """:func:`clip_gradients` of this run: the global grad norm, clipped to
+        ``training.grad_clip``, and whether the step is finite on every rank."""
+        return clip_gradients(self.model, self.job.training.grad_clip, self.ranks.ep_group, loss)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step; returns this rank's (loss, aux loss, global grad norm)."""
