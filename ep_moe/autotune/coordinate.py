@@ -80,8 +80,8 @@ def _env_flag(name: str) -> bool:
 
 def _publish_grace(timeout: float) -> float:
     """How much longer than ``timeout`` the other ranks wait for rank 0, whose waits for cache
-    locks and tuning shares end by ``timeout``: time to publish what it has, so that a held
-    lock leaves every rank on the same fallback rather than some on a WarmupTimeout."""
+    locks and tuning shares end by ``timeout``: time to publish what it has (a held lock's
+    fallback, say) before a peer gives up and settles the exchange as timed out."""
     return min(30.0, 0.5 * timeout)
 
 
