@@ -18,7 +18,7 @@ from ep_moe.ep.base import all_gather_single
 from ep_moe.routing import DropPolicy, ScoreFunc
 
 Activation = Literal["swiglu", "gelu", "relu"]
-Dispatch = Literal["all_to_all", "all_gather", "all_gather_copy_engine"]
+Dispatch = Literal["auto", "all_to_all", "all_gather", "all_gather_copy_engine"]
 
 _REMOVED_FIELDS = {
     "transport": "the transport is part of the dispatch now: dispatch='all_gather_copy_engine' for the "
@@ -81,9 +81,17 @@ class MoEConfig:
     ep_size: Optional[int] = None
     """Expected EP size; when set, the layer checks that its group has this many ranks
     (None: whatever the group has, 1 without a group)."""
-    dispatch: Dispatch = "all_to_all"
+    dispatch: Dispatch = "auto"
     """EP>1: how tokens reach the experts and come back (:mod:`ep_moe.ep`).
 
+    - ``"auto"``: ``"all_gather"`` on an NCCL group when ``ep_size <= top_k`` and the
+      all-gather's worst case is at most :data:`ep_moe.ep.AUTO_GATHER_MAX_WORST` (4) times the average
+      routed rows per rank (``ep_size * min(top_k, E/ep_size) / top_k``), else
+      ``"all_to_all"``: the all-gather then moves about as many bytes as the all-to-all,
+      never syncs with the host and can be captured in CUDA graphs, which is what made
+      expert parallelism as fast per GPU as one GPU in the trainer. It needs the same token
+      count on every rank (a fixed micro-batch); with uneven counts use ``"all_to_all"``.
+      :func:`ep_moe.ep.resolve_dispatch` tells what it picks (``MoELayer.dispatch``).
     - ``"all_to_all"``: each token goes to the ranks of its experts (uneven
       ``all_to_all_single`` on NCCL), one host sync per call for the split sizes. Takes any
       token count per rank; sends each token once per destination rank.
@@ -114,11 +122,6 @@ class MoEConfig:
                              "is set but num_shared_experts=0; set num_shared_experts >= 1 or drop it")
         if self.ep_size is not None:
             check_experts_divide(self.num_experts, self.ep_size, f"ep_size={self.ep_size}")
-
-    @property
-    def gathers(self) -> bool:
-        """Whether the dispatch all-gathers the tokens (needs equal token counts per rank)."""
-        return self.dispatch != "all_to_all"
 
     @property
     def gate_up_size(self) -> int:
@@ -205,7 +208,7 @@ _RULES: dict[str, _Rule] = {
     "backend": _choice("auto", "triton", "torch"),
     "init_std": _number_rule(lambda value: value > 0, "must be > 0"),
     "ep_size": _int_rule(1, "must be a positive int that divides num_experts", optional=True),
-    "dispatch": _choice("all_to_all", "all_gather", "all_gather_copy_engine"),
+    "dispatch": _choice("auto", "all_to_all", "all_gather", "all_gather_copy_engine"),
     "all_gather_row_bound": _number_rule(lambda value: value > 0, "must be > 0, or None for the worst case",
                                          optional=True),
 }

@@ -37,7 +37,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from ep_moe.config import MoEConfig, check_experts_divide, check_same_config
-from ep_moe.ep import build_dispatcher
+from ep_moe.ep import build_dispatcher, resolve_dispatch
 from ep_moe.ep.base import group_size
 from ep_moe.experts import GroupedExperts, SharedExperts
 from ep_moe.kernels.ops import debug_enabled
@@ -114,7 +114,8 @@ class MoELayer(nn.Module):
         self.num_local_experts = config.num_experts // self.ep_size
         self.ep_group = group  # builds the dispatcher
         worst = self.ep_size * min(config.top_k, self.num_local_experts) / config.top_k
-        if config.gathers and self.ep_size > 1 and config.all_gather_row_bound is None and worst >= 4:
+        explicit_gather = config.dispatch not in ("auto", "all_to_all")  # auto keeps its worst case small
+        if explicit_gather and self.ep_size > 1 and config.all_gather_row_bound is None and worst >= 4:
             warnings.warn(f"MoEConfig.dispatch={config.dispatch!r} at EP={self.ep_size} sizes the expert activations for "
                           f"the worst case, {worst:g}x the average routed rows; set all_gather_row_bound (e.g. 2.0: "
                           "slots past it are dropped and counted in last_stats.num_dropped) to cap the memory",
@@ -136,6 +137,12 @@ class MoELayer(nn.Module):
         self.last_stats: Optional[MoEStats] = None
         self._config_agreed = self.ep_size == 1  # checked equal over the EP group on the first forward
         self.reset_parameters()
+
+    @property
+    def dispatch(self) -> str:
+        """The dispatch this layer runs: ``"local"`` at EP=1, else what ``config.dispatch``
+        names or ``"auto"`` picked (:func:`ep_moe.ep.resolve_dispatch`)."""
+        return resolve_dispatch(self.config, self._ep_group, self.ep_size)
 
     @property
     def ep_group(self) -> Optional[ProcessGroup]:
@@ -332,6 +339,12 @@ class MoELayer(nn.Module):
         step_E = self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
         self.expert_bias += step_E.to(self.expert_bias.dtype)
         self._load_since_update.zero_()
+
+    def reset_load_count(self) -> None:
+        """Forget the tokens per expert counted since the last :meth:`update_expert_bias`
+        (e.g. after forwards that were not training steps, as CUDA graph capture's warm-up)."""
+        if self._load_since_update is not None:
+            self._load_since_update.zero_()
 
 
 def _in_backward() -> bool:

@@ -18,7 +18,7 @@ from layer_helpers import _config
     (dict(top_k=2, router_dtype=torch.int32), r"router_dtype=torch.int32: use a float dtype"),
     (dict(top_k=2, aux_loss_coef=-1.0), r"aux_loss_coef=-1.0: must be >= 0"),
     (dict(top_k=2, dispatch="bogus"),
-     r"dispatch='bogus': use one of \('all_to_all', 'all_gather', 'all_gather_copy_engine'\)"),
+     r"dispatch='bogus': use one of \('auto', 'all_to_all', 'all_gather', 'all_gather_copy_engine'\)"),
     # removed fields (a config file or --set written for an older version) name their replacement
     (dict(top_k=2, transport="copy_engine"),
      r"^MoEConfig.transport no longer exists: .*dispatch='all_gather_copy_engine'"),

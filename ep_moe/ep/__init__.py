@@ -4,10 +4,11 @@ One dispatcher per path (:class:`~ep_moe.ep.base.Dispatcher`), chosen once by
 :func:`build_dispatcher` from ``MoEConfig.dispatch`` and the EP group:
 
 - :class:`~ep_moe.ep.local.LocalDispatcher`: EP=1, nothing travels;
-- :class:`~ep_moe.ep.all_to_all.AllToAllDispatcher`: ``"all_to_all"`` (the default);
+- :class:`~ep_moe.ep.all_to_all.AllToAllDispatcher`: ``"all_to_all"``;
 - :class:`~ep_moe.ep.all_gather.AllGatherDispatcher`: ``"all_gather"``;
 - :class:`~ep_moe.ep.copy_engine.AllGatherCopyEngineDispatcher`: ``"all_gather_copy_engine"``.
 
+``"auto"`` (the default) picks the all-to-all or the all-gather (:func:`resolve_dispatch`).
 Every EP>1 path runs its experts through :func:`ep_moe.ep.pipeline.expert_pipeline`.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ep_moe.ep.all_gather import AllGatherDispatcher
@@ -23,6 +25,10 @@ from ep_moe.ep.base import Dispatcher
 from ep_moe.ep.copy_engine import AllGatherCopyEngineDispatcher
 from ep_moe.ep.local import LocalDispatcher
 
+AUTO_GATHER_MAX_WORST = 4
+"""``dispatch="auto"`` picks the all-gather only where its activation buffers, sized for the
+worst case, hold at most this many times the average routed rows of a rank."""
+
 _DISPATCHERS: dict[str, type[Dispatcher]] = {
     "all_to_all": AllToAllDispatcher,
     "all_gather": AllGatherDispatcher,
@@ -30,12 +36,28 @@ _DISPATCHERS: dict[str, type[Dispatcher]] = {
 }
 
 
+def resolve_dispatch(config, group: Optional[ProcessGroup], size: int) -> str:
+    """The dispatch a layer with ``config`` runs on ``group`` (``size`` ranks): ``"local"``
+    at EP=1 (nothing travels), ``config.dispatch`` unless it is ``"auto"``, and for
+    ``"auto"`` the all-gather on an NCCL group where it moves about what the all-to-all
+    would and its worst-case buffers stay small (``MoEConfig.dispatch`` says when), else
+    the all-to-all. The same on every rank of the group."""
+    if size == 1:
+        return "local"
+    if config.dispatch != "auto":
+        return config.dispatch
+    worst = size * min(config.top_k, config.num_experts // size) / config.top_k
+    on_nccl = group is not None and "nccl" in str(dist.get_backend(group))
+    small = size <= config.top_k and worst <= AUTO_GATHER_MAX_WORST
+    return "all_gather" if on_nccl and small else "all_to_all"
+
+
 def build_dispatcher(config, group: Optional[ProcessGroup], rank: int, size: int, num_local: int) -> Dispatcher:
     """The dispatcher of a layer with ``config`` on ``group`` (``size`` ranks, this one
-    ``rank``, ``num_local`` experts each): :class:`LocalDispatcher` at EP=1, else the one
-    ``config.dispatch`` names."""
-    cls = LocalDispatcher if size == 1 else _DISPATCHERS[config.dispatch]
+    ``rank``, ``num_local`` experts each): the one :func:`resolve_dispatch` names."""
+    dispatch = resolve_dispatch(config, group, size)
+    cls = LocalDispatcher if dispatch == "local" else _DISPATCHERS[dispatch]
     return cls(config, group, rank, size, num_local)
 
 
-__all__ = ["Dispatcher", "build_dispatcher"]
+__all__ = ["Dispatcher", "build_dispatcher", "resolve_dispatch"]

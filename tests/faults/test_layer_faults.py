@@ -73,7 +73,7 @@ CONFIG_PROBES = [
     ("ep_size=0", dict(ep_size=0), ValueError, r"ep_size=0: must be a positive int that divides num_experts"),
     ("ep_size does not divide", dict(ep_size=3), ValueError,
      rf"num_experts={E} is not divisible by ep_size=3; pick an EP size that divides num_experts"),
-    ("dispatch", dict(dispatch="nccl"), ValueError, r"dispatch='nccl': use one of \('all_to_all', "),
+    ("dispatch", dict(dispatch="nccl"), ValueError, r"dispatch='nccl': use one of \('auto', 'all_to_all', "),
     ("all_gather_row_bound<0", dict(all_gather_row_bound=-1.0), ValueError,
      r"all_gather_row_bound=-1.0: must be > 0, or None for the worst case"),
     ("unknown field", dict(topk=2), TypeError,

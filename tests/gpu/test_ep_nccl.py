@@ -368,7 +368,7 @@ def _back_to_back_worker(rank: int, world_size: int) -> dict:
         variants["all_gather_copy_engine+autocast"] = (dict(dispatch="all_gather_copy_engine"), torch.float32)
     for variant, (kwargs, dtype) in variants.items():
         layer = MoELayer(dataclasses.replace(config, **kwargs), group, device="cuda", dtype=dtype)
-        rows = 4096 + (0 if layer.config.gathers else 512 * rank)  # all-gather: equal counts
+        rows = 4096 + (0 if layer.dispatch != "all_to_all" else 512 * rank)  # all-gather: equal counts
         x = torch.randn(rows, 1024, device="cuda", dtype=dtype).requires_grad_()
         outputs = []
         for step in range(12):
