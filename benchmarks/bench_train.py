@@ -680,6 +680,13 @@ def run(args: argparse.Namespace) -> Optional[dict]:
         trainer.close()
 
 
+def _dispatch_run(trainer) -> str:
+    """The dispatch the model's MoE layers run (``"auto"`` resolved; ``"local"`` at EP=1)."""
+    from ep_moe.layer import moe_layers
+
+    return moe_layers(trainer.model)[0].dispatch
+
+
 def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: str, peak_n: int,
             kernel_log: list[str]) -> dict:
     ranks, tcfg = trainer.ranks, job.training
@@ -704,7 +711,8 @@ def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: s
         "model": args.label or Path(args.config).stem, "config": str(args.config), "overrides": args.overrides,
         "configuration": configuration_name(world, ep),
         "world_size": world, "ep_size": ep, "dp_size": world, "edp_size": world // ep,
-        "dispatch": job.moe_config().dispatch, "dtype": tcfg.dtype,
+        "dispatch": _dispatch_run(trainer), "dispatch_config": job.moe_config().dispatch,
+        "cuda_graphs": "on" if trainer.graphs_off is None else f"off: {trainer.graphs_off}", "dtype": tcfg.dtype,
         "batch_size": tcfg.batch_size, "seq_len": tcfg.seq_len,
         "tokens_per_step": trainer.tokens_per_step, "tokens_per_step_per_gpu": trainer.tokens_per_step // world,
         "warmup_steps": args.warmup, "timed_steps": args.steps, "profiled_steps": args.profile_steps,

@@ -95,6 +95,13 @@ class TrainingConfig:
     compile: bool = False
     """``torch.compile`` each transformer block (Dynamo breaks the graph at the MoE layer's
     host sync, collectives and Triton launches and compiles the rest)."""
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """Capture each transformer block's forward and backward in CUDA graphs and replay them
+    (``launch/graphs.py``): the host stops setting the pace of small models. ``auto``: on
+    where it can work (CUDA; EP=1 or a dispatch without host syncs, ``moe.dispatch=
+    'all_gather'`` or ``'all_gather_copy_engine'``; neither ``compile`` nor
+    ``activation_checkpointing``), else off with the reason logged; ``on``: an error where
+    it cannot work."""
 
     def __post_init__(self) -> None:
         for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "betas"):

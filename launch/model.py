@@ -151,6 +151,8 @@ class MoETransformer(nn.Module):
         self._init_dense_weights()
         self.checkpoint_blocks = False
         """Recompute each block in the backward (non-reentrant activation checkpointing)."""
+        self.graphed_blocks = None
+        """The blocks captured in CUDA graphs (``launch/graphs.py``), replayed in training forwards."""
 
     def _init_dense_weights(self) -> None:
         """Normal(0, init_std) for embeddings and projections, with the residual-stream
@@ -172,8 +174,11 @@ class MoETransformer(nn.Module):
         cos_Lh, sin_Lh = self.rope_cos[:L], self.rope_sin[:L]
         x_BLD = self.tok_embeddings(tokens_BL)
         recompute = self.checkpoint_blocks and torch.is_grad_enabled()
-        for block in self.layers:
-            if recompute:
+        graphed = self.graphed_blocks if self.training and torch.is_grad_enabled() else None
+        for i, block in enumerate(self.layers):
+            if graphed is not None:
+                x_BLD = graphed(i, x_BLD, cos_Lh, sin_Lh)
+            elif recompute:
                 x_BLD = checkpoint(block, x_BLD, cos_Lh, sin_Lh, use_reentrant=False)
             else:
                 x_BLD = block(x_BLD, cos_Lh, sin_Lh)

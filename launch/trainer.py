@@ -15,6 +15,7 @@ losses as an uninterrupted one (bit for bit on CPU).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -36,9 +37,10 @@ from checkpoint import Layout, complete_checkpoints, newer_checkpoints, resume, 
 from config import JobConfig, TrainingConfig
 from data import TokenBatches, build_token_streams
 from errors import ConfigError, DataError
+from graphs import GraphedBlocks, graphs_unsupported
 from model import MoETransformer
 
-from ep_moe.layer import expert_load, moe_aux_loss, update_expert_biases
+from ep_moe.layer import expert_load, moe_aux_loss, moe_layers, update_expert_biases
 from ep_moe.parallel import build_ep_groups, is_expert_param, sync_gradients
 
 logger = logging.getLogger("ep_moe.train")
@@ -186,8 +188,10 @@ class Trainer:
                              ep_rank=self.ranks.ep_rank, ep_size=self.ranks.ep_size)
         self.step = 0
         self.skipped_steps = 0  # non-finite steps skipped so far in this run (training.max_skipped_steps)
+        self.graphs_off = self._graphs_off_reason()
         self._resume()
         self._warmup_kernels()
+        self._capture_graphs()
         self.metrics = self._open_metrics()
 
     # --- setup -------------------------------------------------------------------------
@@ -231,6 +235,35 @@ class Trainer:
             logger.info("kernel configs ready in %.1fs (%d problems, from %s)",
                         time.perf_counter() - start, len(resolved), ", ".join(sources))
 
+    def _graphs_off_reason(self) -> Optional[str]:
+        """Why the blocks run eagerly (``training.cuda_graphs``), None when they are graphed;
+        raises for ``cuda_graphs='on'`` where graphs cannot work."""
+        tcfg = self.job.training
+        if tcfg.cuda_graphs == "off":
+            return "training.cuda_graphs='off'"
+        reason = graphs_unsupported(moe_layers(self.model)[0].dispatch, self.ranks.device, compile=tcfg.compile,
+                                    activation_checkpointing=tcfg.activation_checkpointing)
+        if reason is not None and tcfg.cuda_graphs == "on":
+            raise ConfigError(f"training.cuda_graphs='on': {reason} (or set training.cuda_graphs='auto')")
+        return reason
+
+    def _capture_graphs(self) -> None:
+        """Capture the blocks in CUDA graphs for this run's batch shape (``launch/graphs.py``)."""
+        if self.graphs_off is not None:
+            if self.ranks.rank == 0 and self.ranks.device.type == "cuda":
+                logger.info("CUDA graphs off: %s", self.graphs_off)
+            return
+        tcfg, start = self.job.training, time.perf_counter()
+        sample_BLD = torch.randn(tcfg.batch_size, tcfg.seq_len, self.job.model.dim, device=self.ranks.device,
+                                 generator=torch.Generator(self.ranks.device).manual_seed(0))  # not the global RNG
+        cos_Lh, sin_Lh = self.model.rope_cos[:tcfg.seq_len], self.model.rope_sin[:tcfg.seq_len]
+        self.model.graphed_blocks = GraphedBlocks(self.model.layers, sample_BLD, cos_Lh, sin_Lh, self._autocast())
+        for layer in moe_layers(self.model):  # the capture's warm-up forwards are no training load
+            layer.reset_load_count()
+        if self.ranks.rank == 0:
+            logger.info("CUDA graphs: %d blocks captured in %.1fs", len(self.model.layers),
+                        time.perf_counter() - start)
+
     def _open_metrics(self):
         """Rank 0's JSONL metrics file: truncated on a fresh start, appended to on resume
         after dropping the records past the resumed step (a crashed run's, which this run
@@ -270,7 +303,9 @@ class Trainer:
 
     def _autocast(self):
         if self.job.training.dtype == "bfloat16":
-            return torch.autocast(self.ranks.device.type, dtype=torch.bfloat16)
+            # graph capture needs autocast without its weight-cast cache (the graphs replay the casts)
+            return torch.autocast(self.ranks.device.type, dtype=torch.bfloat16,
+                                  cache_enabled=self.graphs_off is not None)
         return nullcontext()
 
     def _loss(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,7 +454,21 @@ class Trainer:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
 
+    def release_graphs(self) -> None:
+        """Free the CUDA graphs: the blocks run eagerly from here on. Every reference goes,
+        the MoE layers' last losses too (graph outputs, whose autograd node holds the graphs)."""
+        if self.ranks.device.type == "cuda":
+            torch.cuda.synchronize(self.ranks.device)
+        self.model.graphed_blocks = None
+        for layer in moe_layers(self.model):
+            layer.last_stats = None
+        gc.collect()
+
     def close(self) -> None:
-        """Close the metrics file (the caller destroys the process group)."""
+        """Close the metrics file and free the CUDA graphs (the caller then destroys the
+        process group: graphs that captured NCCL collectives and are still alive make
+        ``destroy_process_group`` hang, a known torch issue)."""
+        if self.model.graphed_blocks is not None:
+            self.release_graphs()
         if self.metrics is not None:
             self.metrics.close()
