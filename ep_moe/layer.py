@@ -51,12 +51,19 @@ _EXPERT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The dtypes the experts compute in (the grouped GEMM's)."""
 
 
-def _check_finite_tokens(x_TH: torch.Tensor) -> None:
-    """Raise if some tokens hold NaN or inf, naming how many (a host sync)."""
-    bad = int((~torch.isfinite(x_TH)).any(dim=1).sum())
-    if bad:
-        raise ValueError(f"x has {bad} of {x_TH.shape[0]} tokens with NaN or inf values (EP_MOE_DEBUG is set); "
-                         "find where they turn non-finite upstream, e.g. with torch.autograd.detect_anomaly()")
+def _check_finite_tokens(x_TH: torch.Tensor, group: Optional[ProcessGroup]) -> None:
+    """Raise if some tokens hold NaN or inf, naming how many (a host sync). With an EP
+    group the counts are summed over it first (a collective), so every rank raises, not
+    only the one with the bad tokens while its peers wait in the next exchange."""
+    bad_here = (~torch.isfinite(x_TH)).any(dim=1).sum().reshape(1)
+    bad_group, where = bad_here.clone(), ""
+    if group_size(group) > 1:
+        dist.all_reduce(bad_group, group=group)
+        where = f" on this rank, {int(bad_group)} over the EP group"
+    if int(bad_group):
+        raise ValueError(f"x has {int(bad_here)} of {x_TH.shape[0]} tokens with NaN or inf values{where} "
+                         "(EP_MOE_DEBUG is set); find where they turn non-finite upstream, e.g. with "
+                         "torch.autograd.detect_anomaly()")
 
 
 @dataclass(frozen=True)
@@ -200,8 +207,7 @@ class MoELayer(nn.Module):
         return self.experts.problems(self.compute_dtype())
 
     def _check_input(self, x: torch.Tensor) -> None:
-        """Raise naming what is wrong with ``x`` and the fix; with ``EP_MOE_DEBUG=1`` also
-        when some of its tokens hold NaN or inf (a host sync, so only then)."""
+        """Raise naming what is wrong with ``x`` and the fix (local checks: no collective)."""
         hidden, param = self.config.hidden_size, self.experts.gate_up
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor [..., {hidden}], got {type(x).__name__}; "
@@ -222,8 +228,6 @@ class MoELayer(nn.Module):
         if self.compute_dtype() not in _EXPERT_DTYPES:
             raise ValueError(f"the layer computes in {self.compute_dtype()}, but its experts run in float32, "
                              "float16 or bfloat16; cast the layer (layer.float()) and x, or run under autocast")
-        if debug_enabled() and not torch.compiler.is_compiling():
-            _check_finite_tokens(x.reshape(-1, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """MoE forward, ``x`` [..., H] -> same shape and dtype (under autocast, the
@@ -259,6 +263,9 @@ class MoELayer(nn.Module):
             self._check_input(x)
         else:
             self._agree_first_call(x)
+        if debug_enabled() and not torch.compiler.is_compiling():
+            # after the checks every rank passed: all of them reach its collective
+            _check_finite_tokens(x.reshape(-1, self.config.hidden_size), self.ep_group)
         return x.reshape(-1, self.config.hidden_size).to(self.compute_dtype())
 
     def _agree_first_call(self, x: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ equal-token rule, the copy-engine dispatch on gloo (file workspaces), the EP cod
 without a group, torch.compile, activation checkpointing and autocast."""
 
 import math
+import os
 import re
 import warnings
 from contextlib import nullcontext
@@ -531,8 +532,8 @@ def test_ep_group_must_share_one_config():
 
 
 def _mismatched_input_worker(rank, world_size):
-    """Rank 1 passes tokens of the wrong width, then (a new layer) has bf16 parameters; every
-    rank raises on that first forward instead of waiting for a collective."""
+    """Rank 1 passes tokens of the wrong width, then (a new layer) has bf16 parameters, then
+    (under EP_MOE_DEBUG) a NaN token; every rank raises instead of waiting for a collective."""
     out = {}
     torch.manual_seed(0)
     layer = MoELayer(_config(top_k=2), dist.group.WORLD)
@@ -547,7 +548,16 @@ def _mismatched_input_worker(rank, world_size):
     except ValueError as err:
         out["dtype_error"] = str(err)
     torch.manual_seed(0)  # alike everywhere: runs, the group still lined up
-    out["shape"] = tuple(MoELayer(_config(top_k=2), dist.group.WORLD)(torch.randn(5, H)).shape)
+    layer = MoELayer(_config(top_k=2), dist.group.WORLD)
+    out["shape"] = tuple(layer(torch.randn(5, H)).shape)
+    os.environ["EP_MOE_DEBUG"] = "1"  # a NaN token on rank 1 only, after the first call's agreement
+    x = torch.randn(5, H)
+    x[2, 3] = float("nan") if rank == 1 else x[2, 3]
+    try:
+        layer(x)
+    except ValueError as err:
+        out["nan_error"] = str(err)
+    del os.environ["EP_MOE_DEBUG"]
     return out
 
 
@@ -565,6 +575,9 @@ def test_a_bad_input_on_one_rank_raises_on_every_rank():
         assert re.search(r"differs across the EP group in \['parameter dtype', 'input dtype'\] \(this rank: "
                          rf"parameter dtype=torch.{('float32', 'bfloat16')[rank]}", res["dtype_error"])
         assert res["shape"] == (5, H)
+        # EP_MOE_DEBUG=1 and a NaN token on rank 1: both ranks raise, each naming its own count
+        assert re.search(rf"x has {rank} of 5 tokens with NaN or inf values on this rank, 1 over the EP group",
+                         res.get("nan_error", "")), res
 
 
 def _compiled_worker(rank, world_size, backend, dispatch="all_to_all"):
