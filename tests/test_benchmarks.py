@@ -61,3 +61,20 @@ def test_bench_ep_zipf_routing_skews_expert_load_and_says_so(tmp_path):
         assert row["expert_load_max_mean"] > 1.5  # the hottest expert well above the mean (2.4x measured)
         assert 1.0 < row["rank_load_max_mean"] <= row["expert_load_max_mean"]
         assert len(row["ms_per_rank"]) == 2 and row["ms"] == max(row["ms_per_rank"]) > 0  # the slowest rank
+
+
+def test_bench_host_smoke_run(tmp_path):
+    """``benchmarks/bench_host.py`` on the CPU (one process, the tiny shape): every layer,
+    token count and call is timed and saved (the host-only time needs a GPU: None here)."""
+    out = tmp_path / "host.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_host.py"), "--device", "cpu", "--dtype", "float32",
+           "--shape", "tiny", "--calls", "2", "--rounds", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["layer"], r["call"]) for r in rows} == {(layer, call) for layer in ("ep_moe[local]", "plain")
+                                                       for call in ("fwd", "fwd+bwd")}
+    assert sorted({r["tokens"] for r in rows}) == [1, 4, 16, 64, 256]
+    assert all(r["wall_us"] > 0 and r["host_us"] is None and not r["syncs"] for r in rows)

@@ -1,0 +1,154 @@
+"""Time per eager call at few tokens, where the host sets the pace: ep_moe's layer against
+the plain ``torch._grouped_mm`` layer (``benchmarks/baselines.py``), forward and forward +
+backward, at 1 to 256 tokens a rank.
+
+Two numbers per case:
+
+- ``wall_us``: calls back to back, one sync per round of ``--calls``, divided by the calls
+  (the median round): what an eager user waits per call at this size;
+- ``host_us``: the same calls while the GPU is kept busy (``torch.cuda._sleep`` queued first),
+  so no launch waits for the GPU: the host's own cost per call. A layer that syncs with the
+  host (the all-to-all's split sizes) waits for the sleep: reported as ``syncs``.
+
+At EP=1 (``--ep-size 1``, every rank a replica) and EP = world (the dispatch of
+``--dispatch``, default ``auto``, and the all-to-all)::
+
+    torchrun --nproc-per-node 4 benchmarks/bench_host.py --shape qwen3-30b-a3b
+    python benchmarks/bench_host.py --device cpu --dtype float32 --shape tiny   # smoke run
+
+Results: ``benchmarks/results/host_<device>_ep<P>.json`` (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from baselines import PlainEPMoE  # noqa: E402
+from common import SHAPES, MoEShape, environment, save_results  # noqa: E402
+
+from ep_moe import MoEConfig, MoELayer  # noqa: E402
+
+TOKENS = (1, 4, 16, 64, 256)
+TINY = MoEShape("tiny", 8, 64, 128, 2)
+SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time: longer than any round
+
+
+def per_call_us(fn, calls: int, rounds: int, busy_gpu: bool, device: torch.device) -> list[float]:
+    """Microseconds per call of ``fn`` in each round (a round: ``calls`` calls, then one sync;
+    with ``busy_gpu`` a GPU sleep queued ahead, so only the host is timed)."""
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            if busy_gpu:
+                torch.cuda._sleep(SLEEP_CYCLES)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = time.perf_counter() - start
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+        times.append(1e6 * (host if busy_gpu else wall) / calls)
+    return times
+
+
+def cases(layer: torch.nn.Module, x: torch.Tensor):
+    """(name, fn) for the forward alone and the forward + backward."""
+    dy = torch.randn_like(x)
+    xg = x.detach().clone().requires_grad_()
+
+    def forward():
+        with torch.no_grad():
+            layer(x)
+
+    def forward_backward():
+        layer(xg).backward(dy)
+
+    return [("fwd", forward), ("fwd+bwd", forward_backward)]
+
+
+def build(shape: MoEShape, dispatch: str, group, device, dtype) -> dict[str, torch.nn.Module]:
+    """ep_moe's layer with ``dispatch`` (and the all-to-all too at EP>1) and the plain layer."""
+    cfg = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_experts=shape.num_experts,
+                    top_k=shape.top_k, dispatch=dispatch)
+    torch.manual_seed(0)
+    ours = MoELayer(cfg, group, device=device, dtype=dtype)
+    layers = {f"ep_moe[{ours.dispatch}]": ours}
+    if group is not None and ours.dispatch != "all_to_all":
+        a2a = MoELayer(dataclasses.replace(cfg, dispatch="all_to_all"), group, device=device, dtype=dtype)
+        a2a.load_state_dict(ours.state_dict())
+        layers["ep_moe[all_to_all]"] = a2a
+    layers["plain"] = PlainEPMoE.like(ours)
+    return layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-30b-a3b", help=f"one of {list(SHAPES)} or 'tiny'")
+    parser.add_argument("--ep-size", type=int, default=0, help="1: replicas; 0 (default): the world size")
+    parser.add_argument("--dispatch", default="auto", help="ep_moe's MoEConfig.dispatch at EP>1")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--calls", type=int, default=50, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    torchrun = "RANK" in os.environ
+    device = torch.device(args.device)
+    if torchrun:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world = dist.get_world_size() if torchrun else 1
+    ep_size = args.ep_size or world
+    group = dist.group.WORLD if ep_size > 1 else None
+    shape = TINY if args.shape == "tiny" else SHAPES[args.shape]
+    dtype = getattr(torch, args.dtype)
+    layers = build(shape, args.dispatch, group, device, dtype)
+    rank0 = not torchrun or dist.get_rank() == 0
+    rows = []
+    for tokens in TOKENS:
+        x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
+        for name, layer in layers.items():
+            for what, fn in cases(layer, x):
+                fn()  # compile, tune, allocate
+                wall = statistics.median(per_call_us(fn, args.calls, args.rounds, False, device))
+                host = None
+                if device.type == "cuda":
+                    host = statistics.median(per_call_us(fn, args.calls, args.rounds, True, device))
+                syncs = host is not None and host * args.calls > 0.25e6  # waited for the sleep
+                rows.append(dict(layer=name, tokens=tokens, call=what, wall_us=wall,
+                                 host_us=None if syncs else host, syncs=syncs))
+                if rank0:
+                    shown = "syncs" if syncs else ("-" if host is None else f"{host:8.1f}")
+                    print(f"{shape.name:14s} EP={ep_size} T={tokens:4d} {name:22s} {what:8s} "
+                          f"wall {wall:8.1f} us  host {shown}", flush=True)
+    if rank0:
+        env = environment()
+        out = args.out or REPO / "benchmarks" / "results" / (
+            f"host_{env['device'].replace(' ', '_')}_{shape.name}_ep{ep_size}.json")
+        save_results(out, {"benchmark": "host", "shape": shape.name, "ep_size": ep_size, "world_size": world,
+                           "dtype": args.dtype, "calls": args.calls, "rounds": args.rounds, "results": rows})
+        print(f"saved {out}")
+    if torchrun:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
