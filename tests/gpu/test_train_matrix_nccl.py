@@ -27,12 +27,16 @@ Time, estimated (not yet run on GPUs): a torchrun start plus 30 steps of this mo
 about 30-40 s, 9 runs (2 references, 7 cases) about 4.5-6 minutes on 4x H100, plus the
 first run's Triton compiles when the cache is cold.
 
-Tolerances: not yet measured here. On the CPU (``tests/test_train_matrix.py``) bf16 runs
-drift apart by about 1e-4 at step 1 and a few 1e-3 in the grad norm after 10 steps of a
-similar cumulative learning rate (gpu.toml warms up over 50 steps: 30 steps reach 3.6e-4),
-and wrong gradients of the kind that was found move the grad norm by 2e-2 to 1e-1 and
-more. ``RTOL`` is set from that; the failure message and ``-s`` print every case's largest
-differences, to recalibrate on the first GPU runs.
+Tolerances: every step of the first ``EARLY_STEPS`` within ``RTOL``, and the mean loss of the
+last 10 steps within ``LATE_RTOL``. Later steps are not compared one by one: on GPUs two runs
+of one configuration diverge (nondeterministic kernels amplified by training; measured, see
+``LATE_RTOL``), while wrong gradients of the kind that was found move the grad norm by 2e-2
+to 1e-1 and more from step 1 (2448 against 11.6). The failure message and ``-s`` print every
+case's largest differences.
+
+CUDA graphs: the trainer graphs its blocks wherever the dispatch allows (``training.cuda_graphs``
+auto): the EP=1 reference and the all-gather cases run graphed, the all-to-all eagerly; each
+case checks that from the log.
 """
 
 from __future__ import annotations
@@ -64,8 +68,16 @@ CASES = [pytest.param("bfloat16", ep, d, id=f"bfloat16-ep{ep}-{d}") for ep in (2
 ]
 """(training.dtype, EP size, dispatch); EP size 0: all W GPUs (the trainer's convention)."""
 FIELDS = ("loss", "grad_norm")
+EARLY_STEPS = 5
 RTOL = {"loss": 5e-3, "grad_norm": 2e-2}
-"""Largest relative difference to the EP=1 run allowed at any step (module docstring)."""
+"""Largest relative difference to the EP=1 run allowed in each of the first ``EARLY_STEPS``
+steps, before the runs' nondeterministic kernels (attention's backward, atomics) have
+diverged them (module docstring)."""
+LATE_RTOL = 3e-2
+"""Largest relative difference of the mean loss over the last 10 steps: two eager runs of
+one configuration on one GPU differ by up to 2.3e-3 in the loss and 14% in the grad norm
+after 20 steps of a similar run (``benchmarks/results/train_ep_levers_NVIDIA_H200_x2.json``,
+``graphs_vs_eager``), so later grad norms are not compared step by step."""
 SHRINK = [
     "--set", "model.n_layers=2",
     "--set", "training.batch_size=4",
@@ -150,10 +162,17 @@ def test_ep_trains_like_ep1(dtype, ep_size, dispatch, reference, tmp_path):
     want = _curves(reference(dtype))
     assert want["loss"][-1] < want["loss"][0], f"the EP=1 run did not train: {want['loss']}"
     got = _curves(_train(tmp_path, dtype, ep_size, "--set", f"moe.dispatch='{dispatch}'"))
-    assert f'"dispatch": "{dispatch}"' in (tmp_path / "train.log").read_text()
-    worst = {field: _max_rel_diff(got[field], want[field]) for field in FIELDS}
-    print(f"{dtype} EP={ep_size or WORLD} {dispatch}, max rel diff: "
-          + ", ".join(f"{f} {d:.2e} (step {s})" for f, (d, s) in worst.items()))
+    log = (tmp_path / "train.log").read_text()
+    assert f'"dispatch": "{dispatch}"' in log
+    assert ("CUDA graphs off" in log) == (dispatch == "all_to_all"), "graphs on exactly where the dispatch allows"
+    worst = {field: _max_rel_diff(got[field][:EARLY_STEPS], want[field][:EARLY_STEPS]) for field in FIELDS}
+    late_got, late_want = (sum(c["loss"][-10:]) / 10 for c in (got, want))
+    late = abs(late_got - late_want) / late_want
+    print(f"{dtype} EP={ep_size or WORLD} {dispatch}, max rel diff in steps 1-{EARLY_STEPS}: "
+          + ", ".join(f"{f} {d:.2e} (step {s})" for f, (d, s) in worst.items())
+          + f"; mean loss of the last 10 steps {late:.2e}")
     bad = {f: w for f, w in worst.items() if not w[0] <= RTOL[f]}
-    assert not bad, (f"relative differences to EP=1 (max, step) over {RTOL}: {bad}\n"
-                     + "\n".join(f"{f}: EP>1 {got[f]}\n{' ' * len(f)}  EP=1 {want[f]}" for f in bad))
+    if not late <= LATE_RTOL:
+        bad["mean loss, last 10 steps"] = (late, STEPS)
+    assert not bad, (f"relative differences to EP=1 (max, step) over {RTOL} (late: {LATE_RTOL}): {bad}\n"
+                     + "\n".join(f"{f}: EP>1 {got[f]}\n{' ' * len(f)}  EP=1 {want[f]}" for f in FIELDS))
