@@ -19,13 +19,16 @@
 # budget. AUTOTUNE=1 tunes them (cached in $EP_MOE_CACHE_DIR, so a second run is a cache hit).
 #
 # MFU is against each GPU's measured bf16 matmul rate unless PEAK_TFLOPS is set (e.g. 989 for the H100 SXM
-# datasheet figure); every result records both. EXTRA is passed to every run (e.g. EXTRA="--set moe.dispatch='all_gather'").
+# datasheet figure); every result records both. EXTRA is passed to every run (e.g. EXTRA="--set training.cuda_graphs='off'").
+# DISPATCHES [auto]: at EP>1, one run per moe.dispatch named (e.g. "auto all_gather_copy_engine all_to_all"); a run
+# with another dispatch than auto is labelled <model>[<dispatch>] in the results and the plot.
 # With $OUT set (the device tool), copies the PNG, the combined JSON and one log file there (3 files).
 #   bash benchmarks/run_train_gpu.sh     # MODELS="..." CONFIGS="1:1 4:4 4:2 4:1" WARMUP=5 STEPS=10 PROFILE_STEPS=3
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODELS=${MODELS:-configs/train/qwen3_ep.toml configs/train/gpu.toml}
 CONFIGS=${CONFIGS:-1:1 4:4 4:2 4:1}
+DISPATCHES=${DISPATCHES:-auto}
 WARMUP=${WARMUP:-5}
 STEPS=${STEPS:-10}
 PROFILE_STEPS=${PROFILE_STEPS:-3}
@@ -50,23 +53,27 @@ for CONF in $CONFIGS; do
   W=${CONF%%:*}; P=${CONF##*:}
   if [ "$W" -gt "$NGPU" ]; then echo "world $W, EP $P: only $NGPU GPUs; skipped" | tee -a "$LOG"; continue; fi
   for MODEL in $MODELS; do
+    for DISPATCH in $([ "$P" -gt 1 ] && echo "$DISPATCHES" || echo auto); do
     NAME=$(basename "$MODEL" .toml)
+    LABEL=$NAME; SETD=()
+    if [ "$DISPATCH" != auto ]; then LABEL="$NAME[$DISPATCH]"; SETD=(--set "moe.dispatch='$DISPATCH'"); fi
     REST=$((BUDGET_END - SECONDS))
     if [ "$REST" -lt "${MIN_RUN_S:-45}" ]; then
-      echo "$NAME world $W EP $P: skipped, ${REST}s of the budget left" | tee -a "$LOG"; RCS+=("$NAME:w$W:ep$P:skipped"); continue
+      echo "$LABEL world $W EP $P: skipped, ${REST}s of the budget left" | tee -a "$LOG"; RCS+=("$LABEL:w$W:ep$P:skipped"); continue
     fi
     CAP=${RUN_CAP_S:-150}; [ "$REST" -lt "$CAP" ] && CAP=$REST
     THREADS=$((NCPU / W)); [ "$THREADS" -gt 16 ] && THREADS=16; [ "$THREADS" -lt 1 ] && THREADS=1
-    echo "=== $NAME world $W EP $P (cap ${CAP}s, ${SECONDS}s elapsed)" | tee -a "$LOG"
+    echo "=== $LABEL world $W EP $P (cap ${CAP}s, ${SECONDS}s elapsed)" | tee -a "$LOG"
     START=$SECONDS
     OMP_NUM_THREADS=$THREADS timeout -k 10 "$CAP" python3 -m torch.distributed.run --standalone --nproc-per-node "$W" \
       benchmarks/bench_train.py --config "$MODEL" --ep-size "$P" --warmup "$WARMUP" --steps "$STEPS" \
-      --profile-steps "$PROFILE_STEPS" ${PEAK_TFLOPS:+--peak-tflops "$PEAK_TFLOPS"} ${EXTRA:-} \
-      --out "$RESULTS/train_${NAME}_w${W}_ep${P}.json" 2>&1 \
+      --profile-steps "$PROFILE_STEPS" ${PEAK_TFLOPS:+--peak-tflops "$PEAK_TFLOPS"} ${EXTRA:-} "${SETD[@]}" \
+      --label "$LABEL" --out "$RESULTS/train_${NAME}_${DISPATCH}_w${W}_ep${P}.json" 2>&1 \
       | grep -v -e '^USDT' -e ' INFO config: ' | tee -a "$LOG"
     RC=${PIPESTATUS[0]}
-    echo "--- $NAME world $W EP $P: rc=$RC in $((SECONDS - START))s" | tee -a "$LOG"
-    RCS+=("$NAME:w$W:ep$P:$RC")
+    echo "--- $LABEL world $W EP $P: rc=$RC in $((SECONDS - START))s" | tee -a "$LOG"
+    RCS+=("$LABEL:w$W:ep$P:$RC")
+    done
   done
 done
 
