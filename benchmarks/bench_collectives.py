@@ -7,7 +7,7 @@ environment gives (each setting needs a fresh process: NCCL reads them once).
 
 Rank 0 prints, per hidden size, the CUDA-event median of ``--iters`` calls (each after a
 barrier) and the bandwidth into each GPU ((P-1) * T * H * 2 bytes over that time).
-Session 13's run of each setting is in ``results/ep_session13_NVIDIA_H200_x4.json``.
+A run of each setting on 4x H200 is in ``results/ep_session13_NVIDIA_H200_x4.json``.
 """
 
 from __future__ import annotations

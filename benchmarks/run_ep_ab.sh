@@ -6,15 +6,16 @@
 #
 # Old tree: a folder INSIDE this repo (only the working tree travels to a GPU machine; the
 # device tool takes an ignored folder named in its `carry`). Prepare it here, e.g. for the
-# last commit with MoEConfig.transport / overlap_chunks (dde521a):
-#   rm -rf .baseline && mkdir .baseline && git archive dde521a | tar -x -C .baseline
+# last commit with MoEConfig.transport / overlap_chunks (the parent of the one that removed them):
+#   base=$(git log -1 --format=%H -S "overlap_chunks: int = 1" -- ep_moe/layer.py)~1
+#   rm -rf .baseline && mkdir .baseline && git archive "$base" | tar -x -C .baseline
 #   x=$(git rev-parse --git-path info/exclude); grep -qxF /.baseline/ "$x" 2>/dev/null || echo /.baseline/ >> "$x"
 # then on a 4-GPU machine (device tool: kind nvidia-h100-x4, carry [".baseline"], timeout_s 540;
 # four bench_ep runs of about a minute each; results in /tmp, as the tool's $OUT takes 8 files):
 #   ROUNDS=2 ITERS=10 WARMUP=3 BENCH_CAP_S=180 OUT=/tmp/ep_ab bash benchmarks/run_ep_ab.sh; rc=$?
 #   tar -czf "$OUT/ep_ab.tgz" -C /tmp ep_ab; exit $rc
 # and afterwards `rm -rf .baseline` here. Old and new variants, paired (the defaults below):
-#   old tree (dde521a) bench_ep --variants nccl:1,ag:1,agce:1 -> layers ep_moe, ep_moe_ag_c1, ep_moe_agce_c1
+#   old tree ($base)   bench_ep --variants nccl:1,ag:1,agce:1 -> layers ep_moe, ep_moe_ag_c1, ep_moe_agce_c1
 #   this tree          bench_ep --variants nccl,ag,agce       -> layers ep_moe, ep_moe_ag,    ep_moe_agce
 #   (MoEConfig dispatch all_to_all / all_gather / all_gather_copy_engine; old: transport="nccl",
 #   dispatch="all_gather" transport="nccl", dispatch="all_gather" transport="copy_engine", all

@@ -11,7 +11,7 @@ inputs' gradients. The layer runs these collectives through the expert pipeline
 Why: the all-to-all dispatch (:mod:`ep_moe.ep.all_to_all`) needs every rank's split sizes on
 the host, one sync per layer call, which drains the GPU's queue before the host can issue
 the rest of the layer; on small experts (qwen3-sized) the host then sets the pace
-(``benchmarks/PERFORMANCE_LOG.md``, session 10). Here every size is known on the host
+(``benchmarks/PERFORMANCE_LOG.md``). Here every size is known on the host
 from T alone: nothing waits for the device, so the host runs ahead as it does at EP=1.
 The price is bandwidth: a rank receives all ``(P-1)*T`` foreign tokens, where the
 all-to-all sends only those that picked one of its experts (for mixtral's 8 experts,
