@@ -171,11 +171,17 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, m_siz
 
 
 def _split_experts_hook(module: GroupedExperts, state_dict, prefix, local_metadata) -> None:
-    """state_dict: ``gate_up`` [e, ...] -> ``gate_up.{global id}`` per expert (same for down)."""
+    """state_dict: ``gate_up`` [e, ...] -> ``gate_up.{global id}`` per expert (same for down).
+
+    Each key also resolves attribute by attribute, as ``get_model_state_dict``
+    (torch.distributed.checkpoint.state_dict) requires of every key: the stacked parameter
+    gets an attribute per global id, its row (``getattr(module.gate_up, "5") == 1``)."""
     for name in ("gate_up", "down"):
+        param = getattr(module, name)
         stacked = state_dict.pop(prefix + name)
         for j, g in enumerate(module.global_ids()):
             state_dict[f"{prefix}{name}.{g}"] = stacked[j]
+            setattr(param, str(g), j)
 
 
 def _mark_experts_hook(module: GroupedExperts, incompatible_keys) -> None:
