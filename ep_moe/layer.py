@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,11 @@ if TYPE_CHECKING:
 
 _EXPERT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The dtypes the experts compute in (the grouped GEMM's)."""
+
+RouteFn = Callable[[torch.Tensor], tuple[RouterOutput, Optional[torch.Tensor]]]
+"""A routing computed outside the layer (:meth:`MoELayer.forward`'s ``route_fn``): the
+[T, H] tokens in the compute dtype -> the :class:`~ep_moe.routing.RouterOutput` and the
+keep mask ([T, K] bool, None: every slot kept)."""
 
 
 def _check_finite_tokens(x_TH: torch.Tensor, group: Optional[ProcessGroup]) -> None:
@@ -229,10 +234,13 @@ class MoELayer(nn.Module):
             raise ValueError(f"the layer computes in {self.compute_dtype()}, but its experts run in float32, "
                              "float16 or bfloat16; cast the layer (layer.float()) and x, or run under autocast")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route_fn: Optional[RouteFn] = None) -> torch.Tensor:
         """MoE forward, ``x`` [..., H] -> same shape and dtype (under autocast, the
-        autocast dtype, as ``nn.Linear``; the router stays in ``router_dtype``). Steps
-        (ARCHITECTURE.md, "Data flow", follows each into its functions):
+        autocast dtype, as ``nn.Linear``; the router stays in ``router_dtype``).
+        ``route_fn``, when given, routes instead of the layer's router (step 2): another
+        framework's gating, as DeepSpeed's in :mod:`ep_moe.integrations.deepspeed_gate`;
+        dispatch, experts and stats are the layer's. Steps (ARCHITECTURE.md, "Data flow",
+        follows each into its functions):
 
         1. Check the input, cast it to the compute dtype; on the first call at EP>1, check
            that every rank of the EP group has the same config.
@@ -247,7 +255,7 @@ class MoELayer(nn.Module):
         """
         x_TH = self._input_tokens(x)
         self.dispatcher.start(x_TH.shape[0], x_TH.device)
-        router, keep_TK = self._route(x_TH)
+        router, keep_TK = (self._route if route_fn is None else route_fn)(x_TH)
         backend = self.config.backend if self.config.backend != "auto" else ("triton" if x.is_cuda else "torch")
         routed = self.dispatcher.dispatch(x_TH, router, keep_TK, backend)
         shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)

@@ -105,20 +105,14 @@ def test_returns_deepspeed_convention():
 
 
 def test_config_mapping():
-    cfg = deepspeed_moe_config(H, I, "swiglu", num_experts=E, k=1, drop_tokens=False)
+    cfg = deepspeed_moe_config(H, I, "swiglu", num_experts=E, k=1)
     assert cfg == MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=1, norm_topk_prob=False,
                             aux_loss_coef=1.0, z_loss_coef=0.0, ep_size=1)
-    assert deepspeed_moe_config(H, I, "gelu", num_experts=E, k=3, drop_tokens=False).norm_topk_prob
-    assert deepspeed_moe_config(H, I, "swiglu", num_experts=E, k=2, **DROPLESS).norm_topk_prob
+    assert deepspeed_moe_config(H, I, "gelu", num_experts=E, k=3).norm_topk_prob
+    assert deepspeed_moe_config(H, I, "swiglu", num_experts=E, k=2).norm_topk_prob
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
-    (dict(), r"drop_tokens=True \(DeepSpeed's default\).*pass drop_tokens=False"),
-    (dict(drop_tokens=False, noisy_gate_policy="Jitter"), r"noisy_gate_policy='Jitter' is not supported"),
-    (dict(drop_tokens=False, k=2), r"top2_2nd_expert_sampling=True .* pass top2_2nd_expert_sampling=False"),
-    (dict(drop_tokens=False, use_residual=True), r"use_residual=True \(Residual MoE\) is not supported"),
-    (dict(drop_tokens=False, enable_expert_tensor_parallelism=True),
-     r"enable_expert_tensor_parallelism=True is not supported"),
     (dict(drop_tokens=False, num_experts=6, ep_size=4), r"num_experts=6 is not divisible by ep_size=4"),
     (dict(drop_tokens=False, ep_size=2), r"ep_size=2 needs torch.distributed"),
 ])
@@ -129,8 +123,8 @@ def test_unsupported_arguments_raise(kwargs, pattern):
 
 def test_forward_and_engine_errors(monkeypatch):
     moe = MoE(H, SwiGLUExpert(), num_experts=E, k=1, drop_tokens=False)
-    with pytest.raises(ValueError, match=r"used_token is not supported"):
-        moe(torch.randn(3, H), torch.ones(3))
+    with pytest.raises(ValueError, match=r"used_token has 2 elements \(shape \(2,\)\) but the input has 3 tokens"):
+        moe(torch.randn(3, H), torch.ones(2))
     # a layer the engine cannot see as an MoE layer (built before ``import deepspeed``)
     monkeypatch.setattr("ep_moe.integrations.deepspeed._deepspeed_moe_class", lambda: None)
     moe.set_deepspeed_parallelism()  # ep_size=1: the engine's all-reduce over all ranks is right
@@ -265,13 +259,11 @@ def test_replace_matches_deepspeed(deepspeed, k):
     assert all(isinstance(m, MoE) for m in ours.moes)
     assert ours.moes[1].layer.config.activation == "gelu"
     x = torch.randn(3, 10, H)
-    aux_weight = 0.0 if k == 2 else 0.1  # top-2 l_aux counts only first choices in DeepSpeed (module docstring)
-    ref, got = _run(ds_model, x, aux_weight), _run(ours, x, aux_weight)
+    ref, got = _run(ds_model, x), _run(ours, x)
     assert torch.equal(got["counts"], ref["counts"])
     for key in ("y", "dx", "inp", "out"):
         torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=1e-5)
-    if k != 2:
-        torch.testing.assert_close(got["l_aux"], ref["l_aux"], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got["l_aux"], ref["l_aux"], atol=1e-6, rtol=1e-6)
     for ds_moe, our_moe in zip(ds_model.moes, ours.moes):
         torch.testing.assert_close(our_moe.layer.router.weight.grad, ds_moe.deepspeed_moe.gate.wg.weight.grad,
                                    atol=1e-5, rtol=1e-5)
@@ -293,8 +285,6 @@ def test_replace_rejects_a_bare_layer(deepspeed):
     layer = DeepSpeedMoE(H, SwiGLUExpert(), num_experts=E, k=1, drop_tokens=False)
     with pytest.raises(ValueError, match=r"model is itself a deepspeed MoE layer.*MoE.from_deepspeed"):
         replace_deepspeed_moe(layer)
-    with pytest.raises(ValueError, match=r"drop_tokens=True"):
-        replace_deepspeed_moe(nn.Sequential(DeepSpeedMoE(H, SwiGLUExpert(), num_experts=E, k=1)))
 
 
 def _init_deepspeed():

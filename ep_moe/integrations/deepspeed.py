@@ -3,32 +3,31 @@
 :class:`MoE` takes DeepSpeed's constructor arguments and returns DeepSpeed's
 ``(output, l_aux, exp_counts)``; :func:`replace_deepspeed_moe` swaps the DeepSpeed MoE
 layers of a built model for it, copying the weights. This module maps arguments and
-weights only; the math lives in :mod:`ep_moe.layer`. DeepSpeed itself is imported only
+weights, and mixes in Residual MoE's MLP; the math lives in :mod:`ep_moe.layer` and the
+gating in :mod:`ep_moe.integrations.deepspeed_gate`. DeepSpeed itself is imported only
 by :func:`replace_deepspeed_moe`, :meth:`MoE.set_deepspeed_parallelism` and when an
 engine-class layer is unpickled.
 
-How DeepSpeed's gating maps onto :class:`ep_moe.MoEConfig` (``TopKGate`` in
-``deepspeed/moe/sharded_moe.py``), with ``drop_tokens=False``:
+Gating. :class:`MoE` routes with DeepSpeed's ``TopKGate``
+(:class:`~ep_moe.integrations.deepspeed_gate.DeepSpeedGate`, computed by DeepSpeed's own
+tensor operations and random draws, fed to the layer through ``MoELayer.forward``'s
+``route_fn``): k = 1, 2 and more; ``drop_tokens`` with ``capacity_factor`` (training),
+``eval_capacity_factor`` (eval mode), ``min_capacity`` and ``use_rts``; ``noisy_gate_policy``
+"Jitter" and "RSample"; ``top2_2nd_expert_sampling``; ``forward``'s ``used_token``. Its
+``l_aux`` (unscaled: the caller multiplies it by its coefficient) and ``exp_counts`` are
+DeepSpeed's. The router weight is ``gate.wg`` (bias-free, fp32 logits); the experts, the EP
+dispatch and the kernels are ep_moe's. ``hidden_states`` of any shape [..., H]; the output
+keeps shape and dtype. ``use_tutel`` (a DeepSpeed speed option, same math) is accepted and
+ignored.
 
-- Router: ``gate.wg`` (bias-free Linear, fp32 logits), softmax, top-k. Identical.
-- Combine weights: k=1 uses the raw softmax probability; k>=2 divides the k chosen
-  probabilities by their sum. So ``norm_topk_prob = k > 1``.
-- ``l_aux`` is returned unscaled (the caller multiplies it by its coefficient), so
-  ``aux_loss_coef=1``. For k=1 and k>=3 DeepSpeed's formula is ours, ``E * sum_e f_e *
-  P_e`` with ``f_e`` the fraction of the T*k slots routed to e. For k=2 (``top2gating``)
-  DeepSpeed counts only each token's first choice in ``f_e``; ours counts both slots, so
-  the two ``l_aux`` differ for k=2 (both are 1 under perfectly uniform routing).
-- ``exp_counts``: slots per global expert from this rank's tokens (int64). Identical.
-- ``hidden_states`` of any shape [..., H]; the output keeps shape and dtype. Identical.
-
-Not supported (a ``ValueError`` says what to pass instead): token dropping
-(``drop_tokens=True``: DeepSpeed's capacity floor, random token selection and
-renormalisation over the kept slots have no ep_moe equivalent, which makes
-``capacity_factor``, ``eval_capacity_factor``, ``min_capacity`` and ``use_rts``
-irrelevant), noisy gates (``noisy_gate_policy`` "Jitter"/"RSample", and top-2's Gumbel
-sampling of the second expert, ``top2_2nd_expert_sampling=True``, DeepSpeed's default),
-``use_residual``, expert tensor parallelism, and the ``used_token`` mask of ``forward``.
-``use_tutel`` (a DeepSpeed speed option, same math) is accepted and ignored.
+Residual MoE (``use_residual=True``): as DeepSpeed's, the expert module itself (not a copy)
+is a dense MLP every token goes through, mixed with the MoE output by ``softmax`` of a
+learned ``coefficient`` Linear (H -> 2); keys ``mlp.*`` and ``coefficient.*``. Pyramid MoE
+(layers of different ``num_experts`` and ``ep_size``) needs nothing more: each layer has its
+own experts and the EP group of its ``ep_size``. ``enable_expert_tensor_parallelism=True`` is
+accepted where it changes nothing in DeepSpeed (no tensor parallelism); under tensor
+parallelism :meth:`MoE.set_deepspeed_parallelism` raises, since ep_moe cannot run
+tensor-parallel experts.
 
 Expert modules. DeepSpeed copies any expert module; ep_moe experts are bias-free MLPs.
 The expert's ``nn.Linear`` submodules give the intermediate size, activation and weights
@@ -92,6 +91,7 @@ either.
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union, get_args
@@ -103,6 +103,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from ep_moe.config import Activation, MoEConfig
+from ep_moe.integrations.deepspeed_gate import DeepSpeedGate
 from ep_moe.layer import MoELayer
 from ep_moe.parallel import build_ep_groups, ep_layout, is_expert_param
 
@@ -231,34 +232,13 @@ def deepspeed_moe_config(
     num_experts: int = 1,
     ep_size: int = 1,
     k: int = 1,
-    use_residual: bool = False,
-    noisy_gate_policy: Optional[str] = None,
-    drop_tokens: bool = True,
-    enable_expert_tensor_parallelism: bool = False,
-    top2_2nd_expert_sampling: bool = True,
     backend: str = "auto",
 ) -> MoEConfig:
-    """The :class:`ep_moe.MoEConfig` that computes what DeepSpeed's ``MoE`` does with
-    these arguments (see the module docstring), or a ``ValueError`` naming the
-    unsupported one and what to pass instead."""
-    if drop_tokens:
-        raise ValueError("drop_tokens=True (DeepSpeed's default) drops tokens over a capacity with DeepSpeed's "
-                         "own floor, random token selection and renormalisation, which ep_moe does not "
-                         "reproduce; pass drop_tokens=False (dropless), or build ep_moe.MoELayer with "
-                         "MoEConfig(capacity_factor=...) for ep_moe's capacity mode")
-    if noisy_gate_policy not in (None, "None"):
-        raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r} is not supported: ep_moe routes "
-                         "deterministically; pass noisy_gate_policy=None")
-    if k == 2 and top2_2nd_expert_sampling:
-        raise ValueError("top2_2nd_expert_sampling=True (DeepSpeed's default for k=2) samples the second "
-                         "expert with Gumbel noise; ep_moe picks the top-2 experts deterministically: pass "
-                         "top2_2nd_expert_sampling=False")
-    if use_residual:
-        raise ValueError("use_residual=True (Residual MoE) is not supported; pass use_residual=False and add a "
-                         "dense MLP beside the layer, or use MoEConfig(num_shared_experts=...) for shared experts")
-    if enable_expert_tensor_parallelism:
-        raise ValueError("enable_expert_tensor_parallelism=True is not supported: ep_moe shards experts over "
-                         "the EP group only; pass enable_expert_tensor_parallelism=False")
+    """The :class:`ep_moe.MoEConfig` of the layer behind :class:`MoE`: DeepSpeed's experts
+    and k, and as router DeepSpeed's without capacity or noise (``drop_tokens=False``,
+    no ``noisy_gate_policy``, ``top2_2nd_expert_sampling=False``). :class:`MoE` routes
+    with :class:`~ep_moe.integrations.deepspeed_gate.DeepSpeedGate` instead, which adds
+    them; this config alone computes the same except ``l_aux`` at k=2 (module docstring)."""
     if activation not in get_args(Activation):
         raise ValueError(f"activation={activation!r}: use one of {get_args(Activation)}")
     return MoEConfig(
@@ -376,12 +356,10 @@ class MoE(nn.Module):
         self.expert_layout = self._layout(expert, hidden_size, intermediate_size, activation)
         intermediate_size = intermediate_size or self.expert_layout.intermediate_size
         activation = activation or self.expert_layout.activation
-        config = deepspeed_moe_config(
-            hidden_size, intermediate_size, activation, num_experts=num_experts, ep_size=ep_size, k=k,
-            use_residual=use_residual, noisy_gate_policy=noisy_gate_policy, drop_tokens=drop_tokens,
-            enable_expert_tensor_parallelism=enable_expert_tensor_parallelism,
-            top2_2nd_expert_sampling=top2_2nd_expert_sampling, backend=backend,
-        )
+        self.gate = DeepSpeedGate(num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                                  noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
+        config = deepspeed_moe_config(hidden_size, intermediate_size, activation, num_experts=num_experts,
+                                      ep_size=ep_size, k=k, backend=backend)
         param = _first_param(expert)
         self.layer = MoELayer(config, ep_group if ep_group is not None else _ep_group(ep_size),
                               device=device if device is not None or param is None else param.device,
@@ -390,6 +368,10 @@ class MoE(nn.Module):
         self.ep_size = ep_size
         self.num_local_experts = num_experts // ep_size
         self.expert_group_name = f"ep_size_{ep_size}"  # DeepSpeed's name of the expert groups
+        self.use_residual = use_residual
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism  # see set_deepspeed_parallelism
+        if use_residual:
+            self._build_residual(expert, hidden_size)
         # the state dict in DeepSpeed's keys (module docstring); experts that could not be
         # read keep ep_moe's two weights under names of their own
         self._state_layout = self.expert_layout or ExpertLayout(activation, intermediate_size, up="gate_up",
@@ -427,10 +409,12 @@ class MoE(nn.Module):
     @classmethod
     def from_deepspeed(cls, ds_moe: nn.Module, *, backend: str = "auto") -> "MoE":
         """Our layer with the arguments and weights of a ``deepspeed.moe.layer.MoE``
-        (this rank's experts; its EP group must match ep_moe's layout)."""
+        (this rank's experts; its EP group must match ep_moe's layout), and a copy of its
+        residual MLP (``use_residual``)."""
         gate, experts = ds_moe.deepspeed_moe.gate, ds_moe.deepspeed_moe.experts.deepspeed_experts
+        expert = copy.deepcopy(ds_moe.mlp) if ds_moe.use_residual else experts[0]  # the residual MLP is ours
         ours = cls(
-            gate.wg.weight.shape[1], experts[0], ds_moe.num_experts, ds_moe.ep_size, gate.k,
+            gate.wg.weight.shape[1], expert, ds_moe.num_experts, ds_moe.ep_size, gate.k,
             gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, ds_moe.use_residual,
             gate.noisy_gate_policy, gate.drop_tokens, gate.use_rts, ds_moe.deepspeed_moe.use_tutel,
             ds_moe.enable_expert_tensor_parallelism, gate.top2_2nd_expert_sampling, backend=backend,
@@ -441,7 +425,8 @@ class MoE(nn.Module):
     @torch.no_grad()
     def load_deepspeed(self, ds_moe: nn.Module) -> None:
         """Copy the router and this rank's experts from a ``deepspeed.moe.layer.MoE`` of
-        the same shape (DeepSpeed's local expert j is ep_moe's local expert j)."""
+        the same shape (DeepSpeed's local expert j is ep_moe's local expert j), and with
+        ``use_residual`` its residual MLP and coefficient."""
         if self.expert_layout is None:
             raise ValueError("this layer was built from intermediate_size=/activation= because its expert module "
                              "could not be read, so DeepSpeed's expert weights cannot be mapped; use bias-free "
@@ -457,6 +442,12 @@ class MoE(nn.Module):
                 raise ValueError(f"DeepSpeed's EP group is ranks {ds_ranks} but ep_moe's is {our_ranks}: the local "
                                  "experts would not line up; use DeepSpeed's default expert-then-data layout "
                                  "(use_data_before_expert_parallel_=False)")
+        if ds_moe.use_residual != self.use_residual:
+            raise ValueError(f"DeepSpeed layer has use_residual={ds_moe.use_residual}, this one "
+                             f"{self.use_residual}: build them alike")
+        if self.use_residual:
+            self.mlp.load_state_dict(ds_moe.mlp.state_dict())
+            self.coefficient.load_state_dict(ds_moe.coefficient.state_dict())
         self.layer.router.weight.copy_(ds_moe.deepspeed_moe.gate.wg.weight)
         for j, expert in enumerate(ds_moe.deepspeed_moe.experts.deepspeed_experts):
             gate_up, down = self.expert_layout.from_state(expert.state_dict())
@@ -479,6 +470,7 @@ class MoE(nn.Module):
                              "MoE.from_deepspeed / replace_deepspeed_moe)")
         from deepspeed.utils import groups
 
+        self._check_expert_tensor_parallelism(groups.mpu)
         name = self.expert_group_name
         if name not in groups._get_expert_parallel_group_dict():
             groups._create_expert_and_data_parallel(
@@ -506,6 +498,24 @@ class MoE(nn.Module):
             self.layer.ep_group = ds_ep_group  # same ranks, so ep_rank and the expert sharding hold
         self._tag_expert_params()
 
+    def _check_expert_tensor_parallelism(self, mpu) -> None:
+        """``enable_expert_tensor_parallelism`` changes nothing in DeepSpeed without tensor
+        parallelism (no ``mpu``, or a tensor-parallel size of 1), so it is accepted then;
+        raise where DeepSpeed would shard the experts over the tensor-parallel ranks."""
+        if not self.enable_expert_tensor_parallelism or mpu is None:
+            return
+        from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+        tp_size = bwc_tensor_model_parallel_world_size(mpu)
+        if tp_size > 1:
+            raise ValueError(f"enable_expert_tensor_parallelism=True under tensor parallelism of size {tp_size}: "
+                             "DeepSpeed then runs tensor-parallel experts (the expert module sharded over the "
+                             "tensor-parallel ranks, e.g. Megatron's ColumnParallelLinear/RowParallelLinear) and "
+                             "gathers the tokens between those ranks; ep_moe runs each expert whole on one rank of "
+                             "the EP group, with no tensor-parallel reduction, so it cannot compute a sharded "
+                             "expert. Build the experts unsharded with enable_expert_tensor_parallelism=False and "
+                             "spread them over more ranks with ep_size")
+
     def _tag_expert_params(self) -> None:
         """Tag the expert weights as ``deepspeed.moe.experts.Experts`` tags its own."""
         for param in self.layer.parameters():
@@ -513,16 +523,43 @@ class MoE(nn.Module):
                 param.allreduce = False
                 param.group_name = self.expert_group_name
 
+    def _build_residual(self, expert: Optional[nn.Module], hidden_size: int) -> None:
+        """Residual MoE (DeepSpeed's ``use_residual``): the expert module itself, not a copy,
+        is a dense MLP that every token goes through, mixed with the MoE output by
+        ``softmax(coefficient(x))``, a Linear H -> 2 with a bias (``mlp.*`` and
+        ``coefficient.*``, DeepSpeed's keys)."""
+        if expert is None:
+            raise ValueError("use_residual=True runs the expert module as the residual MLP, as DeepSpeed's MoE "
+                             "does, but expert=None; pass the expert module")
+        router = self.layer.router.weight
+        self.mlp = expert
+        self.coefficient = nn.Linear(hidden_size, 2, device=router.device, dtype=router.dtype)
+
+    def _mix_residual(self, hidden_states: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's Residual MoE output: ``output * c0 + mlp(x) * c1``, ``c = softmax(coefficient(x))``."""
+        output_mlp = self.mlp(hidden_states)
+        if isinstance(output_mlp, tuple):
+            output_mlp = output_mlp[0]  # a Megatron-style (output, bias) pair: DeepSpeed keeps the output
+        coef = torch.softmax(self.coefficient(hidden_states), dim=-1)
+        return output * coef[..., 0:1] + output_mlp * coef[..., 1:]
+
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(output, l_aux, exp_counts)`` as DeepSpeed returns them: the output of
         ``hidden_states``' shape and dtype, the unscaled load-balancing loss (0-dim, fp32,
-        differentiable), and the slots per global expert of this rank's tokens ([E] int64)."""
-        if used_token is not None:
-            raise ValueError("used_token is not supported: ep_moe routes every token; remove the masked tokens "
-                             "before the layer and pass used_token=None")
-        output = self.layer(hidden_states)
+        differentiable), and the assignments per global expert of this rank's tokens ([E]
+        int64), routed by DeepSpeed's gating (:mod:`ep_moe.integrations.deepspeed_gate`).
+        ``used_token``: k=1 only (DeepSpeed ignores it for k >= 2), one entry per token,
+        zero for a token to leave out (its output is 0, or the residual MLP's share)."""
+        weight = self.layer.router.weight
+
+        def route_fn(x_TH: torch.Tensor):
+            return self.gate.route(x_TH, weight, training=self.training, used_token=used_token)
+
+        output = self.layer(hidden_states, route_fn=route_fn)
         stats = self.layer.last_stats
+        if self.use_residual:
+            output = self._mix_residual(hidden_states, output)
         return output, stats.aux_loss, stats.tokens_per_expert
 
 
@@ -578,7 +615,10 @@ def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
              if isinstance(m, DeepSpeedMoE) and not isinstance(m, MoE)]  # ours are DeepSpeedMoE too
     for name, ds_moe in found:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, MoE.from_deepspeed(ds_moe, backend=backend))
+        ours = MoE.from_deepspeed(ds_moe, backend=backend)
+        if ds_moe.use_residual:
+            ours.mlp = ds_moe.mlp  # the model's own module: layers that shared a residual MLP still do
+        setattr(model.get_submodule(parent_name), attr, ours)
     return len(found)
 
 
