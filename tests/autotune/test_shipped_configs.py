@@ -1,6 +1,6 @@
 """The tuned configs shipped in ep_moe/autotune/shipped/: every file parses under the current
 schema, sits in its device's directory under its key's file name, serves lookups, and is in
-the wheel."""
+the wheel; the wheel, installed by pip (not editable), serves them and runs ``ep-moe``."""
 
 import json
 import os
@@ -57,7 +57,7 @@ def _build_wheel(tmp: Path) -> Path:
     return tmp / "dist" / run.stdout.strip().splitlines()[-1]
 
 
-# Run from the unpacked wheel: the package is the wheel's, finds its shipped files and serves one.
+# Run from the installed wheel: the package is the installed copy, finds its shipped files and serves one.
 _INSTALLED_CHECK = """
 import json, sys
 import importlib.resources
@@ -73,19 +73,29 @@ print(json.dumps({"files": len(files), "served": load_shipped(CacheKey.from_dict
 """
 
 
-def test_a_wheel_carries_and_serves_the_shipped_configs(tmp_path):
+def test_the_installed_wheel_serves_the_shipped_configs_and_runs_the_cli(tmp_path):
+    """CI's packaging check: build the wheel, ``pip install`` it (not editable, no
+    dependencies: this venv's torch and triton serve) into its own directory, and from there
+    serve a shipped config and run the ``ep-moe`` console script pip wrote. The repository
+    is off ``sys.path`` (another working directory), and ``PYTHONPATH`` puts the installed
+    copy before this venv's editable one."""
     wheel = _build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     in_wheel = {n.removeprefix("ep_moe/autotune/shipped/") for n in names if n.startswith("ep_moe/autotune/shipped/")}
     assert {str(p.relative_to(SHIPPED_DIR)) for p in SHIPPED} <= in_wheel
     site = tmp_path / "site"
-    zipfile.ZipFile(wheel).extractall(site)
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
+                              "--disable-pip-version-check", "--target", str(site), str(wheel)],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k != "EP_MOE_SHIPPED_DIR"}
     env["PYTHONPATH"] = str(site)
     run = subprocess.run([sys.executable, "-c", _INSTALLED_CHECK, str(site)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.splitlines()[-1]) == {"files": len(SHIPPED), "served": True}
-    help_run = subprocess.run([sys.executable, "-m", "ep_moe.cli", "--help"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=120)
+    script = site / "bin" / "ep-moe"
+    assert script.is_file(), f"pip wrote no ep-moe console script: {sorted(p.name for p in site.iterdir())}"
+    help_run = subprocess.run([str(script), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
     assert help_run.returncode == 0 and "autotune" in help_run.stdout, help_run.stderr[-3000:]
