@@ -11,7 +11,7 @@ Overrides, applied in order after the file:
   plain string when it does not parse: ``--set moe.num_experts=16``,
   ``--set training.lr=1e-3``, ``--set data.path=corpus.txt``.
 - shorthands for the common ones: ``--steps``, ``--ep-size``, ``--data``, ``--resume``,
-  ``--checkpoint-dir``, ``--metrics-file``.
+  ``--checkpoint-dir``, ``--metrics-file``, ``--tensorboard``.
 
 Every value (file or override) must have its field's type, checked before anything is
 built: an integer where the field is an int (``steps = 1e3`` is an error), a number where
@@ -150,6 +150,11 @@ class LoggingConfig:
     metrics_file: str = ""
     """One JSON line per logged step and per evaluation, written by rank 0: a fresh run
     truncates the file, a resumed run drops the records past its starting step and appends.
+    Empty for none."""
+    tensorboard_dir: str = ""
+    """Rank 0 also writes every logged step and evaluation as TensorBoard scalars (loss, aux
+    loss, lr, grad norm, tokens/s, expert load, validation loss) into this directory (needs
+    ``pip install tensorboard``; a resumed run drops the events past its starting step).
     Empty for none."""
     progress_bar: bool = True
     """Show a tqdm bar on rank 0 (when its stderr is a terminal)."""
@@ -434,6 +439,7 @@ def parse_args(argv: Optional[list[str]] = None) -> JobConfig:
         "--resume": ("checkpoint.resume", str),
         "--checkpoint-dir": ("checkpoint.dir", str),
         "--metrics-file": ("logging.metrics_file", str),
+        "--tensorboard": ("logging.tensorboard_dir", str),
     }
     for flag, (key, typ) in shorthands.items():
         parser.add_argument(flag, type=typ, default=None, help=f"same as --set {key}=...")

@@ -27,9 +27,11 @@ Your own data: ``--data corpus.txt`` (bytes as tokens) or ``--data tokens.bin`` 
 uint16 ids; ``.i32`` for int32) with ``--set model.vocab_size=N``. Checkpoints go to
 ``checkpoint.dir`` every ``checkpoint.interval`` steps and at the end; ``--resume latest``
 continues exactly where the newest one left off. ``--metrics-file run.jsonl`` records every
-logged step as JSON. ``--set training.activation_checkpointing=true`` recomputes each
-block in the backward (less activation memory), ``--set training.compile=true`` compiles
-each block with ``torch.compile``. Every option is described in ``launch/config.py`` and
+logged step as JSON; ``--tensorboard runs/tiny`` writes the same to TensorBoard (``pip
+install tensorboard``, then ``tensorboard --logdir runs``).
+``--set training.activation_checkpointing=true`` recomputes each block in the backward
+(less activation memory), ``--set training.compile=true`` compiles each block with
+``torch.compile``. Every option is described in ``launch/config.py`` and
 ``configs/train/tiny.toml``.
 
 A bad config value, data file or checkpoint stops the run before training with one line

@@ -151,6 +151,17 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, ep_group: Optional[P
     return total, finite
 
 
+def tensorboard_writer_class() -> type:
+    """``torch.utils.tensorboard.SummaryWriter``, or a ``ConfigError`` naming the install
+    command when the ``tensorboard`` package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("--tensorboard (logging.tensorboard_dir) needs the tensorboard package, which is not "
+                          "installed: pip install tensorboard") from None
+    return SummaryWriter
+
+
 class Trainer:
     """Owns the model, optimizer, data and checkpoints of one run; ``train()`` runs it."""
 
@@ -173,6 +184,7 @@ class Trainer:
             self.val_batches = TokenBatches(
                 streams.val, seed=tcfg.seed + 1, split=f"validation split ({held_out})",
                 hint="raise data.val_fraction, set logging.eval_interval=0 (no evaluation)", **dp)
+        writer_class = tensorboard_writer_class() if job.logging.tensorboard_dir else None
         self.ranks = init_distributed(job)
         if self.ranks.rank == 0:
             logger.info("config: %s", json.dumps(job.to_dict(), default=str))
@@ -193,6 +205,10 @@ class Trainer:
         self._warmup_kernels()
         self._capture_graphs()
         self.metrics = self._open_metrics()
+        self.tensorboard = None  # rank 0's SummaryWriter; a resumed run drops the events past its step
+        if writer_class is not None and self.ranks.rank == 0:
+            self.tensorboard = writer_class(job.logging.tensorboard_dir,
+                                            purge_step=self.step + 1 if self.step else None)
 
     # --- setup -------------------------------------------------------------------------
 
@@ -450,9 +466,17 @@ class Trainer:
             logger.info("sample: %r", text)
 
     def _write_metrics(self, record: dict) -> None:
+        """Append ``record`` to the metrics file and write it to TensorBoard, as scalars at its
+        step (``val/loss`` for an evaluation, ``train/<name>`` for the rest)."""
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
+        if self.tensorboard is not None:
+            for name, value in record.items():
+                if name != "step":
+                    tag = "val/loss" if name == "val_loss" else f"train/{name}"
+                    self.tensorboard.add_scalar(tag, value, record["step"])
+            self.tensorboard.flush()
 
     def release_graphs(self) -> None:
         """Free the CUDA graphs: the blocks run eagerly from here on. Every reference goes,
@@ -465,10 +489,12 @@ class Trainer:
         gc.collect()
 
     def close(self) -> None:
-        """Close the metrics file and free the CUDA graphs (the caller then destroys the
-        process group: graphs that captured NCCL collectives and are still alive make
-        ``destroy_process_group`` hang, a known torch issue)."""
+        """Close the metrics file and the TensorBoard writer, and free the CUDA graphs (the
+        caller then destroys the process group: graphs that captured NCCL collectives and
+        are still alive make ``destroy_process_group`` hang, a known torch issue)."""
         if self.model.graphed_blocks is not None:
             self.release_graphs()
         if self.metrics is not None:
             self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
