@@ -305,7 +305,8 @@ class MoE(nn.Module):
     Args: DeepSpeed's, in its order (``hidden_size, expert, num_experts, ep_size, k,
     capacity_factor, eval_capacity_factor, min_capacity, use_residual, noisy_gate_policy,
     drop_tokens, use_rts, use_tutel, enable_expert_tensor_parallelism,
-    top2_2nd_expert_sampling``; see the module docstring for which are supported), then,
+    top2_2nd_expert_sampling``, with DeepSpeed's meaning; the gate's are checked by
+    :class:`~ep_moe.integrations.deepspeed_gate.DeepSpeedGate`, kept as ``self.gate``), then,
     keyword-only:
 
         intermediate_size, activation: the expert MLP when ``expert`` does not tell them.
@@ -315,10 +316,10 @@ class MoE(nn.Module):
         device, dtype: of the parameters; default those of ``expert``.
 
     The layer is ``self.layer``; its weights are initialised by ep_moe (the expert module
-    is only read for its shape), so copy trained weights with :meth:`load_deepspeed` or
-    build with :meth:`from_deepspeed`. Built while ``deepspeed`` is imported, the instance
-    is also a ``deepspeed.moe.layer.MoE`` so that the DeepSpeed engine treats it as an MoE
-    layer (see the module docstring).
+    is only read for its shape, except as Residual MoE's ``self.mlp``), so copy trained
+    weights with :meth:`load_deepspeed` or build with :meth:`from_deepspeed`. Built while
+    ``deepspeed`` is imported, the instance is also a ``deepspeed.moe.layer.MoE`` so that
+    the DeepSpeed engine treats it as an MoE layer (see the module docstring).
     """
 
     def __new__(cls, *args, **kwargs):

@@ -135,6 +135,7 @@ class DeepSpeedGate:
             mask_TE = used_T[:, None] * mask_TE
         counts_E = mask_TE.sum(dim=0).detach()
         l_aux = torch.sum(gates_TE.mean(dim=0) * mask_TE.float().mean(dim=0)) * num_experts
+        # drawn also when dropless (and then unused), as DeepSpeed draws it
         rank_TE = mask_TE * _uniform(mask_TE.shape, logits_TE.device) if self.use_rts else mask_TE
         if self.drop_tokens:
             kept = min(capacity(num_tokens, num_experts, factor, self.min_capacity), num_tokens)
