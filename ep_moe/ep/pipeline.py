@@ -33,7 +33,7 @@ dW kernels) and only the schedule is written here.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -59,7 +59,8 @@ class DeferredWeightGrads:
 
     def __init__(self, weights: list[torch.Tensor], private_leaves: bool = False):
         self._weights, self._private = list(weights), private_leaves
-        self._queued: list[tuple[torch.Tensor, torch.Tensor, Callable[[Optional[torch.Tensor]], torch.Tensor]]] = []
+        # (leaves, the tensors queued for them, grad_fn, whether grad_fn takes a tuple)
+        self._queued: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], Callable, bool]] = []
 
     def owns(self, leaf: torch.Tensor) -> bool:
         """Whether GEMMs multiplying by ``leaf`` (or a cast of it) are deferred here."""
@@ -70,15 +71,18 @@ class DeferredWeightGrads:
         leaf = _leaf_of(weight)
         return leaf is not None and self.owns(leaf)
 
-    def add(self, weight: torch.Tensor, grad_fn: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> None:
+    def add(self, weight: Union[torch.Tensor, Sequence[torch.Tensor]], grad_fn: Callable) -> None:
         """Queue ``grad_fn(add_to)``, the gradient of ``weight`` (the tensor the GEMM multiplied
         by: one of the leaves or a cast of one): a new tensor for ``add_to=None``, else added
-        to ``add_to`` in place and returned."""
-        leaf = _leaf_of(weight)
-        if leaf is None or not self.owns(leaf):
-            raise ValueError("DeferredWeightGrads.add: the weight is neither one of the queue's leaves nor a "
+        to ``add_to`` in place and returned. For a tuple of such tensors (a weight and its
+        bias, whose gradients one kernel computes), ``grad_fn`` takes and returns tuples."""
+        weights = (weight,) if isinstance(weight, torch.Tensor) else tuple(weight)
+        leaves = tuple(_leaf_of(w) for w in weights)
+        if any(leaf is None or not self.owns(leaf) for leaf in leaves):
+            raise ValueError("DeferredWeightGrads.add: a weight is neither one of the queue's leaves nor a "
                              "dtype cast of one")
-        self._queued.append((leaf, weight, grad_fn))  # the leaf resolved now, while the graph holds it
+        # the leaves resolved now, while the graph holds them
+        self._queued.append((leaves, weights, grad_fn, not isinstance(weight, torch.Tensor)))
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -91,25 +95,29 @@ class DeferredWeightGrads:
         entry is dropped once done, so its saved operands are freed before the next dW runs."""
         queued, self._queued = self._queued, []
         queued.reverse()
-        # (leaf, dtype) -> (leaf, the weight first queued for it, its dW so far); saved tensors
-        # may come back as new tensors for the same leaf or cast (under saved-tensor hooks).
-        # The leaves are in self._weights: their ids stay theirs for the whole run.
-        sums: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # ((leaf, dtype) of each tensor) -> (the leaves, the tensors first queued for them,
+        # their gradients so far); saved tensors may come back as new tensors for the same
+        # leaf or cast (under saved-tensor hooks). The leaves are in self._weights: their ids
+        # stay theirs for the whole run.
+        sums: dict[tuple, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         while queued:
-            leaf, weight, grad_fn = queued.pop()
-            key = (id(leaf), weight.dtype)
+            leaves, weights, grad_fn, takes_tuple = queued.pop()
+            key = tuple((id(leaf), w.dtype) for leaf, w in zip(leaves, weights))
             partial = sums.get(key)
-            sums[key] = (leaf, weight if partial is None else partial[1],
-                         grad_fn(None if partial is None else partial[2]))
+            add_to = None if partial is None else (partial[2] if takes_tuple else partial[2][0])
+            grads = grad_fn(add_to)
+            sums[key] = (leaves, weights if partial is None else partial[1],
+                         tuple(grads) if takes_tuple else (grads,))
             del grad_fn
-        for leaf, weight, grad in sums.values():
-            if weight.grad_fn is None:  # the leaf itself (or a saved alias of it)
-                if self._private and leaf.grad is None:
-                    leaf.grad = grad  # what AccumulateGrad would store, uncopied
+        for leaves, weights, grads in sums.values():
+            for leaf, weight, grad in zip(leaves, weights, grads):
+                if weight.grad_fn is None:  # the leaf itself (or a saved alias of it)
+                    if self._private and leaf.grad is None:
+                        leaf.grad = grad  # what AccumulateGrad would store, uncopied
+                    else:
+                        torch.autograd.backward(leaf, grad, inputs=[leaf])
                 else:
-                    torch.autograd.backward(leaf, grad, inputs=[leaf])
-            else:
-                torch.autograd.backward(weight, grad, inputs=[leaf])
+                    torch.autograd.backward(weight, grad, inputs=[leaf])
 
 
 def _leaf_of(w: torch.Tensor) -> Optional[torch.Tensor]:

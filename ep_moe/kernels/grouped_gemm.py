@@ -6,14 +6,19 @@ expert, row ``r`` belonging to expert ``e(r)``. Forward::
 
     y[s(r)] = rw[s(r)] * (x[g(r)] @ w[e(r)]^T)          g = gather, s = scatter (identity if absent)
 
-Backward::
+With an optional per-expert bias ``b`` [E, N] (an ``nn.Linear``'s), the forward is
+``rw[s(r)] * (x[g(r)] @ w[e(r)]^T + b[e(r)])``. Backward::
 
     dx_rows[r] = rw[s(r)] * (dy[s(r)] @ w[e(r)])         then dx[g(r)] += dx_rows[r]
     dw[e]      = sum over rows r of e: (rw[s(r)] * dy[s(r)])^T @ x[g(r)]
-    drw[s(r)]  = (dy[s(r)] @ w[e(r)]) . x[g(r)]
+    db[e]      = sum over rows r of e: rw[s(r)] * dy[s(r)]
+    drw[s(r)]  = (dy[s(r)] @ w[e(r)]) . x[g(r)] + dy[s(r)] . b[e(r)]
 
 Forward and dX are the same kernel, ``_grouped_rows_kernel``: a row-tiled product whose
-B operand is ``w[e]`` read transposed (forward) or as stored (dX), chosen by strides.
+B operand is ``w[e]`` read transposed (forward) or as stored (dX), chosen by strides. The
+bias is an epilogue add of the forward; its gradient is a column sum that the dW kernel's
+tiles of the first K block take over the rows they reduce anyway, and its share of ``drw``
+a dot the dX kernel's tiles of the first column block add to the row dots.
 """
 
 from __future__ import annotations
@@ -166,6 +171,11 @@ def _tiles_up_to_source(source_ends_ptr, e, w, m_e, NUM_SOURCES: tl.constexpr, B
 #   of the unscaled tile with rows of D (the top-k weight gradient); fp32 accumulation. The
 #   weight and the dot belong to the store row, the load row or (PER_ROUTED_ROW) the routed
 #   row r itself, when several routed rows load the same A row (a slot sum's backward).
+#   HAS_BIAS, forward (B_TRANSPOSED): the expert's bias row is added to the fp32 tile before
+#   the row weight, one [BLOCK_N] load per tile. HAS_BIAS, dX with ROW_DOT: the bias's share
+#   of the row weight's gradient, the dot of each A row (dy) with the bias over the reduced
+#   dim, is added to the dots by the tiles of column block 0 only (a second pass over their
+#   rows of A, still in cache; the other tiles skip it), so the main loop is the same.
 # Source order (NUM_SOURCES > 1): each expert's rows are sorted by source (source_ends: per
 #   expert, rows of sources <= w), and the tile list walks sources first_source..end_source-1
 #   outermost. ARRIVAL: A's rows land source by source while the kernel runs (a copy-engine
@@ -183,7 +193,7 @@ def _tiles_up_to_source(source_ends_ptr, e, w, m_e, NUM_SOURCES: tl.constexpr, B
 @triton.jit(launch_metadata=_rows_metadata, do_not_specialize=["first_source", "end_source"])
 def _grouped_rows_kernel(
     a_ptr, b_ptr, b_desc, out_ptr, m_sizes_ptr,
-    load_idx_ptr, store_idx_ptr, scale_ptr,
+    load_idx_ptr, store_idx_ptr, scale_ptr, bias_ptr,
     d_ptr, d_idx_ptr, row_dot_ptr,
     source_ends_ptr, arrival_ptr, arrival_base, first_source, end_source,
     num_experts, num_rows, N, K,
@@ -191,13 +201,14 @@ def _grouped_rows_kernel(
     stride_be, stride_bk, stride_bn,
     stride_om, stride_on,
     stride_dm, stride_dn,
+    stride_bias_e,
     # Meta-parameters
     TILE_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
     LOAD_IDX: tl.constexpr, STORE_IDX: tl.constexpr,
     SCALE: tl.constexpr, SCALE_BY_LOAD_ROW: tl.constexpr, PER_ROUTED_ROW: tl.constexpr,
-    ROW_DOT: tl.constexpr, D_IDX: tl.constexpr,
+    ROW_DOT: tl.constexpr, D_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, NUM_SOURCES: tl.constexpr, ARRIVAL: tl.constexpr,
@@ -269,6 +280,9 @@ def _grouped_rows_kernel(
                     acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
                     a_ptrs += BLOCK_K * stride_ak
                     b_ptrs += BLOCK_K * stride_bk
+                if HAS_BIAS and B_TRANSPOSED:
+                    bias = tl.load(bias_ptr + tl.cast(e, tl.int64) * stride_bias_e + offs_n, mask=col_ok, other=0.0)
+                    acc += bias.to(tl.float32)[None, :]
 
                 if STORE_IDX:
                     out_rows = tl.load(store_idx_ptr + rows).to(tl.int64)
@@ -282,6 +296,17 @@ def _grouped_rows_kernel(
                     d = tl.load(d_ptr + d_rows[:, None] * stride_dm + offs_n[None, :] * stride_dn,
                                 mask=col_ok[None, :], other=0.0)
                     partial = tl.sum(acc * d.to(tl.float32), axis=1)
+                    if HAS_BIAS and not B_TRANSPOSED:
+                        if pid_n == 0:  # + A row . bias over the reduced dim, by column block 0 only
+                            bias_a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+                            bias_k_ptrs = bias_ptr + tl.cast(e, tl.int64) * stride_bias_e + offs_k
+                            for ki in range(num_k_steps):
+                                bias_k_ok = offs_k < K - ki * BLOCK_K
+                                a_k = tl.load(bias_a_ptrs, mask=bias_k_ok[None, :], other=0.0)
+                                bias_k = tl.load(bias_k_ptrs, mask=bias_k_ok, other=0.0)
+                                partial += tl.sum(a_k.to(tl.float32) * bias_k.to(tl.float32)[None, :], axis=1)
+                                bias_a_ptrs += BLOCK_K * stride_ak
+                                bias_k_ptrs += BLOCK_K
                     dot_rows = rows.to(tl.int64) if PER_ROUTED_ROW else a_rows
                     tl.store(row_dot_ptr + tl.cast(pid_n, tl.int64) * num_rows + dot_rows, partial, mask=row_ok)
                 if SCALE:
@@ -313,20 +338,24 @@ def _grouped_rows_kernel(
 #   past N or K. Experts with no rows store zeros. fp32 accumulation.
 # Fuses: with ACCUMULATE, the tile adds what dw already holds (in fp32, one rounding), so the
 #   dW of several row sets (the chunks of a pipeline) sums in place, with no buffer per set
-#   and no separate add.
+#   and no separate add. HAS_BIAS: the bias gradient db[e] = the column sums of the expert's
+#   DY rows, in fp32, taken by the tiles of K block 0 in a second pass over their DY tiles
+#   (still in cache; the main loop is the same), ACCUMULATE adding to db as to dw.
 @triton.jit(launch_metadata=_dw_metadata)
 def _grouped_dw_kernel(
-    dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, m_sizes_ptr, m_starts_ptr,
+    dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, db_ptr, m_sizes_ptr, m_starts_ptr,
     num_experts, num_rows, N, K,
     stride_dym, stride_dyn,
     stride_xm, stride_xk,
     stride_we, stride_wn, stride_wk,
+    stride_db_e,
     # Meta-parameters
     TILE_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_TMA: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_k_tiles = tl.cdiv(K, BLOCK_K)
@@ -367,6 +396,20 @@ def _grouped_dw_kernel(
         if ACCUMULATE:
             acc += tl.load(dw_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
         tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=tile_ok)
+        if HAS_BIAS:
+            if pid_k == 0:
+                db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                dy_ptrs = (dy_ptr + (tl.cast(seg_start, tl.int64) + offs_m)[:, None] * stride_dym
+                           + offs_n[None, :] * stride_dyn)
+                for mi in range(tl.cdiv(m_e, BLOCK_M)):
+                    db_row_ok = offs_m < m_e - mi * BLOCK_M
+                    dy_tile = tl.load(dy_ptrs, mask=db_row_ok[:, None] & n_ok[None, :], other=0.0)
+                    db += tl.sum(dy_tile.to(tl.float32), axis=0)
+                    dy_ptrs += BLOCK_M * stride_dym
+                db_ptrs = db_ptr + tl.cast(e, tl.int64) * stride_db_e + offs_n
+                if ACCUMULATE:
+                    db += tl.load(db_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+                tl.store(db_ptrs, db.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
 # out[t] = sum of src rows offsets[t] .. offsets[t+1]-1, in order: the deterministic
@@ -412,6 +455,7 @@ def launch_rows(
     per_routed_row: bool = False,
     dot_with: torch.Tensor | None = None,
     dot_idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
     source_window: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor | None:
     """Launch the row-tiled kernel: forward (``transpose_w=True``) or dX (``False``).
@@ -421,6 +465,9 @@ def launch_rows(
     ``scale_by_load_row``). With ``dot_with`` set, returns the per-row dot products of the
     unscaled result with ``dot_with[dot_idx[r]]``, indexed by load row ([rows of a], fp32).
     ``per_routed_row``: the scale and the dots belong to routed row r itself (dots [M]).
+    ``bias`` [E, w's N], contiguous: forward, added to each row of expert e before the
+    scale; dX (needs ``dot_with``), each dot also gets ``a[load row] . bias[e]`` (the
+    forward's bias in the row weight's gradient).
     When rows of ``a`` are still landing (:func:`ep_moe.kernels.arrival.rows_arriving`), the
     tiles wait for them source by source. ``source_window=(source_ends, w)``: only the rows
     of source ``w`` (each expert's rows sorted by source, ``source_ends`` [E, S] of them from
@@ -441,6 +488,8 @@ def launch_rows(
     if use_tma:
         block = [1, c.BLOCK_N, c.BLOCK_K] if transpose_w else [1, c.BLOCK_K, c.BLOCK_N]
         b_desc = TensorDescriptor.from_tensor(w, block)
+    if bias is not None and not transpose_w and dot_with is None:
+        raise ValueError("launch_rows: a bias in the dX pass only adds to the row dots; pass dot_with, or no bias")
     num_n_tiles = triton.cdiv(n_out, c.BLOCK_N)
     row_dot = None
     if dot_with is not None:
@@ -466,6 +515,7 @@ def launch_rows(
         load_idx if load_idx is not None else dummy,
         store_idx if store_idx is not None else dummy,
         scale if scale is not None else dummy,
+        bias if bias is not None else dummy,
         dot_with if dot_with is not None else dummy,
         dot_idx if dot_idx is not None else dummy,
         row_dot if row_dot is not None else dummy,
@@ -479,12 +529,13 @@ def launch_rows(
         out.stride(0), out.stride(1),
         dot_with.stride(0) if dot_with is not None else 0,
         dot_with.stride(1) if dot_with is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         TILE_STRIDE=stride,
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
         GROUP_SIZE_M=c.GROUP_SIZE_M,
         LOAD_IDX=load_idx is not None, STORE_IDX=store_idx is not None,
         SCALE=scale is not None, SCALE_BY_LOAD_ROW=scale_by_load_row, PER_ROUTED_ROW=per_routed_row,
-        ROW_DOT=dot_with is not None, D_IDX=dot_idx is not None,
+        ROW_DOT=dot_with is not None, D_IDX=dot_idx is not None, HAS_BIAS=bias is not None,
         EVEN_K=k_red % c.BLOCK_K == 0, EVEN_N=n_out % c.BLOCK_N == 0,
         USE_TMA=use_tma, B_TRANSPOSED=transpose_w,
         INPUT_PRECISION=_input_precision(a.dtype),
@@ -496,10 +547,12 @@ def launch_rows(
 
 
 def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torch.Tensor,
-              config: KernelConfig, accumulate: bool = False) -> None:
+              config: KernelConfig, accumulate: bool = False, db: torch.Tensor | None = None) -> None:
     """Launch the dW kernel into ``dw`` [E, N, K] from expert-ordered rows of ``dy`` [M, N]
     and ``x`` [M, K] (gather or weight them first with :func:`ep_moe.kernels.permute.launch_gather_rows`).
-    ``accumulate``: add the product to what ``dw`` holds instead of overwriting it."""
+    ``accumulate``: add the product to what ``dw`` holds instead of overwriting it.
+    ``db`` [E, N] (contiguous): also the bias gradient, each expert's column sums of ``dy``
+    (added to ``db`` with ``accumulate``)."""
     num_experts, n, k = dw.shape
     m_starts = torch.cumsum(m_sizes, 0, dtype=torch.int32) - m_sizes
     c = config
@@ -509,16 +562,18 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
     x_desc = TensorDescriptor.from_tensor(x, [c.BLOCK_M, c.BLOCK_K]) if use_tma else None
     grid, stride = launch_grid(x.device, max_tiles)
     _grouped_dw_kernel[grid](
-        dy, x, dy_desc, x_desc, dw, m_sizes, m_starts,
+        dy, x, dy_desc, x_desc, dw, db if db is not None else dw, m_sizes, m_starts,
         num_experts, x.shape[0], n, k,
         dy.stride(0), dy.stride(1),
         x.stride(0), x.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
+        db.stride(0) if db is not None else 0,
         TILE_STRIDE=stride,
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
         USE_TMA=use_tma,
         INPUT_PRECISION=_input_precision(x.dtype),
         ACCUMULATE=accumulate,
+        HAS_BIAS=db is not None,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Literal, Optional, Protocol
+from typing import Callable, Literal, Optional, Protocol, Union
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -72,11 +72,12 @@ def _fwd_impl(
     config: list[int],
     dx_mode: str,
     bounded_rows: bool,
+    bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
     out = x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
     launch_rows(
         x, w, out, m_sizes, _configs_from_ints(config).forward, transpose_w=True,
-        load_idx=gather_index, store_idx=scatter_index, scale=row_weights,
+        load_idx=gather_index, store_idx=scatter_index, scale=row_weights, bias=bias,
     )
     return out
 
@@ -85,7 +86,8 @@ _grouped_gemm_fwd = torch.library.custom_op("ep_moe::grouped_gemm_fwd", mutates_
 
 
 @_grouped_gemm_fwd.register_fake
-def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows):
+def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows,
+                           bias):
     return x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
 
 
@@ -103,19 +105,22 @@ def _bwd_impl(
     need_dx: bool,
     need_dw: bool,
     need_drw: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw, d row_weights); a gradient not asked for comes back as an empty tensor."""
+    bias: Optional[torch.Tensor],
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, d row_weights, d bias); a gradient not asked for comes back as an empty tensor."""
     configs = _configs_from_ints(config)
-    dx, dw, drw = x.new_empty(0), x.new_empty(0), x.new_empty(0)
+    dx, dw, drw, db = x.new_empty(0), x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if need_dx or need_drw:
         dx, drw_f32 = _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                  configs.dx, dx_mode, need_drw, bounded_rows)
+                                  configs.dx, dx_mode, need_drw, bounded_rows, bias if need_drw else None)
         if need_drw:
             drw = drw_f32.to(row_weights.dtype)
-    if need_dw:
-        dw = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, configs.dw,
-                          bounded_rows=bounded_rows)
-    return dx, dw, drw
+    if need_dw or need_db:
+        grads = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, configs.dw,
+                             bounded_rows=bounded_rows, bias=bias if need_db else None, need_dw=need_dw)
+        dw, db = (grads[0] if need_dw else dw, grads[1]) if need_db else (grads, db)
+    return dx, dw, drw, db
 
 
 _grouped_gemm_bwd = torch.library.custom_op("ep_moe::grouped_gemm_bwd", mutates_args=())(_bwd_impl)
@@ -123,36 +128,60 @@ _grouped_gemm_bwd = torch.library.custom_op("ep_moe::grouped_gemm_bwd", mutates_
 
 @_grouped_gemm_bwd.register_fake
 def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
-                           dx_mode, bounded_rows, need_dx, need_dw, need_drw):
+                           dx_mode, bounded_rows, need_dx, need_dw, need_drw, bias, need_db):
     dx = x.new_empty(x.shape) if (need_dx or need_drw) else x.new_empty(0)
     dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
     drw = row_weights.new_empty(row_weights.shape) if need_drw else x.new_empty(0)
-    return dx, dw, drw
+    db = bias.new_empty(bias.shape) if need_db else x.new_empty(0)
+    return dx, dw, drw, db
 
 
 def _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config: KernelConfig,
-                 add_to: Optional[torch.Tensor] = None, bounded_rows: bool = False):
-    """dW through the dW kernel, on expert-ordered rows gathered (and weighted) first; with
-    ``add_to``, added to that tensor in place (and returned) instead of a new one.
-    ``bounded_rows``: only the counted rows are gathered (the dW kernel reads no others)."""
-    dw = torch.empty_like(w) if add_to is None else add_to
+                 add_to=None, bounded_rows: bool = False, bias: Optional[torch.Tensor] = None,
+                 need_dw: bool = True):
+    """dW on expert-ordered rows gathered (and weighted) first (:func:`_expert_rows_grads`);
+    with ``bias``, the pair (dW, db), dW None without ``need_dw``. ``bounded_rows``: only
+    the counted rows are gathered (the kernels read no others)."""
     limit = m_sizes.sum() if bounded_rows else None
     weighted = scatter_index is not None or row_weights is not None
     dy_rows = launch_gather_rows(dy, scatter_index, row_weights, limit=limit) if weighted else dy
+    if not need_dw:
+        return None, _bias_grad(dy_rows, m_sizes, bias)
     x_rows = launch_gather_rows(x, gather_index, limit=limit) if gather_index is not None else x
-    launch_dw(dy_rows, x_rows, dw, m_sizes, config, accumulate=add_to is not None)
-    return dw
+    return _expert_rows_grads(dy_rows, x_rows, w, m_sizes, config, bias, add_to)
+
+
+def _expert_rows_grads(dy_rows, x_rows, w, m_sizes, config: KernelConfig, bias: Optional[torch.Tensor],
+                       add_to=None):
+    """dW of expert-ordered rows through the dW kernel; with ``bias``, (dW, db), db from the
+    same launch. ``add_to`` (what this returns): added to in place instead of new tensors."""
+    if bias is None:
+        dw, db = torch.empty_like(w) if add_to is None else add_to, None
+    else:
+        dw, db = (torch.empty_like(w), torch.empty_like(bias)) if add_to is None else add_to
+    launch_dw(dy_rows, x_rows, dw, m_sizes, config, accumulate=add_to is not None, db=db)
+    return dw if bias is None else (dw, db)
+
+
+def _bias_grad(dy_rows: torch.Tensor, m_sizes: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """db alone (the weight needs no gradient): each expert's column sums of its
+    expert-ordered, weighted rows of dy (a segment sum)."""
+    offsets = torch.cat([m_sizes.new_zeros(1), torch.cumsum(m_sizes, 0)])
+    db = torch.empty_like(bias)
+    launch_segment_sum(dy_rows, offsets, db)
+    return db
 
 
 def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
-                dx_mode, need_drw, bounded_rows=False):
+                dx_mode, need_drw, bounded_rows=False, bias=None):
     """dX through the row kernel. Rows of a gathered x: ``dx_mode`` "unique" (each row read
     at most once) stores straight through the index; "sort" sums repeated rows without
     float atomics (sorted by destination, then a segment sum); "atomic" adds in fp32.
     ``bounded_rows``: rows past ``m_sizes.sum()`` (not computed) add nothing, and their
-    row-weight gradients are 0."""
+    row-weight gradients are 0. ``bias`` (with ``need_drw``): the forward's bias, whose
+    share of the row-weight gradient the kernel adds."""
     common = dict(transpose_w=False, load_idx=scatter_index, scale=row_weights,
-                  scale_by_load_row=True, dot_with=x if need_drw else None, dot_idx=gather_index)
+                  scale_by_load_row=True, dot_with=x if need_drw else None, dot_idx=gather_index, bias=bias)
     num_rows = _routed_rows(x, gather_index)
     past = (torch.arange(num_rows, device=x.device) >= m_sizes.sum()) if bounded_rows else None
     dx, drw = _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, past)
@@ -198,24 +227,30 @@ def _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, p
     return dx.to(x.dtype), drw
 
 
+_BIAS_ARG = 9
+"""Position of ``bias`` among the forward op's inputs."""
+
+
 def _setup_context(ctx, inputs, output):
-    x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows = inputs
-    ctx.save_for_backward(x, w, m_sizes, gather_index, scatter_index, row_weights)
+    x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows, bias = inputs
+    ctx.save_for_backward(x, w, m_sizes, gather_index, scatter_index, row_weights, bias)
     ctx.config = config
     ctx.dx_mode = dx_mode
     ctx.bounded_rows = bounded_rows
 
 
 def _backward_with(bwd, ctx, dy, defer_dw: bool = False, saved=None):
-    x, w, m_sizes, gather_index, scatter_index, row_weights = ctx.saved_tensors if saved is None else saved
+    """The op's gradients through ``bwd``; ``defer_dw``: dW and db are queued elsewhere."""
+    x, w, m_sizes, gather_index, scatter_index, row_weights, bias = ctx.saved_tensors if saved is None else saved
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and not defer_dw
     need_drw = row_weights is not None and ctx.needs_input_grad[5]
-    dx, dw, drw = bwd(
+    need_db = bias is not None and ctx.needs_input_grad[_BIAS_ARG] and not defer_dw
+    dx, dw, drw, db = bwd(
         dy.contiguous(), x, w, m_sizes, gather_index, scatter_index, row_weights,
-        ctx.config, ctx.dx_mode, ctx.bounded_rows, need_dx, need_dw, need_drw,
+        ctx.config, ctx.dx_mode, ctx.bounded_rows, need_dx, need_dw, need_drw, bias, need_db,
     )
     return (dx if need_dx else None, dw if need_dw else None, None, None, None,
-            drw if need_drw else None, None, None, None)
+            drw if need_drw else None, None, None, None, db if need_db else None)
 
 
 def _backward(ctx, dy):
@@ -238,15 +273,17 @@ class _EagerGroupedGemm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
-        x, w, m_sizes, gather_index, scatter_index, row_weights = saved
-        queue = _queue_for(w) if ctx.needs_input_grad[1] else None
+        x, w, m_sizes, gather_index, scatter_index, row_weights, bias = saved
+        with_bias = bias is not None and ctx.needs_input_grad[_BIAS_ARG]
+        queue = _queue_for(w, bias if with_bias else None) if ctx.needs_input_grad[1] else None
         if queue is None:
             return _backward_with(_bwd_impl, ctx, dy, saved=saved)
         dy = dy.contiguous()
         config = _configs_from_ints(ctx.config).dw
-        bounded_rows = ctx.bounded_rows
-        queue.add(w, lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                                 config, add_to, bounded_rows))
+        bounded_rows, bias = ctx.bounded_rows, bias if with_bias else None
+        queue.add((w, bias) if with_bias else w,
+                  lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
+                                              config, add_to, bounded_rows, bias))
         return _backward_with(_bwd_impl, ctx, dy, defer_dw=True, saved=saved)
 
 
@@ -255,16 +292,16 @@ class _GemmSlotSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, config, bounded_rows,
-                source_ends, departure):
+                source_ends, departure, bias):
         configs = _configs_from_ints(config)
         rows = a.new_empty((a.shape[0], w.shape[1]))
-        ctx.save_for_backward(a, w, m_sizes, row_weights, token_index)
+        ctx.save_for_backward(a, w, m_sizes, row_weights, token_index, bias)
         ctx.configs, ctx.bounded_rows = configs, bounded_rows
         if departure is None:
-            launch_rows(a, w, rows, m_sizes, configs.forward, transpose_w=True, scale=row_weights)
+            launch_rows(a, w, rows, m_sizes, configs.forward, transpose_w=True, scale=row_weights, bias=bias)
             return launch_sum_slot_rows(rows, row_of_slot, top_k)
         for position in departure.order:  # each source's rows, summed, then handed on
-            launch_rows(a, w, rows, m_sizes, configs.forward, transpose_w=True, scale=row_weights,
+            launch_rows(a, w, rows, m_sizes, configs.forward, transpose_w=True, scale=row_weights, bias=bias,
                         source_window=(source_ends, position))
             tokens = departure.tokens(position)
             launch_sum_slot_rows(rows, row_of_slot[tokens.start * top_k: tokens.stop * top_k], top_k,
@@ -275,44 +312,49 @@ class _GemmSlotSum(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        a, w, m_sizes, row_weights, token_index = ctx.saved_tensors
+        a, w, m_sizes, row_weights, token_index, bias = ctx.saved_tensors
         need_da, need_dw, need_drw = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        need_db = bias is not None and ctx.needs_input_grad[11]  # bias, the last input
         dy = dy.contiguous()
-        da = drw = dw = None
+        da = drw = dw = db = None
         if need_da or need_drw:  # each routed row loads its token's gradient row
             da = torch.empty_like(a)
             drw = launch_rows(dy, w, da, m_sizes, ctx.configs.dx, transpose_w=False, load_idx=token_index,
-                              scale=row_weights, per_routed_row=True, dot_with=a if need_drw else None)
+                              scale=row_weights, per_routed_row=True, dot_with=a if need_drw else None,
+                              bias=bias if need_drw else None)
             if ctx.bounded_rows and need_drw:  # rows past the counts were not computed
                 drw.masked_fill_(torch.arange(drw.shape[0], device=drw.device) >= m_sizes.sum(), 0.0)
-        if need_dw:
-            config, bounded_rows = ctx.configs.dw, ctx.bounded_rows
+        if need_dw or need_db:
+            config, bounded_rows, grad_bias = ctx.configs.dw, ctx.bounded_rows, bias if need_db else None
 
-            def grad_weight(add_to: Optional[torch.Tensor]) -> torch.Tensor:
-                out = torch.empty_like(w) if add_to is None else add_to
-                weighted = launch_gather_rows(dy, token_index, row_weights, scale_by_out_row=True,
-                                              limit=m_sizes.sum() if bounded_rows else None)
-                launch_dw(weighted, a, out, m_sizes, config, accumulate=add_to is not None)
-                return out
+            def weighted_rows() -> torch.Tensor:
+                return launch_gather_rows(dy, token_index, row_weights, scale_by_out_row=True,
+                                          limit=m_sizes.sum() if bounded_rows else None)
 
-            queue = _queue_for(w)
-            if queue is None:
-                dw = grad_weight(None)
+            queue = _queue_for(w, grad_bias) if need_dw else None
+            if not need_dw:
+                db = _bias_grad(weighted_rows(), m_sizes, bias)
+            elif queue is None:
+                grads = _expert_rows_grads(weighted_rows(), a, w, m_sizes, config, grad_bias)
+                dw, db = grads if need_db else (grads, None)
             else:
-                queue.add(w, grad_weight)
+                queue.add((w, grad_bias) if need_db else w,
+                          lambda add_to: _expert_rows_grads(weighted_rows(), a, w, m_sizes, config, grad_bias, add_to))
         return (da if need_da else None, dw, None, drw.to(row_weights.dtype) if need_drw else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, db)
 
 
 @torch.compiler.disable  # eager only: its autograd.Function is not a custom op
 def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, row_weights: torch.Tensor,
                           token_index: torch.Tensor, row_of_slot: torch.Tensor, top_k: int,
                           configs: Optional[GemmConfigs] = None, bounded_rows: bool = False,
-                          source_ends: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          source_ends: Optional[torch.Tensor] = None,
+                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Routed rows through their experts, weighted, then summed per token over its slots
     (Triton; the EP receiver's down projection and slot sum):
-    ``out[t] = sum_k row_weights[r] * a[r] @ w[e(r)]^T`` for ``r = row_of_slot[t*K + k]``
-    (-1 skipped), [T, N], T = ``len(row_of_slot) / top_k``.
+    ``out[t] = sum_k row_weights[r] * (a[r] @ w[e(r)]^T + bias[e(r)])`` for ``r =
+    row_of_slot[t*K + k]`` (-1 skipped; no bias term without ``bias`` [E, N]), [T, N],
+    T = ``len(row_of_slot) / top_k``.
 
     ``a`` [M, K] is in expert order (``m_sizes`` rows each), ``row_weights`` [M] belongs to
     each routed row, ``token_index`` [M] gives each routed row's token (the inverse of
@@ -328,6 +370,7 @@ def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tenso
     source into the departure's buffer, which is returned (``source_ends`` [E, S]: each
     expert's rows are sorted by source, so many from sources <= w; required then)."""
     _validate_slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, bounded_rows)
+    _check_bias(bias, w)
     configs = configs or GemmConfigs.defaults(a.element_size(), smem_limit_for(a.device))
     departure = take_departure()
     if departure is not None and (source_ends is None or source_ends.shape[1] != departure.num_sources):
@@ -335,7 +378,7 @@ def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tenso
                          f"({departure.num_sources}), got {None if source_ends is None else tuple(source_ends.shape)}")
     return _GemmSlotSum.apply(a, w, _as_int32(m_sizes), row_weights.contiguous(), _as_int32(token_index),
                               _as_int32(row_of_slot), top_k, _configs_to_ints(configs), bounded_rows,
-                              source_ends, departure)
+                              source_ends, departure, None if bias is None else bias.contiguous())
 
 
 class WeightGradQueue(Protocol):
@@ -345,9 +388,11 @@ class WeightGradQueue(Protocol):
     def owns_weight(self, weight: torch.Tensor) -> bool:
         """Whether the dW of a GEMM multiplying by ``weight`` is queued here."""
 
-    def add(self, weight: torch.Tensor, grad_fn: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> None:
+    def add(self, weight: Union[torch.Tensor, tuple[torch.Tensor, ...]], grad_fn: Callable) -> None:
         """Queue ``grad_fn(add_to)``, the gradient of ``weight``: a new tensor for
-        ``add_to=None``, else added to ``add_to`` in place and returned."""
+        ``add_to=None``, else added to ``add_to`` in place and returned. For a tuple of
+        tensors (a weight and its bias, whose gradients one kernel computes), ``grad_fn``
+        takes and returns a tuple of their gradients."""
 
 
 _open_queues: list[WeightGradQueue] = []
@@ -357,8 +402,11 @@ which does not see the context of a caller on another thread. The weights a queu
 keep other GEMMs (other layers, other threads) out of it."""
 
 
-def _queue_for(w: torch.Tensor) -> Optional[WeightGradQueue]:
-    return next((q for q in reversed(_open_queues) if q.owns_weight(w)), None)
+def _queue_for(w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Optional[WeightGradQueue]:
+    """The open queue that owns ``w`` (and ``bias``, when given: their gradients come from
+    one kernel, so both are queued or neither)."""
+    return next((q for q in reversed(_open_queues)
+                 if q.owns_weight(w) and (bias is None or q.owns_weight(bias))), None)
 
 
 @contextlib.contextmanager
@@ -434,6 +482,20 @@ def _check_operands(x, w, m_sizes, x_name: str = "x") -> None:
                          f"{x_name}'s device")
 
 
+def _check_bias(bias: Optional[torch.Tensor], w: torch.Tensor) -> None:
+    """``bias`` [E, N] against ``w`` [E, N, K]: kind, shape, dtype, device."""
+    if bias is None:
+        return
+    _check_tensor("bias", bias)
+    if tuple(bias.shape) != tuple(w.shape[:2]):
+        raise ValueError(f"bias must be [E, N] = {list(w.shape[:2])} (one row of out_features per expert), got "
+                         f"shape {tuple(bias.shape)}; stack the experts' nn.Linear biases")
+    if bias.dtype != w.dtype:
+        raise ValueError(f"bias dtype {bias.dtype} does not match w dtype {w.dtype}; cast it with bias.to(w.dtype)")
+    if bias.device != w.device:
+        raise ValueError(f"bias is on {bias.device} but w is on {w.device}; move it with bias.to(w.device)")
+
+
 def _check_row_weights(row_weights, rows: int, device: torch.device, per: str) -> None:
     _check_tensor("row_weights", row_weights)
     if row_weights.dim() != 1 or row_weights.shape[0] != rows:
@@ -457,8 +519,10 @@ def _check_counts(m_sizes: torch.Tensor, rows: int, bounded_rows: bool, what: st
                          "at most every row)")
 
 
-def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bool, bounded_rows: bool) -> None:
+def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bool, bounded_rows: bool,
+              bias: Optional[torch.Tensor] = None) -> None:
     _check_operands(x, w, m_sizes)
+    _check_bias(bias, w)
     if gather_index is not None:
         _check_tensor("gather_index", gather_index)
     rows = _routed_rows(x, gather_index)
@@ -514,6 +578,7 @@ def grouped_gemm(
     gather_index: Optional[torch.Tensor] = None,
     scatter_index: Optional[torch.Tensor] = None,
     row_weights: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
     configs: Optional[GemmConfigs] = None,
     deterministic: bool = True,
     unique_gather: bool = False,
@@ -535,6 +600,10 @@ def grouped_gemm(
             ``scatter_index[r]``.
         row_weights: optional [M] weights indexed by *output* row, multiplied in fp32 in the
             epilogue (the top-k weights); gets a gradient.
+        bias: optional [E, N] per-expert bias (``nn.Linear``'s), in w's dtype, added to
+            each row of expert e in the epilogue, before the row weight; gets a gradient
+            (each expert's weighted column sums of the output gradient, taken in the dW
+            kernel's pass).
         configs: kernel configs for forward, dX and dW; default: ``GemmConfigs.defaults``
             fitted to x's element size and the device's shared memory.
         deterministic: sum the gradient of gathered rows in a fixed order (default) instead
@@ -554,10 +623,10 @@ def grouped_gemm(
             leave them out). Their ``gather_index`` entries must still be rows of x.
 
     Returns:
-        [M, N] tensor of x's dtype: rows of expert e are ``x_e @ w[e]^T``.
+        [M, N] tensor of x's dtype: rows of expert e are ``x_e @ w[e]^T (+ bias[e])``.
     """
     debug = debug_enabled(debug)
-    _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug, bounded_rows)
+    _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug, bounded_rows, bias)
     if unique_gather and gather_index is not None and (debug or x.device.type == "cpu") \
             and not torch.compiler.is_compiling() and torch.unique(gather_index).numel() != gather_index.numel():
         raise ValueError("unique_gather=True but gather_index reads some rows of x more than once; "
@@ -572,7 +641,7 @@ def grouped_gemm(
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1); use backend='torch' on CPU")
     if not use_triton:
         return grouped_gemm_reference(x, w, m_sizes, gather_index=gather_index,
-                                      scatter_index=scatter_index, row_weights=row_weights)
+                                      scatter_index=scatter_index, row_weights=row_weights, bias=bias)
     op = torch.ops.ep_moe.grouped_gemm_fwd if torch.compiler.is_compiling() else _EagerGroupedGemm.apply
     if x.stride(-1) != 1:  # the row gathers of the backward (dW, sorted dX) read rows as contiguous
         x = x.contiguous()
@@ -581,4 +650,5 @@ def grouped_gemm(
         None if row_weights is None else row_weights.contiguous(),  # the kernels index it with stride 1
         _configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
         "unique" if unique_gather else ("sort" if deterministic else "atomic"), bounded_rows,
+        None if bias is None else bias.contiguous(),  # the kernels index it with stride 1
     )

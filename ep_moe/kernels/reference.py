@@ -3,8 +3,8 @@
 Same contract as :func:`ep_moe.kernels.ops.grouped_gemm`: the routed problem has
 ``M = m_sizes.sum()`` rows, sorted by expert (expert 0's rows first). Row ``r`` reads
 ``x[gather_index[r]]`` (or ``x[r]``), is multiplied by ``w[e]^T`` for its expert ``e``, and
-lands in output row ``scatter_index[r]`` (or ``r``), scaled by ``row_weights`` of that
-output row. Gradients come from ordinary autograd.
+lands in output row ``scatter_index[r]`` (or ``r``), plus ``bias[e]`` when given, all
+scaled by ``row_weights`` of that output row. Gradients come from ordinary autograd.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def grouped_gemm_reference(
     gather_index: torch.Tensor | None = None,
     scatter_index: torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM by a loop over experts (one host sync for the split sizes).
@@ -36,6 +37,8 @@ def grouped_gemm_reference(
         seg @ w_e.to(compute_dtype).t()
         for seg, w_e in zip(torch.split(rows_MK[:sum(sizes)], sizes), w.unbind(0))
     ]
+    if bias is not None:
+        pieces = [piece + b_e.to(compute_dtype) for piece, b_e in zip(pieces, bias.unbind(0))]
     # rows past the counts (grouped_gemm's bounded_rows) come out as zeros
     pieces.append(rows_MK.new_zeros(rows_MK.shape[0] - sum(sizes), w.shape[1]))
     out_MN = torch.cat(pieces)
