@@ -61,13 +61,16 @@ def ep_layout(world_size: int, ep_size: int) -> tuple[list[list[int]], list[list
     return ep_groups, edp_groups
 
 
-def build_ep_groups(ep_size: int, *, world_size: Optional[int] = None) -> ExpertParallelGroups:
+def build_ep_groups(ep_size: int, *, world_size: Optional[int] = None,
+                    num_experts: Optional[int] = None) -> ExpertParallelGroups:
     """Create the EP and EDP groups of this rank (call on every rank, same arguments).
 
     ``world_size`` defaults to the default group's size and must equal it (the groups
-    cover every rank). Every rank takes part in the creation of every group, as
-    ``torch.distributed.new_group`` requires.
+    cover every rank). ``num_experts``: the model's expert count, checked to be divisible
+    by ``ep_size`` before any group is created. Every rank takes part in the creation of
+    every group, as ``torch.distributed.new_group`` requires.
     """
+    _check_num_experts(num_experts, ep_size)
     if not dist.is_initialized():
         raise ValueError("build_ep_groups needs torch.distributed; call "
                          "torch.distributed.init_process_group first")
@@ -90,11 +93,20 @@ def build_ep_groups(ep_size: int, *, world_size: Optional[int] = None) -> Expert
                                 ep_size=ep_size, edp_size=world_size // ep_size)
 
 
-def init_ep_mesh(ep_size: int, *, device_type: str = "cuda") -> DeviceMesh:
-    """A 2-D DeviceMesh ("edp", "ep") over all ranks in the expert-then-data layout."""
+def init_ep_mesh(ep_size: int, *, device_type: str = "cuda", num_experts: Optional[int] = None) -> DeviceMesh:
+    """A 2-D DeviceMesh ("edp", "ep") over all ranks in the expert-then-data layout
+    (``num_experts``: as in :func:`build_ep_groups`)."""
+    _check_num_experts(num_experts, ep_size)
     world_size = dist.get_world_size()
     ep_layout(world_size, ep_size)  # validates
     return init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
+
+
+def _check_num_experts(num_experts: Optional[int], ep_size: int) -> None:
+    """Raise, before any collective, unless ``ep_size`` ranks share ``num_experts`` evenly."""
+    if num_experts is not None and (ep_size < 1 or num_experts % ep_size != 0):
+        raise ValueError(f"ep_size={ep_size} does not divide num_experts={num_experts}: each EP rank holds "
+                         f"num_experts / ep_size experts; pick an ep_size that divides {num_experts}")
 
 
 def groups_from_mesh(mesh: DeviceMesh, *, ep_axis: str = "ep", edp_axis: str = "edp") -> ExpertParallelGroups:

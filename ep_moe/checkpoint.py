@@ -1,0 +1,343 @@
+"""Distributed checkpoints (``torch.distributed.checkpoint``, DCP) of models with MoE layers,
+saved at one (EP, DP) layout and loaded at another.
+
+What DCP needs from a state dict, and where ep_moe gives it:
+
+- **One key per tensor, the same on every rank that holds it.** ``MoELayer.state_dict()``
+  keys each expert weight by its *global* id (``...experts.gate_up.{g}``), so
+  ``get_model_state_dict`` / ``set_model_state_dict`` (``torch.distributed.checkpoint
+  .state_dict``) take the model as it is. The optimizer state of a stacked expert parameter
+  is keyed by the parameter (``state["...experts.gate_up"]``) but holds other experts on
+  every EP rank, so DCP would keep one rank's copy. :func:`moe_state_dict` splits it per
+  global expert (``state["...experts.gate_up.{g}"]``, the keys of the model's state dict;
+  per-parameter scalars such as AdamW's ``step`` copied to each) and
+  :func:`load_moe_state_dict` stacks it back.
+- **Replicas write once.** Dense tensors (equal on every rank) and each expert (equal on
+  every rank of its expert-data-parallel group) appear under one key on several ranks;
+  DCP writes one copy of each.
+- **Resharding.** Loading, each rank asks for the keys of the experts it holds now, so a
+  checkpoint written at EP 4 loads at EP 2 or 1 (and back) with no conversion.
+
+A checkpoint is a directory. DCP writes ``.metadata`` last, through a temporary file
+renamed into place, once every rank has written its data: :func:`is_complete` is true
+exactly when a save finished. :func:`save_checkpoint` first removes the ``.metadata`` of an
+earlier save to the same directory, so a re-save killed midway leaves no checkpoint that
+looks complete over mixed files; :func:`load_checkpoint` refuses a directory without it.
+
+Usage (every rank, same arguments)::
+
+    save_checkpoint(f"ckpt/step_{step:08d}", model, optimizer, extra={"step": torch.tensor(step)})
+    ...  # later, maybe at another EP size: build the model and optimizer, then
+    extra = {"step": torch.tensor(0)}
+    load_checkpoint(path, model, optimizer, extra=extra)   # extra["step"] loaded in place
+
+or with DCP directly: ``dcp.save(moe_state_dict(model, optimizer), checkpoint_id=path)``;
+``state = moe_state_dict(model, optimizer); dcp.load(state, checkpoint_id=path);
+load_moe_state_dict(model, optimizer, state)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from ep_moe.experts import GroupedExperts
+from ep_moe.layer import MoELayer
+from ep_moe.parallel import is_expert_param
+
+logger = logging.getLogger(__name__)
+
+METADATA = ".metadata"
+"""The file DCP writes last: a checkpoint directory without it is incomplete."""
+CONFIGS_KEY = "moe_configs"
+"""State-dict key of the MoE layers' configs (JSON), compared on load."""
+_NOT_COMPARED = frozenset({"ep_size"})
+"""MoEConfig fields a checkpoint may differ in: the layout it was saved at."""
+_SHOWN = 4
+"""Keys named per kind of mismatch in an error (then how many more)."""
+
+PathLike = Union[str, os.PathLike]
+
+
+@dataclass(frozen=True)
+class _StackedExperts:
+    """One stacked expert parameter of a :class:`GroupedExperts`: row j is expert ``global_ids[j]``."""
+
+    key: str
+    """The parameter's key in the torch state-dict APIs."""
+    global_ids: range
+    num_experts: int
+
+
+def _api_key(model: nn.Module, name: str) -> str:
+    """``name`` (of ``model.named_modules()`` or ``named_parameters()``) as the torch
+    state-dict APIs key it: without the ``module.`` of DistributedDataParallel and the
+    ``_orig_mod.`` of torch.compile."""
+    kept, obj = [], model
+    for part in name.split("."):
+        if not ((isinstance(obj, DistributedDataParallel) and part == "module") or part == "_orig_mod"):
+            kept.append(part)
+        obj = getattr(obj, part)
+    return ".".join(kept)
+
+
+def _stacked_experts(model: nn.Module) -> dict[str, _StackedExperts]:
+    """The stacked expert parameters of every :class:`GroupedExperts` in ``model``, by key."""
+    found = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, GroupedExperts):
+            continue
+        for leaf, param in module.named_parameters(recurse=False):
+            if is_expert_param(param):
+                key = _api_key(model, f"{name}.{leaf}" if name else leaf)
+                found[key] = _StackedExperts(key, module.global_ids(), module.config.num_experts)
+    return found
+
+
+def _moe_configs(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Each MoE layer's config as JSON values (dtypes as strings), by the layer's key."""
+    return {_api_key(model, name) if name else "": json.loads(json.dumps(dataclasses.asdict(m.config), default=str))
+            for name, m in model.named_modules() if isinstance(m, MoELayer)}
+
+
+def moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+    """The state of ``model`` (and ``optimizer``) with a unique key per tensor, for ``dcp.save``
+    and as the target of ``dcp.load`` (call on every rank).
+
+    Returns ``{"model": get_model_state_dict(model), "optimizer": ..., "moe_configs": ...}``:
+    the optimizer's part is ``get_optimizer_state_dict(model, optimizer)`` with each stacked
+    expert parameter's state split per global expert (see the module docstring); it is
+    absent when ``optimizer`` is None. The tensors share memory with the model and the
+    optimizer: ``dcp.load`` into this dict, then :func:`load_moe_state_dict`. An empty
+    optimizer state is initialised first (a step with zero gradients and learning rate,
+    as ``get_optimizer_state_dict`` does), so that there are tensors to load into.
+    """
+    experts = _stacked_experts(model)
+    model_state = get_model_state_dict(model)
+    stacked = sorted(experts.keys() & model_state.keys())
+    if stacked:
+        raise ValueError(f"the model's state dict holds the stacked expert parameters {stacked}: each rank holds "
+                         "other experts under that key, so DCP would keep one rank's. Split them per global expert "
+                         "in a state-dict hook, as ep_moe.experts.GroupedExperts does for gate_up and down")
+    state = {"model": model_state, CONFIGS_KEY: json.dumps(_moe_configs(model), sort_keys=True)}
+    if optimizer is not None:
+        state["optimizer"] = _split_per_expert(get_optimizer_state_dict(model, optimizer), experts)
+    return state
+
+
+def load_moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                        state_dict: dict[str, Any]) -> None:
+    """Load a :func:`moe_state_dict` (as ``dcp.load`` filled it) into ``model`` and
+    ``optimizer`` (None: the model only), through ``set_model_state_dict`` and
+    ``set_optimizer_state_dict``. The optimizer gets the checkpoint's param groups too
+    (learning rate and the other hyper-parameters), as ``set_optimizer_state_dict`` does."""
+    set_model_state_dict(model, state_dict["model"])
+    if optimizer is not None:
+        if "optimizer" not in state_dict:
+            raise ValueError("state_dict holds no optimizer state: build it with moe_state_dict(model, optimizer), "
+                             "or pass optimizer=None")
+        set_optimizer_state_dict(model, optimizer, _stack_per_expert(state_dict["optimizer"],
+                                                                     _stacked_experts(model)))
+
+
+def _split_per_expert(optim_state: dict[str, Any], experts: dict[str, _StackedExperts]) -> dict[str, Any]:
+    """``optim_state["state"][key]`` of each stacked expert parameter -> ``[f"{key}.{g}"]`` per
+    global expert g: row j of every state tensor, the per-parameter scalars (0-dim, e.g.
+    ``step``) as they are."""
+    state = dict(optim_state["state"])
+    for key, info in experts.items():
+        stacked = state.pop(key, None)
+        if stacked is None:  # no state (frozen, or a stateless optimizer)
+            continue
+        rows = len(info.global_ids)
+        for name, value in stacked.items():
+            if _per_expert(value) and value.shape[0] != rows:
+                raise ValueError(f"optimizer state {name!r} of {key} has shape {tuple(value.shape)}, not one row per "
+                                 f"local expert ({rows}): it cannot be split per expert for the checkpoint")
+        for j, g in enumerate(info.global_ids):
+            state[f"{key}.{g}"] = {name: value[j] if _per_expert(value) else value for name, value in stacked.items()}
+    return {**optim_state, "state": state}
+
+
+def _stack_per_expert(optim_state: dict[str, Any], experts: dict[str, _StackedExperts]) -> dict[str, Any]:
+    """The inverse of :func:`_split_per_expert` for this rank's experts."""
+    state = dict(optim_state["state"])
+    for key, info in experts.items():
+        slices = [state.pop(f"{key}.{g}", None) for g in info.global_ids]
+        if all(s is None for s in slices):
+            continue
+        if any(s is None for s in slices):
+            lacking = [g for g, s in zip(info.global_ids, slices) if s is None]
+            raise ValueError(f"optimizer state of {key} lacks the experts {lacking}: pass the state of every "
+                             f"expert of this rank, {list(info.global_ids)}")
+        state[key] = {name: torch.stack([s[name] for s in slices]) if _per_expert(value) else value
+                      for name, value in slices[0].items()}
+    return {**optim_state, "state": state}
+
+
+def _per_expert(value: Any) -> bool:
+    """Whether an optimizer state entry has a row per expert (``exp_avg``), not one value
+    for the whole parameter (``step``)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def is_complete(path: PathLike) -> bool:
+    """Whether ``path`` holds a finished DCP checkpoint (its ``.metadata``, written last)."""
+    return (Path(path) / METADATA).is_file()
+
+
+def save_checkpoint(path: PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                    extra: Optional[dict[str, Any]] = None) -> None:
+    """Save ``model`` (and ``optimizer``; ``extra``: more state, e.g. the step, under the key
+    ``"extra"``) to the directory ``path`` with ``dcp.save``; collective (every rank, same
+    ``path``, on a file system every rank sees).
+
+    An earlier checkpoint in ``path`` stops counting first (rank 0 removes its ``.metadata``),
+    so the directory is complete again only once this save has finished.
+    """
+    state = moe_state_dict(model, optimizer)
+    if extra is not None:
+        state["extra"] = extra
+    path = Path(path)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / METADATA).unlink(missing_ok=True)
+    if dist.is_initialized():
+        dist.barrier()  # no rank writes data while the old .metadata still names the old files
+    dcp.save(state, checkpoint_id=path)
+
+
+def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                    extra: Optional[dict[str, Any]] = None) -> None:
+    """Load a :func:`save_checkpoint` (any EP size that divides the expert count) into
+    ``model`` and ``optimizer``; collective (every rank, same arguments).
+
+    ``extra``: what to read of the saved ``extra``, as DCP loads: tensors are filled in
+    place, other values replaced in the dict. Gradients are dropped (the optimizer state
+    needs initialising, see :func:`moe_state_dict`).
+
+    Raises ``ValueError`` on every rank alike, before anything is loaded, when ``path`` is
+    not a complete checkpoint or its tensors do not fit the model; the error then names
+    the MoE config fields that differ between the checkpoint and the model, and the keys
+    that are missing, unexpected or of another shape. Config fields that differ while the
+    tensors fit (``top_k``, ``aux_loss_coef``, ...) are logged as a warning.
+    """
+    path = Path(path)
+    problem, differences, state = None, [], None
+    if not path.is_dir():
+        problem = f"checkpoint {path} does not exist; pass a directory written by ep_moe.checkpoint.save_checkpoint"
+    elif not is_complete(path):
+        problem = (f"checkpoint {path} is incomplete: it has no {METADATA}, which DCP writes last, so its save "
+                   "was interrupted; load an earlier checkpoint")
+    else:
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        state = moe_state_dict(model, optimizer)
+        if extra is not None:
+            state["extra"] = extra
+        differences = _config_differences(path, model)
+        problem = _misfit(path, state, _stacked_experts(model), differences)
+    _raise_on_every_rank(problem)
+    if differences and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("checkpoint %s was saved with other MoE config values, which this model overrides: %s",
+                       path, "; ".join(differences))
+    dcp.load(state, checkpoint_id=path)
+    load_moe_state_dict(model, optimizer, state)
+
+
+def _config_differences(path: Path, model: nn.Module) -> list[str]:
+    """``field=saved in the checkpoint, current in this model (MoE layers ...)`` for every
+    MoE config field (but the EP size) that differs, and every MoE layer only one of them
+    has. Reads the checkpoint's configs on this rank alone (no collective)."""
+    saved_state = {CONFIGS_KEY: ""}
+    if CONFIGS_KEY not in FileSystemReader(path).read_metadata().state_dict_metadata:
+        return []
+    dcp.load(saved_state, checkpoint_id=path, no_dist=True)
+    saved, current = json.loads(saved_state[CONFIGS_KEY]), _moe_configs(model)
+    layers: dict[str, list[str]] = {}  # what differs -> the layers where it does
+    for layer in sorted(saved.keys() | current.keys()):
+        if layer not in current:
+            found = ["an MoE layer in the checkpoint, not in this model"]
+        elif layer not in saved:
+            found = ["an MoE layer in this model, not in the checkpoint"]
+        else:
+            found = [f"{field}={saved[layer].get(field)!r} in the checkpoint, {current[layer].get(field)!r} "
+                     "in this model" for field in sorted(saved[layer].keys() | current[layer].keys())
+                     if field not in _NOT_COMPARED and saved[layer].get(field) != current[layer].get(field)]
+        for text in found:
+            layers.setdefault(text, []).append(repr(layer))
+    return [f"{text} (MoE layer{'s' if len(names) > 1 else ''} {', '.join(names)})" for text, names in layers.items()]
+
+
+def _misfit(path: Path, state: dict[str, Any], experts: dict[str, _StackedExperts],
+            differences: list[str]) -> Optional[str]:
+    """Why the checkpoint's tensors do not fit ``state`` (this rank's :func:`moe_state_dict`),
+    or None: keys it lacks, keys of this model's kind it has beyond the model's (another
+    layer count, more experts), and shapes that differ. Local: reads ``.metadata`` only."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    wanted = _tensor_keys(state)
+    missing = [k for k in wanted if k not in saved]
+    shapes = [f"{k} {tuple(saved[k].size)} in the checkpoint, {tuple(wanted[k])} in this model" for k in wanted
+              if isinstance(saved.get(k), TensorStorageMetadata) and tuple(saved[k].size) != wanted[k]]
+    expected = set(wanted) | _all_expert_keys(experts)
+    unexpected = [k for k in saved if k.startswith("model.") and k not in expected]
+    if not (missing or shapes or unexpected):
+        return None
+    if "optimizer" in state and not any(k.startswith("optimizer.state.") for k in saved):
+        return f"checkpoint {path} holds no optimizer state; load it with optimizer=None"
+    parts = [f"{what}: {', '.join(keys[:_SHOWN])}{f' (and {len(keys) - _SHOWN} more)' if len(keys) > _SHOWN else ''}"
+             for what, keys in (("missing", missing), ("unexpected", unexpected), ("other shapes", shapes)) if keys]
+    why = f"its tensors do not fit this model ({'; '.join(parts)})"
+    if differences:
+        return (f"checkpoint {path} was saved from another model config ({'; '.join(differences)}), so {why}; "
+                "build the model with the checkpoint's config")
+    return f"checkpoint {path} does not fit this model: {why}; build the model it was saved from"
+
+
+def _tensor_keys(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The tensors of a :func:`moe_state_dict` under the keys DCP gives them, with their shapes."""
+    keys = {f"model.{k}": tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    for param, entries in state.get("optimizer", {}).get("state", {}).items():
+        keys.update({f"optimizer.state.{param}.{name}": tuple(v.shape) for name, v in entries.items()
+                     if isinstance(v, torch.Tensor)})
+    return keys
+
+
+def _all_expert_keys(experts: dict[str, _StackedExperts]) -> set[str]:
+    """The model keys of every global expert of ``experts`` (this rank loads its own, the
+    other ranks the rest)."""
+    return {f"model.{info.key}.{g}" for info in experts.values() for g in range(info.num_experts)}
+
+
+def _raise_on_every_rank(problem: Optional[str]) -> None:
+    """Raise ``ValueError(problem)`` on every rank when any rank has a problem (one
+    all-gather of the outcomes when distributed), so that no rank waits in ``dcp.load``."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems: list[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        if problem is not None:
+            raise ValueError(problem)
+        found = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+        if found:
+            raise ValueError(f"rank {found[0][0]}: {found[0][1]}")
+    elif problem is not None:
+        raise ValueError(problem)
