@@ -220,6 +220,22 @@ def test_triton_backend_matches_deepspeed(deepspeed):
     assert int(ours.layer.last_stats.num_dropped) > 0
 
 
+def test_residual_state_dict_has_deepspeed_keys(deepspeed):
+    """Residual MoE's MLP and coefficient are saved under DeepSpeed's keys, and DeepSpeed's
+    state dict loads strictly."""
+    ds, ours = _pair(CASES["k1-residual"], seed=0)
+    saved = ours.state_dict()
+    assert saved.keys() == ds.state_dict().keys()
+    assert {"mlp.0.weight", "mlp.2.weight", "coefficient.weight", "coefficient.bias"} <= saved.keys()
+    fresh = MoE(H, mlp_expert(), num_experts=E, **CASES["k1-residual"])
+    fresh.load_state_dict(ds.state_dict())
+    x = torch.randn(10, H)
+    torch.manual_seed(0)
+    want = ds(x)[0]
+    torch.manual_seed(0)
+    torch.testing.assert_close(fresh(x)[0], want, atol=1e-5, rtol=1e-5)
+
+
 class PRMoE(nn.Module):
     """DeepSpeed's PR-MoE shape: a pyramid of MoE layers (more experts deeper), residual,
     with one expert module passed to every layer (as DeepSpeed's own tests build them)."""
