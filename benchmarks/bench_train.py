@@ -470,11 +470,6 @@ def configuration_name(world: int, ep: int) -> str:
     return f"EP={ep}xDP={world // ep}"
 
 
-def _config_order(run: dict) -> tuple:
-    world, ep = run["world_size"], run["ep_size"]
-    return (world > 1, ep > 1, ep, world)
-
-
 def device_tag(name: str) -> str:
     """A device name as a file-name part (as ``ep_moe/autotune/shipped/`` names its folders)."""
     return re.sub(r"[^A-Za-z0-9.]+", "_", name).strip("_") or "unknown"
@@ -756,76 +751,23 @@ def summary_line(result: dict) -> str:
 
 def plot_results(paths: Sequence[str | Path], out: Optional[str | Path] = None,
                  combined_out: Optional[str | Path] = None) -> Path:
-    """Per-GPU tokens/s by configuration, one panel per model, the one-GPU value drawn as
-    the ceiling, MFU on each bar; below, each configuration's profiled step split into the
-    breakdown's summary. Writes ``out`` (default
+    """The scaling figure of these result files (:func:`plot.plot_train`: per-GPU tokens/s
+    by configuration, one panel per model, MFU on each bar, the one-GPU rate as the ceiling;
+    below, each profiled step's breakdown). Writes ``out`` (default
     ``benchmarks/results/train_scaling_<device>.png``) and, if given, all runs as one JSON
     list in ``combined_out``; prints a table. Returns the PNG path."""
-    import matplotlib
+    from plot import plot_train, train_runs
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = []
-    for p in paths:
-        data = json.loads(Path(p).read_text())
-        for run in (data if isinstance(data, list) else [data]):
-            if isinstance(run, dict) and run.get("benchmark") == "train":
-                runs.append(run)
+    runs = train_runs(paths)
     if not runs:
         raise SystemExit(f"--plot: no bench_train results in {list(map(str, paths))}")
-    models = list(dict.fromkeys(r["model"] for r in runs))
     devices = sorted({r["device"] for r in runs})
-    device = devices[0] if len(devices) == 1 else "+".join(devices)
-    out = Path(out) if out else RESULTS / f"train_scaling_{device_tag(device)}.png"
-    fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 8.5), squeeze=False)
-    colors = {"experts": "tab:blue", "dense_attention": "tab:green", "exchange_exposed": "tab:red",
-              "grad_sync": "tab:orange", "optimizer": "tab:purple", "host_copy": "tab:brown", "idle": "lightgray"}
-    print(f"{'model':12s} {'configuration':14s} {'ms/step':>9s} {'tok/s/GPU':>11s} {'MFU':>6s}  breakdown")
-    for j, model in enumerate(models):
-        rs = sorted((r for r in runs if r["model"] == model), key=_config_order)
-        names = [r["configuration"] for r in rs]
-        values = [r["tokens_per_s_per_gpu"] for r in rs]
-        ax = axes[0][j]
-        bars = ax.bar(range(len(rs)), values, color="tab:blue")
-        for bar, r in zip(bars, rs):
-            ax.annotate(f"{100 * r['mfu']:.1f}% MFU", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8)
-        one = [r for r in rs if r["world_size"] == 1]
-        if one:
-            ax.axhline(one[0]["tokens_per_s_per_gpu"], ls="--", color="k", lw=1, label="1 GPU (ceiling)")
-            ax.legend(loc="lower left", fontsize=8)
-        ax.set_xticks(range(len(rs)), names)
-        ax.set_ylabel("tokens/s per GPU")
-        active = rs[0]["flops"]["active_params"] / 1e9
-        total = rs[0]["flops"]["total_params"] / 1e9
-        ax.set_title(f"{model}: {total:.3g}B params, {active:.3g}B active")
-        ax2 = axes[1][j]
-        bottom = [0.0] * len(rs)
-        for key, color in colors.items():
-            vals = [((r.get("breakdown") or {}).get("summary_ms") or {}).get(key, 0.0) for r in rs]
-            ax2.bar(range(len(rs)), vals, bottom=bottom, color=color, label=key)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax2.set_xticks(range(len(rs)), names)
-        ax2.set_ylabel("profiled step (ms)")
-        ax2.set_title("where the step goes (exclusive GPU time)")
-        if j == 0:
-            ax2.legend(fontsize=7, loc="upper left")
-        for r in rs:
-            b = r.get("breakdown") or {}
-            parts = " ".join(f"{k} {100 * v:.0f}%" for k, v in b.get("fractions", {}).items())
-            print(f"{model:12s} {r['configuration']:14s} {r['step_ms']:9.2f} {r['tokens_per_s_per_gpu']:11,.0f} "
-                  f"{100 * r['mfu']:5.1f}%  {parts}")
-    fig.suptitle(f"Trainer throughput per GPU (bench_train.py), {device}, "
-                 f"torch {runs[0].get('torch')}, triton {runs[0].get('triton')}")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    out = Path(out) if out else RESULTS / f"train_scaling_{device_tag('+'.join(devices))}.png"
+    names = [Path(p).name for p in paths]
+    plot_train(runs, out, ", ".join(names) if len(names) <= 3 else f"{len(names)} files in {Path(paths[0]).parent}")
     if combined_out:
         Path(combined_out).parent.mkdir(parents=True, exist_ok=True)
         Path(combined_out).write_text(json.dumps(runs, indent=1) + "\n")
-    print(f"plot: {out}")
     return out
 
 
