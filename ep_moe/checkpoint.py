@@ -42,6 +42,7 @@ import dataclasses
 import json
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -271,7 +272,9 @@ def _config_differences(path: Path, model: nn.Module) -> list[str]:
     saved_state = {CONFIGS_KEY: ""}
     if CONFIGS_KEY not in FileSystemReader(path).read_metadata().state_dict_metadata:
         return []
-    dcp.load(saved_state, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that no_dist loads in one process: that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(saved_state, checkpoint_id=path, no_dist=True)
     saved, current = json.loads(saved_state[CONFIGS_KEY]), _moe_configs(model)
     layers: dict[str, list[str]] = {}  # what differs -> the layers where it does
     for layer in sorted(saved.keys() | current.keys()):
