@@ -5,8 +5,8 @@ What DCP needs from a state dict, and where ep_moe gives it:
 
 - **One key per tensor, the same on every rank that holds it.** ``MoELayer.state_dict()``
   keys each expert weight by its *global* id (``...experts.gate_up.{g}``), so
-  ``get_model_state_dict`` / ``set_model_state_dict`` (``torch.distributed.checkpoint
-  .state_dict``) take the model as it is. The optimizer state of a stacked expert parameter
+  ``get_model_state_dict`` / ``set_model_state_dict`` of torch.distributed.checkpoint.state_dict
+  take the model as it is. The optimizer state of a stacked expert parameter
   is keyed by the parameter (``state["...experts.gate_up"]``) but holds other experts on
   every EP rank, so DCP would keep one rank's copy. :func:`moe_state_dict` splits it per
   global expert (``state["...experts.gate_up.{g}"]``, the keys of the model's state dict;
@@ -86,7 +86,9 @@ class _StackedExperts:
     key: str
     """The parameter's key in the torch state-dict APIs."""
     global_ids: range
+    """The experts of this rank, in row order."""
     num_experts: int
+    """The layer's experts over all ranks (E)."""
 
 
 def _api_key(model: nn.Module, name: str) -> str:
@@ -236,8 +238,8 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Optional[torch.
     place, other values replaced in the dict. Gradients are dropped (the optimizer state
     needs initialising, see :func:`moe_state_dict`).
 
-    Raises ``ValueError`` on every rank alike, before anything is loaded, when ``path`` is
-    not a complete checkpoint or its tensors do not fit the model; the error then names
+    Raises ``ValueError`` on every rank alike, before any weight is loaded, when ``path`` is
+    not a complete, readable checkpoint or its tensors do not fit the model; the error then names
     the MoE config fields that differ between the checkpoint and the model, and the keys
     that are missing, unexpected or of another shape. Config fields that differ while the
     tensors fit (``top_k``, ``aux_loss_coef``, ...) are logged as a warning.
@@ -255,8 +257,14 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Optional[torch.
         state = moe_state_dict(model, optimizer)
         if extra is not None:
             state["extra"] = extra
-        differences = _config_differences(path, model)
-        problem = _misfit(path, state, _stacked_experts(model), differences)
+        try:
+            saved = FileSystemReader(path).read_metadata().state_dict_metadata
+            differences = _config_differences(path, saved, model)
+        except Exception as exc:  # a damaged file fails in many ways: unpickler, EOF, a data file missing
+            problem = (f"checkpoint {path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}); "
+                       "load an earlier checkpoint")
+        else:
+            problem = _misfit(path, saved, state, _stacked_experts(model), differences)
     _raise_on_every_rank(problem)
     if differences and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning("checkpoint %s was saved with other MoE config values, which this model overrides: %s",
@@ -265,12 +273,12 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Optional[torch.
     load_moe_state_dict(model, optimizer, state)
 
 
-def _config_differences(path: Path, model: nn.Module) -> list[str]:
+def _config_differences(path: Path, saved_metadata: dict[str, Any], model: nn.Module) -> list[str]:
     """``field=saved in the checkpoint, current in this model (MoE layers ...)`` for every
     MoE config field (but the EP size) that differs, and every MoE layer only one of them
     has. Reads the checkpoint's configs on this rank alone (no collective)."""
     saved_state = {CONFIGS_KEY: ""}
-    if CONFIGS_KEY not in FileSystemReader(path).read_metadata().state_dict_metadata:
+    if CONFIGS_KEY not in saved_metadata:
         return []
     with warnings.catch_warnings():  # DCP warns that no_dist loads in one process: that is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -291,12 +299,12 @@ def _config_differences(path: Path, model: nn.Module) -> list[str]:
     return [f"{text} (MoE layer{'s' if len(names) > 1 else ''} {', '.join(names)})" for text, names in layers.items()]
 
 
-def _misfit(path: Path, state: dict[str, Any], experts: dict[str, _StackedExperts],
+def _misfit(path: Path, saved: dict[str, Any], state: dict[str, Any], experts: dict[str, _StackedExperts],
             differences: list[str]) -> Optional[str]:
     """Why the checkpoint's tensors do not fit ``state`` (this rank's :func:`moe_state_dict`),
     or None: keys it lacks, keys of this model's kind it has beyond the model's (another
-    layer count, more experts), and shapes that differ. Local: reads ``.metadata`` only."""
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    layer count, more experts), and shapes that differ; ``saved``: the checkpoint's
+    ``state_dict_metadata``."""
     wanted = _tensor_keys(state)
     missing = [k for k in wanted if k not in saved]
     shapes = [f"{k} {tuple(saved[k].size)} in the checkpoint, {tuple(wanted[k])} in this model" for k in wanted

@@ -133,7 +133,7 @@ def test_reshard_world4(tmp_path):
 
 def _world2(rank, world_size, root):
     """At world 2: the reshard (2, 1) -> (1, 2); the optimizer keys moe_state_dict gives;
-    loading another config's checkpoint and an incomplete one (every rank's error)."""
+    loading another config's checkpoint, an incomplete and a damaged one (every rank's error)."""
     out = {"reshard": _reshard(rank, world_size, root, 2, (1,))}
     model, optimizer, _ = _build(2, seed=0)
     out["torch_keys"] = sorted(get_optimizer_state_dict(model, optimizer)["state"])
@@ -153,6 +153,14 @@ def _world2(rank, world_size, root):
         load_checkpoint(root / "killed", model, optimizer)
     except ValueError as exc:
         errors["incomplete"] = str(exc)
+    os.makedirs(root / "damaged", exist_ok=True)
+    if rank == 0:
+        (root / "damaged" / ".metadata").write_bytes(b"not a pickle")
+    dist.barrier()
+    try:
+        load_checkpoint(root / "damaged", model, optimizer)
+    except ValueError as exc:
+        errors["damaged"] = str(exc)
     out["errors"] = errors
     return out
 
@@ -201,9 +209,11 @@ def test_config_fields_that_keep_the_tensors_load(world2):
 
 
 @pytest.mark.distributed
-def test_incomplete_checkpoint_refused_on_every_rank(world2):
+def test_incomplete_or_damaged_checkpoint_refused_on_every_rank(world2):
     for r in world2:
         assert "is incomplete: it has no .metadata" in r["errors"]["incomplete"]
+        assert "cannot be read (UnpicklingError" in r["errors"]["damaged"]
+        assert "load an earlier checkpoint" in r["errors"]["damaged"]
 
 
 def test_torch_state_dict_apis_round_trip():
