@@ -4,12 +4,12 @@ used ``deepspeed.moe.layer.MoE``, trained by the DeepSpeed engine.
     torchrun --nproc-per-node 2 examples/deepspeed_dropin.py     # CPU (gloo) or 2 GPUs (NCCL)
     deepspeed --num_gpus 2 examples/deepspeed_dropin.py
 
-The drop-in takes DeepSpeed's constructor arguments and returns its ``(output, l_aux,
-exp_counts)``; the engine treats it as one of its own MoE layers (expert gradients averaged
-over the expert-data-parallel group, DeepSpeed's checkpoint keys). It is dropless: pass
-``drop_tokens=False`` (and, for k=2, ``top2_2nd_expert_sampling=False``). For a model that
-is already built with DeepSpeed's layers, ``replace_deepspeed_moe(model)`` swaps them and
-copies the weights.
+The drop-in takes DeepSpeed's constructor arguments, routes with DeepSpeed's gate
+(capacity and token dropping included) and returns its ``(output, l_aux, exp_counts)``; the
+experts, the token exchange and the kernels are ep_moe's. The engine treats it as one of its
+own MoE layers (expert gradients averaged over the expert-data-parallel group, DeepSpeed's
+checkpoint keys). For a model already built with DeepSpeed's layers,
+``replace_deepspeed_moe(model)`` swaps them and copies the weights.
 """
 
 import importlib
@@ -45,8 +45,9 @@ class Model(nn.Module):
     def __init__(self, ep_size: int) -> None:
         super().__init__()
         self.inp, self.out = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-        self.moe = MoE(HIDDEN, Expert(), num_experts=EXPERTS, ep_size=ep_size, k=2,
-                       drop_tokens=False, top2_2nd_expert_sampling=False)
+        # DeepSpeed's arguments; drop_tokens=False makes it dropless (DeepSpeed drops tokens
+        # past each expert's capacity by default)
+        self.moe = MoE(HIDDEN, Expert(), num_experts=EXPERTS, ep_size=ep_size, k=2, drop_tokens=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.inp(x)
