@@ -56,7 +56,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.nn.parallel import DistributedDataParallel
@@ -96,7 +95,7 @@ def _api_key(model: nn.Module, name: str) -> str:
     state-dict APIs key it: without the ``module.`` of DistributedDataParallel and the
     ``_orig_mod.`` of torch.compile."""
     kept, obj = [], model
-    for part in name.split("."):
+    for part in name.split(".") if name else []:
         if not ((isinstance(obj, DistributedDataParallel) and part == "module") or part == "_orig_mod"):
             kept.append(part)
         obj = getattr(obj, part)
@@ -118,7 +117,7 @@ def _stacked_experts(model: nn.Module) -> dict[str, _StackedExperts]:
 
 def _moe_configs(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Each MoE layer's config as JSON values (dtypes as strings), by the layer's key."""
-    return {_api_key(model, name) if name else "": json.loads(json.dumps(dataclasses.asdict(m.config), default=str))
+    return {_api_key(model, name): json.loads(json.dumps(dataclasses.asdict(m.config), default=str))
             for name, m in model.named_modules() if isinstance(m, MoELayer)}
 
 
@@ -150,16 +149,33 @@ def moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
 def load_moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                         state_dict: dict[str, Any]) -> None:
     """Load a :func:`moe_state_dict` (as ``dcp.load`` filled it) into ``model`` and
-    ``optimizer`` (None: the model only), through ``set_model_state_dict`` and
-    ``set_optimizer_state_dict``. The optimizer gets the checkpoint's param groups too
-    (learning rate and the other hyper-parameters), as ``set_optimizer_state_dict`` does."""
-    set_model_state_dict(model, state_dict["model"])
+    ``optimizer`` (None: the model only). The optimizer's through ``set_optimizer_state_dict``,
+    so it gets the checkpoint's param groups too (learning rate and the other
+    hyper-parameters). The model's through ``model.load_state_dict(strict=True)`` with each
+    key put under the model's own names: ``set_model_state_dict`` would do the same, but
+    under a DDP or torch.compile wrapper it looks up each parameter by its own key and finds
+    the stacked experts' missing (they are saved per expert)."""
+    model.load_state_dict(_own_keys(model, state_dict["model"]))
     if optimizer is not None:
         if "optimizer" not in state_dict:
             raise ValueError("state_dict holds no optimizer state: build it with moe_state_dict(model, optimizer), "
                              "or pass optimizer=None")
         set_optimizer_state_dict(model, optimizer, _stack_per_expert(state_dict["optimizer"],
                                                                      _stacked_experts(model)))
+
+
+def _own_keys(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (keyed as the torch state-dict APIs key it) under ``model``'s own
+    ``state_dict()`` keys: each key's longest module prefix renamed to the module's name,
+    wrappers (``module.``, ``_orig_mod.``) included."""
+    names = {_api_key(model, name): name for name, _ in model.named_modules()}  # a wrapper's inner module wins
+    out = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        prefix = next(i for i in range(len(parts) - 1, -1, -1) if ".".join(parts[:i]) in names)
+        owner = names[".".join(parts[:prefix])]
+        out[f"{owner}.{'.'.join(parts[prefix:])}" if owner else key] = value
+    return out
 
 
 def _split_per_expert(optim_state: dict[str, Any], experts: dict[str, _StackedExperts]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -27,7 +28,7 @@ from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.checkpoint import is_complete, load_checkpoint, moe_state_dict, save_checkpoint
 from ep_moe.layer import moe_aux_loss
-from ep_moe.parallel import build_ep_groups, init_ep_mesh, is_expert_param, sync_gradients
+from ep_moe.parallel import build_ep_groups, expert_param_names, init_ep_mesh, is_expert_param, sync_gradients
 
 # DCP warns when it runs without a process group; the single-process tests mean to
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -145,6 +146,11 @@ def _world2(rank, world_size, root):
             load_checkpoint(root / "ckpt", model, optimizer)
         except ValueError as exc:
             errors[name] = str(exc)
+    model, optimizer, _ = _build(2, seed=1)  # under DDP (experts ignored): the same keys
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
+    ddp = DistributedDataParallel(model)
+    load_checkpoint(root / "ckpt", ddp, optimizer)
+    out["ddp"] = _view(model, optimizer)
     model, optimizer, _ = _build(2, seed=0, top_k=1, aux_loss_coef=0.0)  # the tensors fit: loads, warns
     load_checkpoint(root / "ckpt", model, optimizer)
     out["other_top_k"] = _view(model, optimizer)
@@ -203,6 +209,12 @@ def test_another_config_names_the_fields(world2):
 
 
 @pytest.mark.distributed
+def test_load_through_ddp(world2):
+    """A DistributedDataParallel wrapper (expert parameters ignored) keys the state alike."""
+    _assert_equal_views([r["ddp"] for r in world2], [r["reshard"][0] for r in world2])
+
+
+@pytest.mark.distributed
 def test_config_fields_that_keep_the_tensors_load(world2):
     """Another top_k and aux_loss_coef: the same tensors, loaded (the differences are logged)."""
     _assert_equal_views([r["other_top_k"] for r in world2], [r["reshard"][0] for r in world2])
@@ -230,16 +242,21 @@ def test_torch_state_dict_apis_round_trip():
     _assert_equal_views([_view(other, other_optimizer)], [_view(model, optimizer)])
 
 
-def test_compiled_blocks_load_into_plain_ones(tmp_path):
-    """Blocks wrapped by torch.compile (as the trainer does) save under the plain keys."""
+def test_compiled_blocks(tmp_path):
+    """Blocks wrapped by torch.compile (as the trainer does) save under the plain keys, and
+    load into plain blocks and compiled ones."""
     model, optimizer, _ = _build(1, seed=0)
     _train(model, optimizer, None, 1, 0)
     saved = _view(model, optimizer)
     model.blocks[1] = torch.compile(model.blocks[1])
     save_checkpoint(tmp_path, model, optimizer)
-    other, other_optimizer, _ = _build(1, seed=1)
-    load_checkpoint(tmp_path, other, other_optimizer)
-    _assert_equal_views([_view(other, other_optimizer)], [saved])
+    for compiled in (False, True):
+        other, other_optimizer, _ = _build(1, seed=1)
+        if compiled:
+            other.blocks[0] = torch.compile(other.blocks[0])
+        load_checkpoint(tmp_path, other, other_optimizer)
+        view = {k.replace("_orig_mod.", ""): v for k, v in _view(other, other_optimizer).items()}
+        _assert_equal_views([view], [saved])
 
 
 _KILLED_SAVE = """
