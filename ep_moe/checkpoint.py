@@ -60,7 +60,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from ep_moe.experts import GroupedExperts
 from ep_moe.layer import MoELayer
 from ep_moe.parallel import is_expert_param
 
@@ -80,7 +79,7 @@ PathLike = Union[str, os.PathLike]
 
 @dataclass(frozen=True)
 class _StackedExperts:
-    """One stacked expert parameter of a :class:`GroupedExperts`: row j is expert ``global_ids[j]``."""
+    """One stacked expert parameter of an experts module: row j is expert ``global_ids[j]``."""
 
     key: str
     """The parameter's key in the torch state-dict APIs."""
@@ -103,15 +102,22 @@ def _api_key(model: nn.Module, name: str) -> str:
 
 
 def _stacked_experts(model: nn.Module) -> dict[str, _StackedExperts]:
-    """The stacked expert parameters of every :class:`GroupedExperts` in ``model``, by key."""
-    found = {}
+    """The stacked expert parameters of ``model``, by key: those of every experts module
+    (:class:`~ep_moe.experts.GroupedExperts`, or another that tells its ``global_ids()``)."""
+    found, covered = {}, set()
     for name, module in model.named_modules():
-        if not isinstance(module, GroupedExperts):
+        if not callable(getattr(module, "global_ids", None)):
             continue
-        for leaf, param in module.named_parameters(recurse=False):
+        for leaf, param in module.named_parameters():
             if is_expert_param(param):
                 key = _api_key(model, f"{name}.{leaf}" if name else leaf)
                 found[key] = _StackedExperts(key, module.global_ids(), module.config.num_experts)
+                covered.add(id(param))
+    stray = [name for name, param in model.named_parameters() if is_expert_param(param) and id(param) not in covered]
+    if stray:
+        raise ValueError(f"expert parameters {stray} are in no experts module (GroupedExperts): which global experts "
+                         "their rows hold is unknown, so their checkpoint keys cannot be made unique per expert; "
+                         "keep expert parameters in an experts module, or do not tag them with mark_expert_param")
     return found
 
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -28,7 +29,14 @@ from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.checkpoint import is_complete, load_checkpoint, moe_state_dict, save_checkpoint
 from ep_moe.layer import moe_aux_loss
-from ep_moe.parallel import build_ep_groups, expert_param_names, init_ep_mesh, is_expert_param, sync_gradients
+from ep_moe.parallel import (
+    build_ep_groups,
+    expert_param_names,
+    init_ep_mesh,
+    is_expert_param,
+    mark_expert_param,
+    sync_gradients,
+)
 
 # DCP warns when it runs without a process group; the single-process tests mean to
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -286,6 +294,27 @@ def test_save_killed_before_metadata_is_not_complete(tmp_path):
     assert not is_complete(tmp_path)
     with pytest.raises(ValueError, match=r"is incomplete: it has no \.metadata.*load an earlier checkpoint"):
         load_checkpoint(tmp_path, model, optimizer)
+
+
+class _UnsplitExperts(nn.Module):
+    """Experts whose state dict keeps the stacked tensor (no per-expert hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(num_experts=4)
+        self.w = mark_expert_param(nn.Parameter(torch.zeros(2, 3)))
+
+    def global_ids(self) -> range:
+        return range(2, 4)
+
+
+def test_expert_parameters_that_dcp_would_merge_raise():
+    with pytest.raises(ValueError, match=r"stacked expert parameters \['experts.w'\].*DCP would keep one rank's"):
+        moe_state_dict(nn.ModuleDict({"experts": _UnsplitExperts()}))
+    stray = nn.Linear(2, 2)
+    mark_expert_param(stray.weight)
+    with pytest.raises(ValueError, match=r"expert parameters \['weight'\] are in no experts module"):
+        moe_state_dict(stray)
 
 
 def test_ep_size_must_divide_experts_before_any_collective():
