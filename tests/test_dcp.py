@@ -32,6 +32,7 @@ from ep_moe.layer import moe_aux_loss
 from ep_moe.parallel import (
     build_ep_groups,
     expert_param_names,
+    groups_from_mesh,
     init_ep_mesh,
     is_expert_param,
     mark_expert_param,
@@ -62,10 +63,13 @@ class _Model(nn.Module):
         return self.head(h_TH)
 
 
-def _build(ep_size: int, seed: int, **config):
-    """(model, AdamW, groups) at EP ``ep_size`` (groups None without a process group); the
-    global weights depend on ``seed`` only, not on the layout."""
-    groups = build_ep_groups(ep_size, num_experts=E) if dist.is_initialized() else None
+def _build(ep_size: int, seed: int, *, mesh: bool = False, **config):
+    """(model, AdamW, groups) at EP ``ep_size`` (groups None without a process group; from
+    a DeviceMesh with ``mesh``); the global weights depend on ``seed`` only, not on the layout."""
+    groups = None
+    if dist.is_initialized():
+        groups = (groups_from_mesh(init_ep_mesh(ep_size, device_type="cpu", num_experts=E)) if mesh
+                  else build_ep_groups(ep_size, num_experts=E))
     torch.manual_seed(seed)
     fields = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=2, backend="torch", init_std=0.5)
     model = _Model(MoEConfig(**{**fields, **config}), None if groups is None else groups.ep_group)
@@ -115,13 +119,14 @@ def _assert_equal_views(loaded: list[dict], saved: list[dict]) -> None:
 
 def _reshard(rank, world_size, root, save_ep, load_eps):
     """Train 2 steps at EP ``save_ep`` and save; load at each of ``load_eps`` into a model of
-    other weights (after a step of its own, or with a fresh optimizer: the last one)."""
+    other weights (after a step of its own, or with a fresh optimizer: the last one; the
+    first one's groups from a DeviceMesh)."""
     model, optimizer, groups = _build(save_ep, seed=0)
     _train(model, optimizer, groups, 2, rank)
     save_checkpoint(root / "ckpt", model, optimizer, extra={"step": torch.tensor(2)})
     saved, loaded = _view(model, optimizer), {}
     for ep in load_eps:
-        model, optimizer, groups = _build(ep, seed=1)
+        model, optimizer, groups = _build(ep, seed=1, mesh=ep == load_eps[0])
         if ep != load_eps[-1]:
             _train(model, optimizer, groups, 1, rank)
         extra = {"step": torch.tensor(0)}
