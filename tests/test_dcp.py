@@ -167,9 +167,9 @@ def _world2(rank, world_size, root):
     model, optimizer, _ = _build(2, seed=0, top_k=1, aux_loss_coef=0.0)  # the tensors fit: loads, warns
     load_checkpoint(root / "ckpt", model, optimizer)
     out["other_top_k"] = _view(model, optimizer)
-    os.makedirs(root / "killed", exist_ok=True)
+    os.makedirs(root / "unfinished", exist_ok=True)
     try:
-        load_checkpoint(root / "killed", model, optimizer)
+        load_checkpoint(root / "unfinished", model, optimizer)
     except ValueError as exc:
         errors["incomplete"] = str(exc)
     os.makedirs(root / "damaged", exist_ok=True)
@@ -299,6 +299,16 @@ def test_save_killed_before_metadata_is_not_complete(tmp_path):
     assert not is_complete(tmp_path)
     with pytest.raises(ValueError, match=r"is incomplete: it has no \.metadata.*load an earlier checkpoint"):
         load_checkpoint(tmp_path, model, optimizer)
+
+
+def test_model_only_checkpoint_names_the_missing_optimizer_state(tmp_path):
+    model, optimizer, _ = _build(1, seed=0)
+    save_checkpoint(tmp_path, model)
+    with pytest.raises(ValueError, match=r"holds no optimizer state; load it with optimizer=None"):
+        load_checkpoint(tmp_path, model, optimizer)
+    other, _, _ = _build(1, seed=1)
+    load_checkpoint(tmp_path, other)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
 
 
 class _UnsplitExperts(nn.Module):
