@@ -6,7 +6,9 @@ What DCP needs from a state dict, and where ep_moe gives it:
 - **One key per tensor, the same on every rank that holds it.** ``MoELayer.state_dict()``
   keys each expert weight by its *global* id (``...experts.gate_up.{g}``), so
   ``get_model_state_dict`` / ``set_model_state_dict`` of torch.distributed.checkpoint.state_dict
-  take the model as it is. The optimizer state of a stacked expert parameter
+  take the model as it is (the helpers here key the model as they do, from
+  ``model.state_dict()`` directly, and load it through ``load_state_dict``: see
+  :func:`load_moe_state_dict` for why). The optimizer state of a stacked expert parameter
   is keyed by the parameter (``state["...experts.gate_up"]``) but holds other experts on
   every EP rank, so DCP would keep one rank's copy. :func:`moe_state_dict` splits it per
   global expert (``state["...experts.gate_up.{g}"]``, the keys of the model's state dict;
@@ -54,7 +56,6 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -131,8 +132,10 @@ def moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     """The state of ``model`` (and ``optimizer``) with a unique key per tensor, for ``dcp.save``
     and as the target of ``dcp.load`` (call on every rank).
 
-    Returns ``{"model": get_model_state_dict(model), "optimizer": ..., "moe_configs": ...}``:
-    the optimizer's part is ``get_optimizer_state_dict(model, optimizer)`` with each stacked
+    Returns ``{"model": ..., "optimizer": ..., "moe_configs": ...}``: the model's part is
+    ``model.state_dict()`` keyed as ``get_model_state_dict(model)`` keys it (without the
+    ``module.`` and ``_orig_mod.`` of wrappers; computed here, so that the per-expert keys of
+    any experts module work, not only those whose attributes resolve them); the optimizer's part is ``get_optimizer_state_dict(model, optimizer)`` with each stacked
     expert parameter's state split per global expert (see the module docstring); it is
     absent when ``optimizer`` is None. The tensors share memory with the model and the
     optimizer: ``dcp.load`` into this dict, then :func:`load_moe_state_dict`. An empty
@@ -140,7 +143,7 @@ def moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     as ``get_optimizer_state_dict`` does), so that there are tensors to load into.
     """
     experts = _stacked_experts(model)
-    model_state = get_model_state_dict(model)
+    model_state = _rekey(model.state_dict(), {name: _api_key(model, name) for name, _ in model.named_modules()})
     stacked = sorted(experts.keys() & model_state.keys())
     if stacked:
         raise ValueError(f"the model's state dict holds the stacked expert parameters {stacked}: each rank holds "
@@ -161,7 +164,8 @@ def load_moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimi
     key put under the model's own names: ``set_model_state_dict`` would do the same, but
     under a DDP or torch.compile wrapper it looks up each parameter by its own key and finds
     the stacked experts' missing (they are saved per expert)."""
-    model.load_state_dict(_own_keys(model, state_dict["model"]))
+    own_names = {_api_key(model, name): name for name, _ in model.named_modules()}  # a wrapper's inner module wins
+    model.load_state_dict(_rekey(state_dict["model"], own_names))
     if optimizer is not None:
         if "optimizer" not in state_dict:
             raise ValueError("state_dict holds no optimizer state: build it with moe_state_dict(model, optimizer), "
@@ -170,17 +174,15 @@ def load_moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimi
                                                                      _stacked_experts(model)))
 
 
-def _own_keys(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` (keyed as the torch state-dict APIs key it) under ``model``'s own
-    ``state_dict()`` keys: each key's longest module prefix renamed to the module's name,
-    wrappers (``module.``, ``_orig_mod.``) included."""
-    names = {_api_key(model, name): name for name, _ in model.named_modules()}  # a wrapper's inner module wins
+def _rekey(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``state`` with the longest module name that prefixes each key (a key of ``names``,
+    which holds the root's ``""``) replaced by its value in ``names``."""
     out = {}
     for key, value in state.items():
         parts = key.split(".")
-        prefix = next(i for i in range(len(parts) - 1, -1, -1) if ".".join(parts[:i]) in names)
-        owner = names[".".join(parts[:prefix])]
-        out[f"{owner}.{'.'.join(parts[prefix:])}" if owner else key] = value
+        owner = next(i for i in range(len(parts) - 1, -1, -1) if ".".join(parts[:i]) in names)
+        renamed = [names[".".join(parts[:owner])]] if names[".".join(parts[:owner])] else []
+        out[".".join(renamed + parts[owner:])] = value
     return out
 
 
