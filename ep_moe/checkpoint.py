@@ -24,7 +24,8 @@ A checkpoint is a directory. DCP writes ``.metadata`` last, through a temporary 
 renamed into place, once every rank has written its data: :func:`is_complete` is true
 exactly when a save finished. :func:`save_checkpoint` first removes the ``.metadata`` of an
 earlier save to the same directory, so a re-save killed midway leaves no checkpoint that
-looks complete over mixed files; :func:`load_checkpoint` refuses a directory without it.
+looks complete over mixed files; :func:`load_checkpoint` refuses a directory without it, and
+:func:`latest_checkpoint` passes over it to the complete one before.
 
 Usage (every rank, same arguments)::
 
@@ -230,6 +231,15 @@ def _per_expert(value: Any) -> bool:
 def is_complete(path: PathLike) -> bool:
     """Whether ``path`` holds a finished DCP checkpoint (its ``.metadata``, written last)."""
     return (Path(path) / METADATA).is_file()
+
+
+def latest_checkpoint(root: PathLike) -> Optional[Path]:
+    """The last complete checkpoint directory directly under ``root`` by name, or None (no
+    complete one): name them so that they sort by step (``step_{step:08d}``), and a run
+    killed mid-save resumes from the one before."""
+    root = Path(root)
+    complete = sorted(p for p in root.iterdir() if is_complete(p)) if root.is_dir() else []
+    return complete[-1] if complete else None
 
 
 def save_checkpoint(path: PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,

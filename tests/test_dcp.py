@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
-from ep_moe.checkpoint import is_complete, load_checkpoint, moe_state_dict, save_checkpoint
+from ep_moe.checkpoint import is_complete, latest_checkpoint, load_checkpoint, moe_state_dict, save_checkpoint
 from ep_moe.layer import moe_aux_loss
 from ep_moe.parallel import (
     build_ep_groups,
@@ -286,19 +286,21 @@ save_checkpoint({path!r}, model, optimizer)
 
 
 def test_save_killed_before_metadata_is_not_complete(tmp_path):
-    """A re-save into a complete checkpoint, killed before its .metadata: the directory no
-    longer counts as a checkpoint and load_checkpoint refuses it."""
+    """Steps 1 and 2 saved; a re-save of step 2 killed before its .metadata: step 2 no
+    longer counts as a checkpoint (load_checkpoint refuses it), step 1 is the latest."""
     model, optimizer, _ = _build(1, seed=0)
-    _train(model, optimizer, None, 1, 0)
-    save_checkpoint(tmp_path, model, optimizer)
-    assert is_complete(tmp_path)
-    code = textwrap.dedent(_KILLED_SAVE.format(tests=TESTS_DIR, path=str(tmp_path)))
+    for step in (1, 2):
+        _train(model, optimizer, None, 1, 0)
+        save_checkpoint(tmp_path / f"step_{step:08d}", model, optimizer)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000002"
+    code = textwrap.dedent(_KILLED_SAVE.format(tests=TESTS_DIR, path=str(tmp_path / "step_00000002")))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    assert not is_complete(tmp_path)
+    assert not is_complete(tmp_path / "step_00000002")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
     with pytest.raises(ValueError, match=r"is incomplete: it has no \.metadata.*load an earlier checkpoint"):
-        load_checkpoint(tmp_path, model, optimizer)
+        load_checkpoint(tmp_path / "step_00000002", model, optimizer)
 
 
 def test_model_only_checkpoint_names_the_missing_optimizer_state(tmp_path):
