@@ -120,7 +120,8 @@ def _assert_equal_views(loaded: list[dict], saved: list[dict]) -> None:
 def _reshard(rank, world_size, root, save_ep, load_eps):
     """Train 2 steps at EP ``save_ep`` and save; load at each of ``load_eps`` into a model of
     other weights (after a step of its own, or with a fresh optimizer: the last one; the
-    first one's groups from a DeviceMesh)."""
+    first one's groups from a DeviceMesh, and when it has replicas, saved again and loaded
+    back at ``save_ep``)."""
     model, optimizer, groups = _build(save_ep, seed=0)
     _train(model, optimizer, groups, 2, rank)
     save_checkpoint(root / "ckpt", model, optimizer, extra={"step": torch.tensor(2)})
@@ -132,17 +133,24 @@ def _reshard(rank, world_size, root, save_ep, load_eps):
         extra = {"step": torch.tensor(0)}
         load_checkpoint(root / "ckpt", model, optimizer, extra=extra)
         loaded[ep] = (_view(model, optimizer), int(extra["step"]))
+        if ep == load_eps[0] and ep < world_size:  # saved again with replicas, loaded at save_ep
+            save_checkpoint(root / "again", model, optimizer)
+            model, optimizer, groups = _build(save_ep, seed=1)
+            load_checkpoint(root / "again", model, optimizer)
+            loaded["again"] = (_view(model, optimizer), None)
     return saved, loaded
 
 
 @pytest.mark.distributed
 def test_reshard_world4(tmp_path):
-    """(EP, DP) = (4, 1) saved; loaded at (2, 2) and (1, 4)."""
+    """(EP, DP) = (4, 1) saved; loaded at (2, 2) and (1, 4); the (2, 2) one, saved again
+    (each expert on two ranks, written once), loads back at (4, 1)."""
     results = run_distributed(_reshard, 4, tmp_path, 4, (2, 1), timeout_s=60, deadline_s=150)
     saved = [r[0] for r in results]
     for ep in (2, 1):
         _assert_equal_views([r[1][ep][0] for r in results], saved)
         assert [r[1][ep][1] for r in results] == [2] * 4
+    _assert_equal_views([r[1]["again"][0] for r in results], saved)
 
 
 def _world2(rank, world_size, root):
@@ -192,9 +200,11 @@ def world2(tmp_path_factory):
 
 @pytest.mark.distributed
 def test_reshard_world2(world2):
-    """(EP, DP) = (2, 1) saved; loaded at (1, 2)."""
+    """(EP, DP) = (2, 1) saved; loaded at (1, 2), saved again (both ranks hold every
+    expert) and loaded back at (2, 1)."""
     saved = [r["reshard"][0] for r in world2]
     _assert_equal_views([r["reshard"][1][1][0] for r in world2], saved)
+    _assert_equal_views([r["reshard"][1]["again"][0] for r in world2], saved)
 
 
 @pytest.mark.distributed
