@@ -133,12 +133,13 @@ def moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     """The state of ``model`` (and ``optimizer``) with a unique key per tensor, for ``dcp.save``
     and as the target of ``dcp.load`` (call on every rank).
 
-    Returns ``{"model": ..., "optimizer": ..., "moe_configs": ...}``: the model's part is
+    Returns ``{"model": ..., "optimizer": ..., "moe_configs": ...}``. The model's part is
     ``model.state_dict()`` keyed as ``get_model_state_dict(model)`` keys it (without the
     ``module.`` and ``_orig_mod.`` of wrappers; computed here, so that the per-expert keys of
-    any experts module work, not only those whose attributes resolve them); the optimizer's part is ``get_optimizer_state_dict(model, optimizer)`` with each stacked
-    expert parameter's state split per global expert (see the module docstring); it is
-    absent when ``optimizer`` is None. The tensors share memory with the model and the
+    any experts module work, not only those whose attributes resolve them). The optimizer's
+    part is ``get_optimizer_state_dict(model, optimizer)`` with each stacked expert
+    parameter's state split per global expert (see the module docstring); it is absent
+    when ``optimizer`` is None. The tensors share memory with the model and the
     optimizer: ``dcp.load`` into this dict, then :func:`load_moe_state_dict`. An empty
     optimizer state is initialised first (a step with zero gradients and learning rate,
     as ``get_optimizer_state_dict`` does), so that there are tensors to load into.
