@@ -8,7 +8,7 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, get_args
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,9 @@ from torch.distributed import ProcessGroup
 from ep_moe.ep.base import all_gather_single
 from ep_moe.routing import DropPolicy, ScoreFunc
 
-Activation = Literal["swiglu", "gelu", "relu"]
+Activation = Literal["swiglu", "gelu", "relu", "geglu", "gelu_tanh", "silu", "identity"]
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+"""The activations of gated experts: ``act(gate) * up``, gate and up stacked in ``gate_up``."""
 Dispatch = Literal["auto", "all_to_all", "all_gather", "all_gather_copy_engine"]
 
 _REMOVED_FIELDS = {
@@ -42,8 +44,20 @@ class MoEConfig:
     top_k: int
     """K, experts each token is sent to (1 <= K <= E)."""
     activation: Activation = "swiglu"
-    """Expert MLP: ``"swiglu"`` (gate_up is [2I, H]: rows 0..I-1 gate, I..2I-1 up;
-    ``silu(gate) * up``), or ``"gelu"`` (exact erf form) / ``"relu"`` (gate_up is [I, H])."""
+    """The expert MLP's activation. Gated (three Linears: gate, up, down), gate_up is
+    [2I, H], rows 0..I-1 gate, I..2I-1 up: ``"swiglu"`` (``silu(gate) * up``) or
+    ``"geglu"`` (``gelu(gate) * up``, exact erf GELU). Not gated (gate_up is [I, H]):
+    ``"gelu"`` (exact erf form), ``"gelu_tanh"`` (its tanh approximation, Megatron's
+    bias-GELU), ``"relu"``, ``"silu"``, or ``"identity"`` (none: two Linears in a row)."""
+    num_linears: int = 2
+    """Linears of each expert, in a row: 2 (``gate_up``, the activation, ``down``; a gated
+    expert's gate and up Linears are one stacked ``gate_up``) or 1 (one Linear H -> H, the
+    ``down`` weight alone, as DeepSpeed's PR-MoE examples build; takes
+    ``activation="identity"`` and ``intermediate_size == hidden_size``)."""
+    mlp_bias: bool = False
+    """The experts' Linears (routed and shared) carry a bias, as ``nn.Linear`` does by
+    default: ``gate_up_bias`` [e, F] and ``down_bias`` [e, H], zero at init, added in the
+    grouped GEMMs' epilogue (before the top-k weight multiplies the row)."""
     score_func: ScoreFunc = "softmax"
     """Router scores from logits: ``"softmax"`` over experts or per-expert ``"sigmoid"``."""
     norm_topk_prob: bool = True
@@ -122,11 +136,32 @@ class MoEConfig:
                              "is set but num_shared_experts=0; set num_shared_experts >= 1 or drop it")
         if self.ep_size is not None:
             check_experts_divide(self.num_experts, self.ep_size, f"ep_size={self.ep_size}")
+        if self.num_linears == 1:
+            self._check_single_linear()
+
+    def _check_single_linear(self) -> None:
+        """``num_linears=1``: one Linear H -> H, no activation, not on the copy engines."""
+        if self.activation != "identity":
+            raise ValueError(f"MoEConfig.num_linears=1 (one Linear per expert) has no activation, but "
+                             f"activation={self.activation!r}; pass activation='identity', or num_linears=2")
+        if self.intermediate_size != self.hidden_size:
+            raise ValueError(f"MoEConfig.num_linears=1: the one Linear is H -> H, but intermediate_size="
+                             f"{self.intermediate_size} != hidden_size={self.hidden_size}; pass "
+                             f"intermediate_size={self.hidden_size}")
+        if self.dispatch == "all_gather_copy_engine":
+            raise ValueError("MoEConfig.num_linears=1 with dispatch='all_gather_copy_engine': the copy engines "
+                             "hand over rows still landing, which only the first of two expert GEMMs waits for; "
+                             "use dispatch='all_gather' or 'all_to_all'")
+
+    @property
+    def gated(self) -> bool:
+        """Whether the activation is gated (``act(gate) * up``, :data:`GATED_ACTIVATIONS`)."""
+        return self.activation in GATED_ACTIVATIONS
 
     @property
     def gate_up_size(self) -> int:
-        """Output features of the gate_up projection: 2I for SwiGLU, else I."""
-        return 2 * self.intermediate_size if self.activation == "swiglu" else self.intermediate_size
+        """Output features of the gate_up projection: 2I for a gated activation, else I."""
+        return 2 * self.intermediate_size if self.gated else self.intermediate_size
 
 
 def check_experts_divide(num_experts: int, ep_size: int, what: str) -> None:
@@ -192,7 +227,10 @@ _RULES: dict[str, _Rule] = {
     "intermediate_size": _POSITIVE_INT,
     "num_experts": _POSITIVE_INT,
     "top_k": _POSITIVE_INT,
-    "activation": _choice("swiglu", "gelu", "relu"),
+    "activation": _choice(*get_args(Activation)),
+    "num_linears": _Rule(_is_int, "must be an int", lambda value: value in (1, 2),
+                         "use 2 (gate_up, activation, down) or 1 (one Linear H -> H)"),
+    "mlp_bias": _FLAG,
     "score_func": _choice("softmax", "sigmoid"),
     "norm_topk_prob": _FLAG,
     "aux_loss_coef": _LOSS_COEF,

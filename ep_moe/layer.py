@@ -15,7 +15,8 @@ Using it in a trainer::
     log(expert_load(model))                              # [num_layers, E] token counts
 
 Checkpoints. The state dict stores expert weights per *global* expert id,
-``experts.gate_up.{g}`` ([2I, H] or [I, H]) and ``experts.down.{g}`` ([H, I]); each rank's
+``experts.gate_up.{g}`` ([2I, H] or [I, H]) and ``experts.down.{g}`` ([H, I]), with
+``mlp_bias`` also ``experts.gate_up_bias.{g}`` and ``experts.down_bias.{g}``; each rank's
 ``state_dict()`` holds only its own experts plus the replicated parameters. To merge the
 per-rank shards into one checkpoint, ``merged = {}; for sd in shards: merged.update(sd)``
 (expert keys are disjoint; replicated keys are equal on every rank). ``load_state_dict``
@@ -39,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ep_moe.config import MoEConfig, check_experts_divide, check_same_config
 from ep_moe.ep import build_dispatcher, resolve_dispatch
 from ep_moe.ep.base import group_size
-from ep_moe.experts import GroupedExperts, SharedExperts
+from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts
 from ep_moe.kernels.ops import debug_enabled
 from ep_moe.parallel import resolve_ep_group
 from ep_moe.routing import RouterOutput, capacity_keep_mask, expert_capacity, route
@@ -101,18 +102,22 @@ class MoELayer(nn.Module):
             :mod:`ep_moe.parallel`). Rank p of the group holds global experts
             ``p*e .. p*e+e-1`` with ``e = num_experts / ep_size``.
         device, dtype: of the parameters.
+        expert_module: run copies of this module as the experts instead of the grouped
+            GEMMs (:class:`ep_moe.experts.ModuleExperts`: any expert, on the slow path;
+            the config's expert fields then describe nothing).
 
     Parameters: ``router.weight`` [E, H], ``experts.gate_up`` [e, 2I or I, H],
-    ``experts.down`` [e, H, I] (tagged as expert parameters, see
+    ``experts.down`` [e, H, I] (``num_linears=1``: ``down`` [e, H, H] alone; ``mlp_bias``:
+    also ``experts.gate_up_bias`` and ``experts.down_bias``; tagged as expert parameters, see
     :func:`ep_moe.parallel.sync_gradients`), ``shared_experts.*`` when configured, and the
     buffer ``expert_bias`` [E] when ``expert_bias=True``. Init: every weight N(0,
-    ``init_std``); the router and shared experts from the default RNG (seed all ranks
+    ``init_std``), biases zero; the router and shared experts from the default RNG (seed all ranks
     alike to get replicas that agree), the experts so that the global weights do not
     depend on the EP size (:meth:`GroupedExperts.reset_parameters`).
     """
 
     def __init__(self, config: MoEConfig, ep_group: Union[None, ProcessGroup, DeviceMesh] = None,
-                 *, device=None, dtype=None) -> None:
+                 *, device=None, dtype=None, expert_module: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.config = config
         group = resolve_ep_group(ep_group)
@@ -134,8 +139,11 @@ class MoELayer(nn.Module):
                           stacklevel=2)
         factory = dict(device=device, dtype=dtype)
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False, **factory)
-        self.experts = GroupedExperts(config, self.num_local_experts,
-                                      self.ep_rank * self.num_local_experts, **factory)
+        first_expert = self.ep_rank * self.num_local_experts
+        if expert_module is None:
+            self.experts = GroupedExperts(config, self.num_local_experts, first_expert, **factory)
+        else:
+            self.experts = ModuleExperts(expert_module, config, self.num_local_experts, first_expert, **factory)
         self.shared_experts = SharedExperts(config, **factory) if config.num_shared_experts else None
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, device=device,
@@ -192,8 +200,7 @@ class MoELayer(nn.Module):
         expert_seed = int(torch.randint(0, 2**62, (), device="cpu").item())  # also under a meta default device
         self.experts.reset_parameters(std, expert_seed)
         if self.shared_experts is not None:
-            self.shared_experts.gate_up.weight.normal_(0.0, std)
-            self.shared_experts.down.weight.normal_(0.0, std)
+            self.shared_experts.reset_parameters(std)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
             self._load_since_update.zero_()
@@ -201,7 +208,7 @@ class MoELayer(nn.Module):
     def compute_dtype(self) -> torch.dtype:
         """The dtype the experts compute in: autocast's when it is on for the parameters'
         device (as ``nn.Linear`` does), else the parameters' own."""
-        param = self.experts.gate_up
+        param = self.experts.first_weight
         if torch.is_autocast_enabled(param.device.type):
             return torch.get_autocast_dtype(param.device.type)
         return param.dtype
@@ -213,7 +220,7 @@ class MoELayer(nn.Module):
 
     def _check_input(self, x: torch.Tensor) -> None:
         """Raise naming what is wrong with ``x`` and the fix (local checks: no collective)."""
-        hidden, param = self.config.hidden_size, self.experts.gate_up
+        hidden, param = self.config.hidden_size, self.experts.first_weight
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor [..., {hidden}], got {type(x).__name__}; "
                             "convert it with torch.as_tensor")
@@ -286,7 +293,7 @@ class MoELayer(nn.Module):
             failed = None
         except ValueError as err:
             failed = err
-        param = self.experts.gate_up
+        param = self.experts.first_weight
         others = {"parameter dtype": param.dtype, "input hidden size": x.shape[-1] if x.dim() else None,
                   "input dtype": x.dtype, "input passes the layer's checks": failed is None}
         try:

@@ -9,7 +9,7 @@ from layer_helpers import _config
     (dict(top_k=9), r"top_k=9 exceeds num_experts=8; lower top_k"),
     (dict(top_k=0), r"top_k=0: must be a positive int"),
     (dict(top_k=2, ep_size=3), r"num_experts=8 is not divisible by ep_size=3"),
-    (dict(top_k=2, activation="silu"), r"activation='silu': use one of"),
+    (dict(top_k=2, activation="tanh"), r"activation='tanh': use one of"),
     (dict(top_k=2, score_func="tanh"), r"score_func='tanh'"),
     (dict(top_k=2, capacity_factor=0.0), r"capacity_factor=0.0: must be > 0, or None"),
     (dict(top_k=2, drop_policy="random"), r"drop_policy='random'"),

@@ -240,7 +240,7 @@ class AllGatherDispatcher(Dispatcher):
         configs = experts.kernel_configs(routed.backend, routed.weights_TK.numel(), routed.x_TH)
         expert_fn = functools.partial(experts.on_routed_rows, backend=routed.backend, configs=configs,
                                       bounded_rows=True)
-        return expert_pipeline(expert_fn, routed.local, routed.exchange, experts.gate_up, experts.down, routed.x_TH,
+        return expert_pipeline(expert_fn, routed.local, routed.exchange, experts.expert_tensors(), routed.x_TH,
                                routed.weights_TK, routed.arrived_weights, routed.rows_in)
 
     def combine(self, routed: GatheredTokens, out: torch.Tensor) -> torch.Tensor:

@@ -306,7 +306,7 @@ class AllToAllDispatcher(Dispatcher):
                                        num_kept=routed.num_kept)
         configs = experts.kernel_configs(routed.backend, local.slot_index_R.shape[0], routed.send_rows)
         expert_fn = functools.partial(experts.on_routed_rows, backend=routed.backend, configs=configs)
-        return expert_pipeline(expert_fn, local, routed.exchange, experts.gate_up, experts.down, routed.send_rows,
+        return expert_pipeline(expert_fn, local, routed.exchange, experts.expert_tensors(), routed.send_rows,
                                routed.send_weights, recv_weights_SK, routed.rows_in)
 
     def combine(self, routed: RoutedRows, out: torch.Tensor) -> torch.Tensor:

@@ -140,21 +140,21 @@ def _departing(exchange: Exchange, like: torch.Tensor):
     return contextlib.nullcontext() if departing is None else departing(like)
 
 
-ExpertFn = Callable[[torch.Tensor, torch.Tensor, RoutingMetadata, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``expert_fn(rows_SH, weights_S, local, gate_up, down) -> out_SH``: the local experts on the
+ExpertFn = Callable[..., torch.Tensor]
+"""``expert_fn(rows_SH, weights_S, local, *params) -> out_SH``: the local experts on the
 arrived rows and their top-k weights (``[S]`` or ``[S, K]``), routed by ``local`` (rows as
-tokens), one output row per arrived row, differentiable. ``gate_up`` and ``down`` come cast
-to the rows' dtype."""
+tokens), one output row per arrived row, differentiable. ``params`` (the experts' stacked
+tensors: ``gate_up``, ``down``, their biases...) come cast to the rows' dtype."""
 
 
 class _ExpertPipeline(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_fn: ExpertFn, local: RoutingMetadata, exchange: Exchange, arrived_weights: torch.Tensor,
-                dispatched: Optional[PendingExchange], record: bool, gate_up: torch.Tensor, down: torch.Tensor,
-                send: torch.Tensor, send_weights: torch.Tensor):
+                dispatched: Optional[PendingExchange], record: bool, send: torch.Tensor, send_weights: torch.Tensor,
+                *params: torch.Tensor):
         rows_in = dispatched if dispatched is not None else exchange.dispatch(send, "rows")
         # Detached stand-ins: the graph ends at these leaves, whose grads the backward returns.
-        weights = [_stand_in(w, record and w.requires_grad) for w in (gate_up, down)]
+        weights = [_stand_in(w, record and w.requires_grad) for w in params]
         # The graph saves its tensors through the enclosing saved-tensor hooks (an activation
         # checkpoint's, save_on_cpu's), if any; the backward unpacks them itself, in the outer
         # graph task, so a checkpoint recomputes the region once, not again in the replayed
@@ -208,7 +208,7 @@ class _ExpertPipeline(torch.autograd.Function):
         grad_send = None if rows_back is None else rows_back.wait()
         grad_send_weights = None if weights_back is None else weights_back.wait()
         ctx.graph = ctx.weights = ctx.exchange = ctx.saved = None  # free the graph
-        return (None, None, None, None, None, None, *grads, grad_send, grad_send_weights)
+        return (None, None, None, None, None, None, grad_send, grad_send_weights, *grads)
 
 
 def _autocast_off(like: torch.Tensor):
@@ -325,9 +325,9 @@ def _sharing_sms(share: bool):
     return one_program_per_tile() if share else contextlib.nullcontext()
 
 
-_SEND_ARG = 8
+_SEND_ARG = 6
 """Position of the sent rows among ``_ExpertPipeline.forward``'s arguments (the sent top-k
-weights follow)."""
+weights follow, then the experts' tensors)."""
 
 
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
@@ -335,18 +335,19 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.compiler.disable  # streams, events and async collectives: eager under torch.compile
-def expert_pipeline(expert_fn: ExpertFn, local: RoutingMetadata, exchange: Exchange, gate_up: torch.Tensor,
-                    down: torch.Tensor, send_rows: torch.Tensor, send_weights: torch.Tensor,
-                    arrived_weights: torch.Tensor, dispatched: Optional[PendingExchange] = None) -> torch.Tensor:
+def expert_pipeline(expert_fn: ExpertFn, local: RoutingMetadata, exchange: Exchange, params: Sequence[torch.Tensor],
+                    send_rows: torch.Tensor, send_weights: torch.Tensor, arrived_weights: torch.Tensor,
+                    dispatched: Optional[PendingExchange] = None) -> torch.Tensor:
     """Dispatch, local experts and combine, the backward's exchanges overlapped with its
-    weight-gradient GEMMs (see the module docstring). Differentiable in ``gate_up``,
-    ``down``, the sent rows and the sent top-k weights.
+    weight-gradient GEMMs (see the module docstring). Differentiable in ``params``, the
+    sent rows and the sent top-k weights.
 
     Args:
         expert_fn: the local experts (:data:`ExpertFn`).
         local: routing of the arrived rows to this rank's experts (rows as tokens).
         exchange: the collectives (:class:`~ep_moe.ep.base.Exchange`).
-        gate_up, down: the local expert weights, passed on to ``expert_fn``.
+        params: the local experts' stacked tensors (``gate_up``, ``down``, biases:
+            ``GroupedExperts.expert_tensors()``), passed on to ``expert_fn``.
         send_rows: [U, H] rows as the exchange sends them (grouped by destination rank for
             the all-to-all, this rank's tokens for the all-gather).
         send_weights: the top-k weights of the sent rows ([U] or [U, K]).
@@ -366,6 +367,6 @@ def expert_pipeline(expert_fn: ExpertFn, local: RoutingMetadata, exchange: Excha
     if arrived_weights.requires_grad:
         raise ValueError("expert_pipeline: arrived_weights are data (their gradient goes back to "
                          "send_weights); pass them detached")
-    record = torch.is_grad_enabled() and any(t.requires_grad for t in (gate_up, down, send_rows, send_weights))
-    return _ExpertPipeline.apply(expert_fn, local, exchange, arrived_weights, dispatched, record, gate_up, down,
-                                 send_rows, send_weights)
+    record = torch.is_grad_enabled() and any(t.requires_grad for t in (*params, send_rows, send_weights))
+    return _ExpertPipeline.apply(expert_fn, local, exchange, arrived_weights, dispatched, record, send_rows,
+                                 send_weights, *params)

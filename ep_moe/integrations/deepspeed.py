@@ -29,14 +29,32 @@ accepted where it changes nothing in DeepSpeed (no tensor parallelism); under te
 parallelism :meth:`MoE.set_deepspeed_parallelism` raises, since ep_moe cannot run
 tensor-parallel experts.
 
-Expert modules. DeepSpeed copies any expert module; ep_moe experts are bias-free MLPs.
-The expert's ``nn.Linear`` submodules give the intermediate size, activation and weights
-(:func:`infer_expert_layout`): three Linears named gate/up/down (``gate_proj/up_proj/
-down_proj`` or Mixtral's ``w1/w3/w2``) are a SwiGLU expert; two Linears (first H -> F,
-second I -> H, in registration order) are a SwiGLU expert with ``[gate; up]`` stacked
-when F = 2I, else an MLP whose activation is an ``nn.GELU()`` or ``nn.ReLU()`` submodule.
-Otherwise pass ``intermediate_size=`` and ``activation=`` (the layer is then built with
-its own init and :func:`replace_deepspeed_moe` cannot copy the weights).
+Expert modules. DeepSpeed deep-copies the expert module into each local expert, and so
+does the drop-in: every local expert starts as the module's values. Experts made of
+``nn.Linear`` layers run on the grouped GEMMs (biases in their epilogue), their form read
+from the module's structure (:func:`infer_expert_layout`, giving ``MoEConfig.activation``,
+``num_linears`` and ``mlp_bias``), all of their Linears with a bias or none:
+
+- ``nn.Linear(H, H)``: one Linear (the PR-MoE examples);
+- an ``nn.Sequential`` of Linear, Linear (no activation, as DeepSpeed's tests build), or
+  of Linear, activation, Linear with ``nn.ReLU``, ``nn.GELU()``,
+  ``nn.GELU(approximate="tanh")`` or ``nn.SiLU`` (Megatron-DeepSpeed's GPT experts are a
+  GELU MLP with biases); ``nn.Identity`` and ``nn.Dropout(0)`` layers are skipped;
+- three Linears named gate/up/down (``gate_proj/up_proj/down_proj``, Mixtral's
+  ``w1/w3/w2``, or ``gate/up/down``): a gated expert, SwiGLU, or GeGLU when its
+  activation module is an ``nn.GELU()``;
+- any other module of two Linears (first H -> F, second I -> H, in registration order):
+  a gated expert with ``[gate; up]`` stacked when F = 2I, else an MLP whose activation is
+  its one activation module.
+
+``activation=`` stands for the activation module where the module has none. Any other
+expert (other layers or parameters, an activation ep_moe does not run or one applied as
+a function, Megatron's parallel Linears, a module returning an ``(output, bias)`` pair, of
+which DeepSpeed keeps the output) runs as is, on each local expert's rows in a loop
+(:class:`ep_moe.experts.ModuleExperts`, the slow path, which a warning names), with the
+same dispatch and gradients. Passing both ``intermediate_size=`` and ``activation=`` for
+a module that does not fit them builds grouped experts of that shape instead, with
+ep_moe's init (their weights cannot be mapped from the module's).
 
 Process groups and training. ``ep_size > 1`` builds the EP group with
 :func:`ep_moe.parallel.build_ep_groups` (consecutive ranks, DeepSpeed's default layout),
@@ -72,8 +90,8 @@ several EP groups), or a custom ``ep_group`` of other ranks.
 
 Checkpoints. :class:`MoE`'s ``state_dict`` has DeepSpeed's MoE keys: the router as
 ``deepspeed_moe.gate.wg.weight``, local expert j's weights under
-``deepspeed_moe.experts.deepspeed_experts.{j}.``, named as in the expert module (an
-expert that could not be read: ``gate_up.weight`` and ``down.weight``). So
+``deepspeed_moe.experts.deepspeed_experts.{j}.``, named as in the expert module (grouped
+experts of an explicit shape: ``gate_up.weight`` and ``down.weight``). So
 ``engine.save_checkpoint`` writes DeepSpeed's per-expert files and
 ``engine.load_checkpoint`` reads them, at the same or another ``ep_size``, and a
 checkpoint of the model with DeepSpeed's own MoE layers loads into the replaced model
@@ -81,8 +99,8 @@ checkpoint of the model with DeepSpeed's own MoE layers loads into the replaced 
 parameters). Tested with ZeRO stage 0 at world 2 and 4 and stage 1 at world 2. One
 difference: ``save_checkpoint(exclude_frozen_parameters=True)`` still saves a frozen router
 (the engine leaves out frozen weights by parameter name, and the router's key is renamed).
-Keys the expert layout does not name (an expert's bias) are not taken: a strict load
-reports them. As for DeepSpeed's layer, these
+Keys the expert layout does not name (a bias of bias-free experts) are not taken: a
+strict load reports them. As for DeepSpeed's layer, these
 keys hold local expert ids, so a ``torch.save(model.state_dict())`` of each rank loads back
 at the same ``ep_size`` and rank only; ``moe.layer.state_dict()`` has ep_moe's keys (global
 expert ids: they reshard on load, :class:`ep_moe.MoELayer`). ``load_state_dict`` takes
@@ -116,112 +134,236 @@ _DOWN_NAMES = ("down_proj", "w2", "down")
 _EP_GROUPS: dict[tuple[int, ProcessGroup], ProcessGroup] = {}
 
 
+class UnreadableExpertError(ValueError):
+    """:func:`infer_expert_layout` cannot read the expert's math from its structure (the
+    drop-in then runs the module as is, :class:`ep_moe.experts.ModuleExperts`)."""
+
+
+class _StateKeys:
+    """Maps one expert's tensors, by ep_moe's names, to the expert module's state-dict keys
+    (``state_keys``: name -> the keys whose tensors, stacked on dim 0, make it)."""
+
+    state_keys: dict[str, tuple[str, ...]]
+
+    def from_state(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """ep_moe's tensors of one expert (``gate_up`` [2I or I, H], ``down`` [H, I],
+        biases...) from the expert module's state-dict entries (``expert.state_dict()``,
+        or its gradients by the same keys). Raises ``KeyError`` for a missing one."""
+        return {name: _stacked([state[key] for key in keys]) for name, keys in self.state_keys.items()}
+
+    def to_state(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inverse of :meth:`from_state`: one expert's tensors as the expert module's
+        state-dict entries (views of ``tensors``)."""
+        return {key: part for name, keys in self.state_keys.items()
+                for key, part in zip(keys, tensors[name].chunk(len(keys)) if len(keys) > 1 else [tensors[name]])}
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _key(module_name: str, tensor: str) -> str:
+    """State-dict key of ``tensor`` of the submodule ``module_name`` ("": the expert itself)."""
+    return f"{module_name}.{tensor}" if module_name else tensor
+
+
 @dataclass(frozen=True)
-class ExpertLayout:
-    """Where a DeepSpeed expert module keeps the two weights of an ep_moe expert."""
+class ExpertLayout(_StateKeys):
+    """Where a DeepSpeed expert module keeps the tensors of an ep_moe expert."""
 
     activation: Activation
     """The expert MLP's activation, as :class:`ep_moe.MoEConfig` names it."""
     intermediate_size: int
-    """I, the expert's hidden dimension."""
-    up: str
-    """Submodule of the Linear H -> I (SwiGLU's up projection, or the first layer of a
-    GELU/ReLU MLP), or H -> 2I holding ``[gate; up]`` when ``gate`` is None and the
-    activation is SwiGLU."""
+    """I, the expert's hidden dimension (H for one Linear)."""
+    up: Optional[str]
+    """Submodule of the Linear H -> I (the up projection of a gated expert, or the first
+    layer of an MLP), or H -> 2I holding ``[gate; up]`` when ``gate`` is None and the
+    activation is gated; None for an expert of one Linear."""
     down: str
-    """Submodule of the Linear I -> H."""
+    """Submodule of the Linear I -> H ("": the expert itself is that Linear)."""
     gate: Optional[str] = None
-    """Submodule of SwiGLU's separate gate Linear H -> I, if there is one."""
+    """Submodule of a gated expert's separate gate Linear H -> I, if there is one."""
+    bias: bool = False
+    """Whether the Linears have biases (all of them or none)."""
 
     @property
-    def gate_up_keys(self) -> tuple[str, ...]:
-        """The expert module's state-dict keys whose weights, stacked, are ``gate_up``."""
-        return (f"{self.up}.weight",) if self.gate is None else (f"{self.gate}.weight", f"{self.up}.weight")
+    def num_linears(self) -> int:
+        """:attr:`ep_moe.MoEConfig.num_linears` of this expert."""
+        return 1 if self.up is None else 2
 
     @property
-    def down_key(self) -> str:
-        """The expert module's state-dict key of the ``down`` weight."""
-        return f"{self.down}.weight"
+    def state_keys(self) -> dict[str, tuple[str, ...]]:
+        """ep_moe's tensor names -> the expert module's keys (gate before up in ``gate_up``)."""
+        tensors = ("weight", "bias") if self.bias else ("weight",)
+        first = () if self.up is None else ((self.up,) if self.gate is None else (self.gate, self.up))
+        keys = {}
+        for tensor in tensors:
+            suffix = "" if tensor == "weight" else "_bias"
+            if first:
+                keys[f"gate_up{suffix}"] = tuple(_key(m, tensor) for m in first)
+            keys[f"down{suffix}"] = (_key(self.down, tensor),)
+        return keys
 
-    def from_state(self, state: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """ep_moe's ``(gate_up [2I or I, H], down [H, I])`` of one expert from the expert
-        module's state-dict entries (``expert.state_dict()``, or its gradients by the same
-        keys). Raises ``KeyError`` for a missing weight."""
-        return torch.cat([state[key] for key in self.gate_up_keys]), state[self.down_key]
+    def config_fields(self) -> dict:
+        """The :class:`ep_moe.MoEConfig` fields of these experts."""
+        return dict(intermediate_size=self.intermediate_size, activation=self.activation,
+                    num_linears=self.num_linears, mlp_bias=self.bias)
 
-    def to_state(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The inverse of :meth:`from_state`: one expert's weights as the expert module's
-        state-dict entries (views of ``gate_up`` and ``down``)."""
-        return {**dict(zip(self.gate_up_keys, gate_up.chunk(len(self.gate_up_keys)))), self.down_key: down}
+
+class _ModuleStateKeys(_StateKeys):
+    """The keys of experts run as is (:class:`ep_moe.experts.ModuleExperts`): the expert
+    module's own, each tensor under its name."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.state_keys = {name: (name,) for name in names}
 
 
 def _find(names_by_leaf: dict[str, str], candidates: tuple[str, ...]) -> Optional[str]:
     return next((names_by_leaf[c] for c in candidates if c in names_by_leaf), None)
 
 
-def _activation_module(expert: nn.Module) -> Optional[Activation]:
-    """The activation of a two-Linear expert from its activation submodule, if any."""
-    for module in expert.modules():
-        if isinstance(module, nn.ReLU):
-            return "relu"
-        if isinstance(module, nn.GELU):
-            if module.approximate != "none":
-                raise ValueError(f"expert uses nn.GELU(approximate={module.approximate!r}); ep_moe's GELU is "
-                                 "the exact erf form: use nn.GELU() in the expert")
-            return "gelu"
-    return None
+def _activation_module(module: nn.Module) -> Optional[Activation]:
+    """The activation an activation module computes, as :class:`ep_moe.MoEConfig` names it
+    (None: not one ep_moe runs)."""
+    if isinstance(module, nn.GELU):
+        return "gelu" if module.approximate == "none" else "gelu_tanh"
+    return next((name for kind, name in _ACTIVATION_MODULES if isinstance(module, kind)), None)
+
+
+_ACTIVATION_MODULES = ((nn.ReLU, "relu"), (nn.SiLU, "silu"), (nn.Identity, "identity"))
+_GATED = {"silu": "swiglu", "gelu": "geglu"}
+"""Gated activations by the gate's activation."""
+
+
+def _is_noop(module: nn.Module) -> bool:
+    return isinstance(module, nn.Identity) or (isinstance(module, nn.Dropout) and module.p == 0)
+
+
+def _unreadable(kind: str, why: str) -> UnreadableExpertError:
+    return UnreadableExpertError(f"cannot read expert {kind}: {why}; ep_moe's drop-in then runs it as is (the "
+                                 "slow path), or pass intermediate_size= and activation= to use grouped experts "
+                                 "of that shape")
 
 
 def infer_expert_layout(expert: nn.Module, hidden_size: int,
                         activation: Optional[Activation] = None) -> ExpertLayout:
     """Read an expert module's layout (see the module docstring); ``activation``, when
-    given, overrides what the module's submodules suggest. Raises ``ValueError`` naming
-    what does not fit."""
-    linears = [(name, m) for name, m in expert.named_modules() if isinstance(m, nn.Linear)]
+    given, stands for what the module's activation submodules would tell. Raises
+    :class:`UnreadableExpertError` when the structure does not say the expert's math, and
+    ``ValueError`` naming what does not fit when it contradicts ``activation`` or
+    ``hidden_size``."""
     kind = type(expert).__name__
-    for name, linear in linears:
-        if linear.bias is not None:
-            raise ValueError(f"expert {kind}.{name or '(itself)'} has a bias; ep_moe experts are bias-free: "
-                             "build the expert's Linears with bias=False")
+    linears = [(name, m) for name, m in expert.named_modules() if type(m) is nn.Linear]
+    owned = {id(p) for _, m in linears for p in m.parameters()}
+    if any(id(p) not in owned for p in expert.parameters()) or next(expert.buffers(), None) is not None:
+        raise _unreadable(kind, "it has parameters or buffers besides those of its nn.Linear layers")
+    if len({m.bias is not None for _, m in linears}) > 1:
+        raise _unreadable(kind, "some of its Linears have a bias and some do not")
+    bias = bool(linears) and linears[0][1].bias is not None
+    others = [m for m in expert.modules() if m is not expert and not list(m.children())
+              and type(m) is not nn.Linear and not _is_noop(m)]
+    found = {_activation_module(m) for m in others}
+    if None in found or len(found) > 1:
+        raise _unreadable(kind, f"its modules {sorted({type(m).__name__ for m in others})} are not one "
+                                "activation ep_moe runs (nn.ReLU, nn.GELU, nn.SiLU)")
+    found_act = next(iter(found), None)
+    if isinstance(expert, nn.Sequential):
+        return _sequential_layout(expert, kind, hidden_size, activation, bias)
+    if type(expert) is nn.Linear:
+        return _single_linear_layout(expert, "", kind, hidden_size, activation, bias)
     if len(linears) == 3:
-        by_leaf = {name.rsplit(".", 1)[-1]: name for name, _ in linears}
-        gate, up, down = (_find(by_leaf, names) for names in (_GATE_NAMES, _UP_NAMES, _DOWN_NAMES))
-        if None in (gate, up, down):
-            raise ValueError(f"expert {kind} has three Linears {sorted(by_leaf)}; a SwiGLU expert names them "
-                             f"gate/up/down as one of {_GATE_NAMES}, {_UP_NAMES}, {_DOWN_NAMES}")
-        if activation not in (None, "swiglu"):
-            raise ValueError(f"expert {kind} is a SwiGLU expert (gate/up/down) but activation={activation!r}; "
-                             "drop activation= or pass 'swiglu'")
-        inter = expert.get_submodule(gate).out_features
-        shapes = {n: tuple(expert.get_submodule(n).weight.shape) for n in (gate, up, down)}
-        if shapes != {gate: (inter, hidden_size), up: (inter, hidden_size), down: (hidden_size, inter)}:
-            raise ValueError(f"expert {kind} weight shapes {shapes} do not fit hidden_size={hidden_size}: "
-                             f"gate and up must be [I, {hidden_size}], down [{hidden_size}, I]")
-        return ExpertLayout("swiglu", inter, up=up, down=down, gate=gate)
+        return _gated_layout(expert, linears, kind, hidden_size, activation, found_act, bias)
     if len(linears) == 2:
-        (first, layer1), (second, layer2) = linears
-        out1, in1 = layer1.weight.shape
-        out2, inter = layer2.weight.shape
-        if in1 != hidden_size or out2 != hidden_size or out1 not in (inter, 2 * inter):
-            raise ValueError(f"expert {kind} Linears {first} [{out1}, {in1}] and {second} [{out2}, {inter}] are "
-                             f"not an MLP of hidden_size={hidden_size}: expected [F, {hidden_size}] then "
-                             f"[{hidden_size}, I] with F = I or 2I (SwiGLU)")
-        if out1 == 2 * inter:
-            if activation not in (None, "swiglu"):
-                raise ValueError(f"expert {kind}'s first Linear has 2I={out1} outputs, a fused SwiGLU "
-                                 f"[gate; up], but activation={activation!r}; pass 'swiglu'")
-            return ExpertLayout("swiglu", inter, up=first, down=second)
-        found = _activation_module(expert)
-        if activation is not None and found is not None and activation != found:
-            raise ValueError(f"expert {kind} has an nn.{'GELU' if found == 'gelu' else 'ReLU'} but "
-                             f"activation={activation!r}; drop activation= or pass {found!r}")
-        activation = activation or found
-        if activation not in ("gelu", "relu"):
-            raise ValueError(f"cannot tell the activation of expert {kind} (two Linears of I={inter}, "
-                             f"activation={activation!r}); pass activation='gelu' or 'relu'")
-        return ExpertLayout(activation, inter, up=first, down=second)
-    raise ValueError(f"expert {kind} has {len(linears)} nn.Linear submodules; ep_moe reads SwiGLU experts "
-                     "(gate/up/down Linears) and two-Linear MLPs; pass intermediate_size= and activation=")
+        return _two_linear_layout(linears, kind, hidden_size, activation, found_act, bias)
+    raise _unreadable(kind, f"it has {len(linears)} nn.Linear layers in a {kind}, whose forward ep_moe cannot see "
+                            "(it reads nn.Linear experts, nn.Sequential MLPs, gate/up/down experts and two-Linear "
+                            "MLPs with an activation module)")
+
+
+def _single_linear_layout(linear: nn.Linear, name: str, kind: str, hidden_size: int,
+                          activation: Optional[Activation], bias: bool) -> ExpertLayout:
+    if tuple(linear.weight.shape) != (hidden_size, hidden_size):
+        raise ValueError(f"expert {kind} is one Linear of shape {list(linear.weight.shape)}, not an expert of "
+                         f"hidden_size={hidden_size}: expected [{hidden_size}, {hidden_size}]")
+    if activation not in (None, "identity"):
+        raise ValueError(f"expert {kind} is one Linear (no activation) but activation={activation!r}; "
+                         "drop activation=")
+    return ExpertLayout("identity", hidden_size, up=None, down=name, bias=bias)
+
+
+def _sequential_layout(expert: nn.Sequential, kind: str, hidden_size: int, activation: Optional[Activation],
+                       bias: bool) -> ExpertLayout:
+    """Linear; Linear, Linear; or Linear, activation, Linear (no-op layers left out)."""
+    steps = [(name, m) for name, m in expert.named_children() if not _is_noop(m)]
+    types = tuple("linear" if type(m) is nn.Linear else _activation_module(m) for _, m in steps)
+    if types == ("linear",):
+        return _single_linear_layout(steps[0][1], steps[0][0], kind, hidden_size, activation, bias)
+    if types == ("linear", "linear"):
+        found = "identity"
+    elif len(types) == 3 and types[0] == types[2] == "linear" and types[1] not in (None, "linear"):
+        found = types[1]
+    else:
+        raise _unreadable(kind, f"its layers {[type(m).__name__ for _, m in steps]} are not Linear, an "
+                                "activation ep_moe runs, Linear")
+    linears = [step for step in steps if type(step[1]) is nn.Linear]
+    return _two_linear_layout(linears, kind, hidden_size, activation, found, bias, gated_ok=False)
+
+
+def _two_linear_layout(linears: list[tuple[str, nn.Linear]], kind: str, hidden_size: int,
+                       activation: Optional[Activation], found: Optional[Activation], bias: bool,
+                       gated_ok: bool = True) -> ExpertLayout:
+    """First Linear H -> F, second I -> H: a gated expert with ``[gate; up]`` stacked when
+    F = 2I (``gated_ok``), else an MLP whose activation is ``found`` (its module's)."""
+    (first, layer1), (second, layer2) = linears
+    out1, in1 = layer1.weight.shape
+    out2, inter = layer2.weight.shape
+    fused = gated_ok and out1 == 2 * inter
+    if in1 != hidden_size or out2 != hidden_size or not (out1 == inter or fused):
+        raise ValueError(f"expert {kind} Linears {first} [{out1}, {in1}] and {second} [{out2}, {inter}] are "
+                         f"not an MLP of hidden_size={hidden_size}: expected [F, {hidden_size}] then "
+                         f"[{hidden_size}, I] with F = I{' or 2I (gated)' if gated_ok else ''}")
+    if fused:
+        return ExpertLayout(_gated_activation(kind, activation, found), inter, up=first, down=second, bias=bias)
+    if activation is not None and found is not None and activation != found:
+        raise ValueError(f"expert {kind} has an activation {found!r} but activation={activation!r}; drop "
+                         f"activation= or pass {found!r}")
+    activation = activation or found
+    if activation is None:
+        raise _unreadable(kind, f"it has two Linears of I={inter} and no activation module (its forward may "
+                                "apply one); pass activation=")
+    if activation in _GATED.values():
+        raise ValueError(f"expert {kind}'s first Linear has I={out1} outputs, not the 2I of a gated [gate; up], "
+                         f"but activation={activation!r}; pass one that is not gated")
+    return ExpertLayout(activation, inter, up=first, down=second, bias=bias)
+
+
+def _gated_activation(kind: str, activation: Optional[Activation], found: Optional[Activation]) -> Activation:
+    """The gated activation of a gated expert: ``activation`` if given, else the gate's
+    activation module's (SiLU when there is none, as in most SwiGLU experts)."""
+    gated = _GATED.get(found or "silu")
+    if gated is None:
+        raise _unreadable(kind, f"its gate's activation {found!r} is not SiLU or the exact GELU")
+    if activation is not None and activation != gated and (found is not None or activation not in _GATED.values()):
+        raise ValueError(f"expert {kind} is a gated expert ({gated}) but activation={activation!r}; drop "
+                         f"activation= or pass {gated!r}")
+    return activation or gated
+
+
+def _gated_layout(expert: nn.Module, linears: list[tuple[str, nn.Linear]], kind: str, hidden_size: int,
+                  activation: Optional[Activation], found: Optional[Activation], bias: bool) -> ExpertLayout:
+    """Three Linears named gate/up/down: a gated expert."""
+    by_leaf = {name.rsplit(".", 1)[-1]: name for name, _ in linears}
+    gate, up, down = (_find(by_leaf, names) for names in (_GATE_NAMES, _UP_NAMES, _DOWN_NAMES))
+    if None in (gate, up, down):
+        raise _unreadable(kind, f"it has three Linears {sorted(by_leaf)}; a gated expert names them gate/up/down "
+                                f"as one of {_GATE_NAMES}, {_UP_NAMES}, {_DOWN_NAMES}")
+    gated = _gated_activation(kind, activation, found)
+    inter = expert.get_submodule(gate).out_features
+    shapes = {n: tuple(expert.get_submodule(n).weight.shape) for n in (gate, up, down)}
+    if shapes != {gate: (inter, hidden_size), up: (inter, hidden_size), down: (hidden_size, inter)}:
+        raise ValueError(f"expert {kind} weight shapes {shapes} do not fit hidden_size={hidden_size}: "
+                         f"gate and up must be [I, {hidden_size}], down [{hidden_size}, I]")
+    return ExpertLayout(gated, inter, up=up, down=down, gate=gate, bias=bias)
 
 
 def deepspeed_moe_config(
@@ -233,6 +375,8 @@ def deepspeed_moe_config(
     ep_size: int = 1,
     k: int = 1,
     backend: str = "auto",
+    num_linears: int = 2,
+    mlp_bias: bool = False,
 ) -> MoEConfig:
     """The :class:`ep_moe.MoEConfig` of the layer behind :class:`MoE`: DeepSpeed's experts
     and k, and as router DeepSpeed's without capacity or noise (``drop_tokens=False``,
@@ -245,6 +389,7 @@ def deepspeed_moe_config(
         hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts, top_k=k,
         activation=activation, score_func="softmax", norm_topk_prob=k > 1, aux_loss_coef=1.0,
         z_loss_coef=0.0, capacity_factor=None, router_dtype=torch.float32, backend=backend, ep_size=ep_size,
+        num_linears=num_linears, mlp_bias=mlp_bias,
     )
 
 
@@ -355,16 +500,17 @@ class MoE(nn.Module):
     ) -> None:
         nn.Module.__init__(self)  # not super(): under DeepSpeed the next class is DeepSpeed's MoE
         self.expert_layout = self._layout(expert, hidden_size, intermediate_size, activation)
-        intermediate_size = intermediate_size or self.expert_layout.intermediate_size
-        activation = activation or self.expert_layout.activation
+        expert_fields, expert_module = self._expert_form(expert, hidden_size, intermediate_size, activation)
         self.gate = DeepSpeedGate(num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                                   noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
-        config = deepspeed_moe_config(hidden_size, intermediate_size, activation, num_experts=num_experts,
-                                      ep_size=ep_size, k=k, backend=backend)
+        config = deepspeed_moe_config(hidden_size, num_experts=num_experts, ep_size=ep_size, k=k, backend=backend,
+                                      **expert_fields)
         param = _first_param(expert)
         self.layer = MoELayer(config, ep_group if ep_group is not None else _ep_group(ep_size),
                               device=device if device is not None or param is None else param.device,
-                              dtype=dtype if dtype is not None or param is None else param.dtype)
+                              dtype=dtype if dtype is not None or param is None else param.dtype,
+                              expert_module=expert_module)
+        self._copy_expert(expert)
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.num_local_experts = num_experts // ep_size
@@ -373,10 +519,11 @@ class MoE(nn.Module):
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism  # see set_deepspeed_parallelism
         if use_residual:
             self._build_residual(expert, hidden_size)
-        # the state dict in DeepSpeed's keys (module docstring); experts that could not be
-        # read keep ep_moe's two weights under names of their own
-        self._state_layout = self.expert_layout or ExpertLayout(activation, intermediate_size, up="gate_up",
-                                                                down="down")
+        # the state dict in DeepSpeed's keys (module docstring); grouped experts of the
+        # explicit shape keep ep_moe's two weights under names of their own
+        experts = self.layer.experts
+        self._state_layout = (self.expert_layout or (_ModuleStateKeys(experts.tensor_state_names()) if expert_module
+                              else ExpertLayout(activation, intermediate_size, up="gate_up", down="down")))
         self.register_state_dict_post_hook(_deepspeed_keys_hook)
         self.register_load_state_dict_pre_hook(_ep_moe_keys_hook)
         ds_cls = _deepspeed_moe_class()
@@ -389,8 +536,9 @@ class MoE(nn.Module):
     @staticmethod
     def _layout(expert: Optional[nn.Module], hidden_size: int, intermediate_size: Optional[int],
                 activation: Optional[Activation]) -> Optional[ExpertLayout]:
-        """The expert's layout, or None when it cannot be read but the explicit arguments
-        say enough; checks the explicit arguments against it."""
+        """The expert's layout; None when its structure does not tell (the module then runs
+        as is) or when the explicit arguments say enough and do not fit it (grouped experts
+        of that shape); checks the explicit arguments against it."""
         explicit = intermediate_size is not None and activation is not None
         if expert is None:
             if not explicit:
@@ -398,14 +546,36 @@ class MoE(nn.Module):
             return None
         try:
             layout = infer_expert_layout(expert, hidden_size, activation)
-        except ValueError:
-            if explicit:
+        except ValueError as err:
+            if explicit or isinstance(err, UnreadableExpertError):
                 return None
             raise
         if intermediate_size is not None and intermediate_size != layout.intermediate_size:
             raise ValueError(f"intermediate_size={intermediate_size} but the expert module's is "
                              f"{layout.intermediate_size}; drop intermediate_size= or fix the expert")
         return layout
+
+    def _expert_form(self, expert: Optional[nn.Module], hidden_size: int, intermediate_size: Optional[int],
+                     activation: Optional[Activation]) -> tuple[dict, Optional[nn.Module]]:
+        """The :class:`ep_moe.MoEConfig` expert fields and the module to run as is (None:
+        grouped experts): the layout's; the explicit shape's when the layout is None; the
+        module itself when neither tells (its fields are then a placeholder, one Linear)."""
+        if self.expert_layout is not None:
+            return self.expert_layout.config_fields(), None
+        if intermediate_size is not None and activation is not None:
+            return dict(intermediate_size=intermediate_size, activation=activation), None
+        return dict(intermediate_size=hidden_size, activation="identity", num_linears=1), expert
+
+    @torch.no_grad()
+    def _copy_expert(self, expert: Optional[nn.Module]) -> None:
+        """Every local expert starts as a copy of ``expert``, as DeepSpeed's ``Experts``
+        deep-copies it (a module run as is was copied already; an expert that could not be
+        read, or on the meta device, leaves ep_moe's init)."""
+        state = {} if expert is None or self.expert_layout is None else expert.state_dict()
+        if not state or any(t.is_meta for t in state.values()):
+            return
+        for name, value in self.expert_layout.from_state(state).items():
+            self.layer.experts.tensor(name).copy_(value)  # the same values for every local expert
 
     @classmethod
     def from_deepspeed(cls, ds_moe: nn.Module, *, backend: str = "auto") -> "MoE":
@@ -428,10 +598,10 @@ class MoE(nn.Module):
         """Copy the router and this rank's experts from a ``deepspeed.moe.layer.MoE`` of
         the same shape (DeepSpeed's local expert j is ep_moe's local expert j), and with
         ``use_residual`` its residual MLP and coefficient."""
-        if self.expert_layout is None:
+        if isinstance(self._state_layout, ExpertLayout) and self.expert_layout is None:
             raise ValueError("this layer was built from intermediate_size=/activation= because its expert module "
-                             "could not be read, so DeepSpeed's expert weights cannot be mapped; use bias-free "
-                             "gate/up/down or two-Linear experts (see ep_moe.integrations.deepspeed)")
+                             "did not fit them, so DeepSpeed's expert weights cannot be mapped; build it without "
+                             "them (see ep_moe.integrations.deepspeed)")
         if (ds_moe.num_experts, ds_moe.ep_size) != (self.num_experts, self.ep_size):
             raise ValueError(f"DeepSpeed layer has num_experts={ds_moe.num_experts}, ep_size={ds_moe.ep_size}; "
                              f"this one {self.num_experts}, {self.ep_size}: build them alike")
@@ -451,9 +621,8 @@ class MoE(nn.Module):
             self.coefficient.load_state_dict(ds_moe.coefficient.state_dict())
         self.layer.router.weight.copy_(ds_moe.deepspeed_moe.gate.wg.weight)
         for j, expert in enumerate(ds_moe.deepspeed_moe.experts.deepspeed_experts):
-            gate_up, down = self.expert_layout.from_state(expert.state_dict())
-            self.layer.experts.gate_up[j].copy_(gate_up)
-            self.layer.experts.down[j].copy_(down)
+            for name, value in self._state_layout.from_state(expert.state_dict()).items():
+                self.layer.experts.tensor(name)[j].copy_(value)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by ``deepspeed.initialize`` on every module that has it (call on every
@@ -570,14 +739,14 @@ _DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 
 def _deepspeed_keys_hook(module: MoE, state_dict, prefix, local_metadata) -> None:
     """state_dict: ep_moe's keys of ``layer`` -> DeepSpeed's MoE keys, the router as
-    ``deepspeed_moe.gate.wg.weight`` and local expert j as
-    ``deepspeed_moe.experts.deepspeed_experts.{j}.<its Linear>.weight``."""
-    layer = module.layer
+    ``deepspeed_moe.gate.wg.weight`` and local expert j's tensors as
+    ``deepspeed_moe.experts.deepspeed_experts.{j}.<its Linear>.weight`` (``.bias``, or
+    the module's own keys for a module run as is)."""
+    layer, layout = module.layer, module._state_layout
     state_dict[prefix + _DS_ROUTER_KEY] = state_dict.pop(prefix + "layer.router.weight")
     for j, g in enumerate(layer.experts.global_ids()):
-        gate_up = state_dict.pop(f"{prefix}layer.experts.gate_up.{g}")
-        down = state_dict.pop(f"{prefix}layer.experts.down.{g}")
-        for key, value in module._state_layout.to_state(gate_up, down).items():
+        tensors = {name: state_dict.pop(f"{prefix}layer.experts.{name}.{g}") for name in layout.state_keys}
+        for key, value in layout.to_state(tensors).items():
             state_dict[f"{prefix}{_DS_EXPERT_PREFIX}{j}.{key}"] = value
 
 
@@ -585,19 +754,18 @@ def _ep_moe_keys_hook(module: MoE, state_dict, prefix, local_metadata, strict, m
                       error_msgs) -> None:
     """load_state_dict: DeepSpeed's MoE keys -> ep_moe's (the inverse of
     :func:`_deepspeed_keys_hook`); ep_moe's own keys pass as they are. Only the keys of the
-    expert layout are taken: any other key (an expert's bias, say) stays and a strict load
-    reports it as unexpected; so does a gate without its up, whose ``gate_up`` is then
-    reported missing."""
+    expert layout are taken: any other key (a bias of bias-free experts, say) stays and a
+    strict load reports it as unexpected; so does a gate without its up, whose ``gate_up``
+    is then reported missing."""
     if prefix + _DS_ROUTER_KEY in state_dict:
         state_dict[prefix + "layer.router.weight"] = state_dict.pop(prefix + _DS_ROUTER_KEY)
     layout = module._state_layout
     for j, g in enumerate(module.layer.experts.global_ids()):
         expert_prefix = f"{prefix}{_DS_EXPERT_PREFIX}{j}."
-        gate_up_keys = [expert_prefix + key for key in layout.gate_up_keys]
-        if all(key in state_dict for key in gate_up_keys):
-            state_dict[f"{prefix}layer.experts.gate_up.{g}"] = torch.cat([state_dict.pop(k) for k in gate_up_keys])
-        if expert_prefix + layout.down_key in state_dict:
-            state_dict[f"{prefix}layer.experts.down.{g}"] = state_dict.pop(expert_prefix + layout.down_key)
+        for name, keys in layout.state_keys.items():
+            keys = [expert_prefix + key for key in keys]
+            if all(key in state_dict for key in keys):
+                state_dict[f"{prefix}layer.experts.{name}.{g}"] = _stacked([state_dict.pop(k) for k in keys])
 
 
 def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
@@ -623,4 +791,5 @@ def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
     return len(found)
 
 
-__all__ = ["ExpertLayout", "MoE", "deepspeed_moe_config", "infer_expert_layout", "replace_deepspeed_moe"]
+__all__ = ["ExpertLayout", "MoE", "UnreadableExpertError", "deepspeed_moe_config", "infer_expert_layout",
+           "replace_deepspeed_moe"]

@@ -74,7 +74,7 @@ def test_matches_direct_computation_and_gradients(caller_dispatches, num_rows):
     local = _routing(num_rows, 0)
     exchange = _Counting()
     dispatched = exchange.dispatch(rows.detach(), "rows") if caller_dispatches else None
-    out = expert_pipeline(_expert_fn, local, exchange, gate_up, down, rows, weights, _arrived(weights),
+    out = expert_pipeline(_expert_fn, local, exchange, (gate_up, down), rows, weights, _arrived(weights),
                           dispatched=dispatched)
     assert exchange.dispatches == 1  # the caller's dispatch is used, not repeated
     grad_out = torch.randn_like(out)
@@ -92,14 +92,14 @@ def test_arrived_weights_must_be_data():
     gate_up, down = torch.randn(6, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
     weights = torch.rand(3, TOP_K, requires_grad=True)
     with pytest.raises(ValueError, match="arrived_weights are data"):
-        expert_pipeline(_expert_fn, _routing(3, 0), _local(3), gate_up, down, torch.randn(3, 4), weights, weights)
+        expert_pipeline(_expert_fn, _routing(3, 0), _local(3), (gate_up, down), torch.randn(3, 4), weights, weights)
 
 
 def test_no_graph_under_no_grad():
     gate_up, down = torch.randn(6, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
     with torch.no_grad():
         weights = torch.rand(3, TOP_K)
-        out = expert_pipeline(_expert_fn, _routing(3, 0), _local(3), gate_up, down, torch.randn(3, 4), weights,
+        out = expert_pipeline(_expert_fn, _routing(3, 0), _local(3), (gate_up, down), torch.randn(3, 4), weights,
                               _arrived(weights))
     assert out.grad_fn is None and not out.requires_grad
 
@@ -110,7 +110,7 @@ def test_frozen_inputs_get_no_gradient_and_a_second_backward_is_refused():
     down = torch.randn(4, 6, generator=gen)  # frozen
     rows = torch.randn(5, 4, generator=gen, requires_grad=True)
     weights = torch.rand(5, TOP_K, generator=gen)  # e.g. a frozen router
-    out = expert_pipeline(_expert_fn, _routing(5, 0), _local(5), gate_up, down, rows, weights, _arrived(weights))
+    out = expert_pipeline(_expert_fn, _routing(5, 0), _local(5), (gate_up, down), rows, weights, _arrived(weights))
     out.sum().backward(retain_graph=True)
     assert gate_up.grad is not None and rows.grad is not None and down.grad is None
     want = torch.autograd.grad(_expert_fn(rows, weights, _routing(5, 0), gate_up, down).sum(), gate_up)[0]
@@ -142,10 +142,10 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
         seen.append((len(self), kernels.launch_grid(device, 7)))
         run(self)
 
-    def spy_launch_dw(*args, accumulate=False):
+    def spy_launch_dw(*args, accumulate=False, **kwargs):
         accumulated.append(accumulate)
         dw_buffers.add(args[2].data_ptr())
-        launch_dw(*args, accumulate=accumulate)
+        launch_dw(*args, accumulate=accumulate, **kwargs)
 
     monkeypatch.setattr(pipeline.DeferredWeightGrads, "run", spy_run)
     monkeypatch.setattr(ops, "launch_dw", spy_launch_dw)
@@ -155,7 +155,7 @@ def test_weight_grads_of_grouped_gemm_experts_come_last_one_program_per_tile(mon
     rows = torch.randn(7, 8, generator=gen).to(device).requires_grad_()
     weights = torch.rand(7, TOP_K, generator=gen).to(device).requires_grad_()
     local = _routing(7, 0, device)
-    out = expert_pipeline(gemm_experts, local, _local(7), gate_up, down, rows, weights, _arrived(weights))
+    out = expert_pipeline(gemm_experts, local, _local(7), (gate_up, down), rows, weights, _arrived(weights))
     grad_out = torch.randn_like(out)
     leaves = [gate_up, down, rows, weights]
     got = torch.autograd.grad(out, leaves, grad_out)
@@ -181,7 +181,7 @@ def test_weights_changed_in_place_after_the_forward_are_caught():
     down = torch.randn(4, 6, generator=gen, requires_grad=True)
     rows = torch.randn(5, 4, generator=gen, requires_grad=True)
     weights = torch.rand(5, 2, generator=gen, requires_grad=True)
-    out = expert_pipeline(_expert_fn, _routing(5, 0), _local(5), gate_up, down, rows, weights, _arrived(weights))
+    out = expert_pipeline(_expert_fn, _routing(5, 0), _local(5), (gate_up, down), rows, weights, _arrived(weights))
     with torch.no_grad():
         down.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -204,7 +204,7 @@ def test_experts_run_with_autocast_off():
         return _expert_fn(rows_SH, weights_SK, local, gate_up, down)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = expert_pipeline(experts, local, _Delivering(), gate_up, down, rows, weights, _arrived(weights))
+        out = expert_pipeline(experts, local, _Delivering(), (gate_up, down), rows, weights, _arrived(weights))
     assert seen == [(False, torch.float32, torch.float32, torch.float32)] and out.dtype == torch.float32
     grad_out = torch.randn_like(out)
     leaves = [gate_up, down, rows, weights]
@@ -250,6 +250,6 @@ def test_an_exchange_that_changes_the_rows_dtype_is_refused(exchange, pattern):
     rows = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     weights = torch.rand(5, TOP_K, generator=gen, dtype=torch.float64, requires_grad=True)
     with pytest.raises(RuntimeError, match=pattern):
-        out = expert_pipeline(_expert_fn, _routing(5, 0), exchange(), gate_up, down, rows, weights,
+        out = expert_pipeline(_expert_fn, _routing(5, 0), exchange(), (gate_up, down), rows, weights,
                               _arrived(weights))
         out.sum().backward()

@@ -47,7 +47,7 @@ CONFIG_PROBES = [
     ("top_k=0", dict(top_k=0), ValueError, r"top_k=0: must be a positive int"),
     ("top_k>E", dict(top_k=E + 1), ValueError, rf"top_k={E + 1} exceeds num_experts={E}; lower top_k to at most"),
     ("top_k bool", dict(top_k=True), ValueError, r"top_k=True: must be an int"),
-    ("activation", dict(activation="silu"), ValueError, r"activation='silu': use one of \('swiglu', 'gelu'"),
+    ("activation", dict(activation="tanh"), ValueError, r"activation='tanh': use one of \('swiglu', 'gelu'"),
     ("score_func", dict(score_func=None), ValueError, r"score_func=None: use one of \('softmax', 'sigmoid'\)"),
     ("norm_topk_prob str", dict(norm_topk_prob="yes"), ValueError, r"norm_topk_prob='yes': must be True or False"),
     ("aux_loss_coef<0", dict(aux_loss_coef=-0.1), ValueError, r"aux_loss_coef=-0.1: must be >= 0 \(0 disables it\)"),
