@@ -9,7 +9,13 @@ For each shape, both expert projections at T tokens (M = T*k routed rows):
 FLOPs: forward 2*M*N*K; forward+backward 3x that. Everything is validated against
 _grouped_mm before it is timed.
 
-    python benchmarks/bench_grouped_gemm.py [--tokens 8192] [--shapes all] [--sweep]
+--bias also times ours with a per-expert bias (nn.Linear's: added in the forward's
+epilogue; its gradient in the dW kernel's pass, its share of the top-k weights' gradient
+in the dX kernel's) against ours without, on the same inputs, interleaved (A B A B), each
+forward+backward with a top-k weight gradient as in training; the two runs of each give
+the noise to read the ratio against.
+
+    python benchmarks/bench_grouped_gemm.py [--tokens 8192] [--shapes all] [--sweep] [--bias]
 """
 
 from __future__ import annotations
@@ -55,8 +61,9 @@ def projection_problem(shape, projection, tokens, dtype=torch.bfloat16):
     x = torch.randn(rows_x, k, device="cuda", dtype=dtype)
     w = torch.randn(shape.num_experts, n, k, device="cuda", dtype=dtype) / k**0.5
     rw = torch.rand(tokens * shape.top_k, device="cuda", dtype=torch.float32)
+    bias = torch.randn(shape.num_experts, n, device="cuda", dtype=dtype) * 0.1
     offsets = torch.cumsum(m_sizes, 0, dtype=torch.int32)
-    return dict(x=x, w=w, m_sizes=m_sizes, offsets=offsets, gather=gather, scatter=scatter, rw=rw,
+    return dict(x=x, w=w, m_sizes=m_sizes, offsets=offsets, gather=gather, scatter=scatter, rw=rw, bias=bias,
                 n=n, k=k, rows=tokens * shape.top_k)
 
 
@@ -109,6 +116,48 @@ def time_projection(p, projection, configs):
         "gmm_perm_fwdbwd": bench_ms(fwd_bwd(lambda: baseline(xg, wg, permute=True))),
     }
     return ms, err
+
+
+def time_bias(p, projection, configs):
+    """{variant: ms}: ours without and with a bias, forward and forward+backward (x, w, the
+    bias and, for down, the top-k weights get gradients), each timed twice, interleaved."""
+    x, w, m_sizes, bias = p["x"], p["w"], p["m_sizes"], p["bias"]
+    down = projection == "down"
+    kw = dict(scatter_index=p["scatter"], row_weights=p["rw"]) if down else dict(gather_index=p["gather"])
+    # Validate before timing: the bias of each routed row's expert, added before the top-k weight.
+    rows_expert = torch.repeat_interleave(torch.arange(w.shape[0], device="cuda"), m_sizes.long())
+    plain = grouped_gemm(x, w, m_sizes, configs=configs, **{k: v for k, v in kw.items() if k != "row_weights"})
+    if down:
+        want = torch.empty_like(plain, dtype=torch.float32)
+        want[p["scatter"].long()] = bias.float()[rows_expert]
+        want = (plain.float() + want) * p["rw"][:, None]
+    else:
+        want = plain.float() + bias.float()[rows_expert]
+    err = rel_err(grouped_gemm(x, w, m_sizes, bias=bias, configs=configs, **kw), want)
+    assert err < 2e-2, f"{projection} with bias: differs from ours without plus the bias by {err:.2e}"
+
+    leaves = dict(x=x.clone().requires_grad_(), w=w.clone().requires_grad_(), bias=bias.clone().requires_grad_())
+    grad_kw = dict(kw, row_weights=p["rw"].clone().requires_grad_()) if down else kw
+    dy = torch.randn(p["rows"], p["n"], device="cuda", dtype=x.dtype)
+
+    def fwdbwd(with_bias):
+        def run():
+            y = grouped_gemm(leaves["x"], leaves["w"], m_sizes, bias=leaves["bias"] if with_bias else None,
+                             configs=configs, **grad_kw)
+            y.backward(dy)
+        return run
+
+    variants = {
+        "ours_fwd": lambda: grouped_gemm(x, w, m_sizes, configs=configs, **kw),
+        "ours_bias_fwd": lambda: grouped_gemm(x, w, m_sizes, bias=bias, configs=configs, **kw),
+        "ours_fwdbwd": fwdbwd(False),
+        "ours_bias_fwdbwd": fwdbwd(True),
+    }
+    runs = {name: [] for name in variants}
+    for _ in range(2):  # A B A B: drift hits both alike, and the repeat is the noise
+        for name, fn in variants.items():
+            runs[name].append(bench_ms(fn))
+    return {name: sum(ms) / 2 for name, ms in runs.items()}, {name: ms for name, ms in runs.items()}
 
 
 SWEEP_ROWS = [
@@ -174,6 +223,7 @@ def main() -> None:
     parser.add_argument("--projections", default="gate_up,down")
     parser.add_argument("--sweep", action="store_true", help="time a grid of configs per pass")
     parser.add_argument("--sweep-passes", default="forward,dx,dw")
+    parser.add_argument("--bias", action="store_true", help="also time ours with a per-expert bias against without")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
     args = parser.parse_args()
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
@@ -197,8 +247,18 @@ def main() -> None:
                     print(f"  sweep {name:16s} {projection:7s} {k:7s} best {best[0]:.3f} ms "
                           f"{flops / best[0] / 1e9:.0f} TFLOP/s  {best[1].short()}", flush=True)
             ms, err = time_projection(p, projection, configs)
-            rows.append(dict(shape=name, projection=projection, rows=p["rows"], n=p["n"], k=p["k"],
-                             flops_fwd=flops, err_vs_grouped_mm=err, ms=ms))
+            row = dict(shape=name, projection=projection, rows=p["rows"], n=p["n"], k=p["k"],
+                       flops_fwd=flops, err_vs_grouped_mm=err, ms=ms)
+            if args.bias:
+                bias_ms, repeats = time_bias(p, projection, configs)
+                row["bias_ms"], row["bias_repeats_ms"] = bias_ms, repeats
+                noise = max(abs(a - b) / min(a, b) for a, b in repeats.values())
+                print(f"{name:16s} {projection:7s} bias/no bias: fwd {bias_ms['ours_bias_fwd']:.3f} / "
+                      f"{bias_ms['ours_fwd']:.3f} ms = {bias_ms['ours_bias_fwd'] / bias_ms['ours_fwd']:.3f}x, "
+                      f"fwd+bwd {bias_ms['ours_bias_fwdbwd']:.3f} / {bias_ms['ours_fwdbwd']:.3f} ms = "
+                      f"{bias_ms['ours_bias_fwdbwd'] / bias_ms['ours_fwdbwd']:.3f}x (repeat noise up to "
+                      f"{noise:.1%})", flush=True)
+            rows.append(row)
             print(f"{name:16s} {projection:7s} fwd ours {ms['ours_fwd']:.3f} ms "
                   f"({flops / ms['ours_fwd'] / 1e9:.0f} TF/s) gmm {ms['gmm_fwd']:.3f} "
                   f"(+perm {ms['gmm_perm_fwd']:.3f}) loop {ms['loop_fwd']:.3f} | fwd+bwd ours "
@@ -209,8 +269,8 @@ def main() -> None:
             del p
             torch.cuda.empty_cache()
     out = args.out or REPO / "benchmarks" / "results" / (
-        f"grouped_gemm_{env['device'].replace(' ', '_')}.json")
-    save_results(out, {"tokens": args.tokens, "matmul_tflops": ceiling,
+        f"grouped_gemm{'_bias' if args.bias else ''}_{env['device'].replace(' ', '_')}.json")
+    save_results(out, {"tokens": args.tokens, "matmul_tflops": ceiling, "bias": args.bias,
                        "configs": {k: v.to_dict() for k, v in vars(configs).items()},
                        "results": rows, "sweeps": sweeps})
     print(json.dumps({"saved": str(out)}))
