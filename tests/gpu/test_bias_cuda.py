@@ -1,0 +1,197 @@
+"""Per-expert biases and the expert forms on one GPU in bfloat16 (``tests/kernels/
+test_grouped_gemm_bias.py`` runs float32/float16 in the interpreter and bfloat16 here too).
+
+The grouped GEMM with a bias at shapes users run, with TMA loads on and off: forward, dX,
+dW, the bias gradient (the dW kernel's K block 0 tiles) and the top-k weights' gradient
+(whose bias share the dX kernel's column block 0 tiles add), against float64; the
+slot-summing down projection with a bias; torch.compile of a GEMM with a bias (the custom
+ops' new argument); and MoELayer with biases (gated and not), one Linear and module experts,
+on the Triton kernels against the torch path in float32, at EP=1 and through the EP code
+path (no group; the all-gather's row bound with biases runs at gloo EP=2 in
+``tests/test_deepspeed_experts.py``). Run on the device machine: ``pytest tests/gpu/test_bias_cuda.py -q``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ep_moe import GemmConfigs, MoEConfig, MoELayer, grouped_gemm
+from ep_moe.ep.all_to_all import AllToAllDispatcher
+from ep_moe.kernels.grouped_gemm import smem_limit_for
+from ep_moe.kernels.ops import grouped_gemm_slot_sum
+from ep_moe.kernels.reference import grouped_gemm_reference
+from ep_moe.routing import build_routing_metadata
+
+pytestmark = pytest.mark.gpu
+BF16_TOL = 2e-2
+
+# (m_sizes, N, K): zero-row experts, all rows on one expert, ragged sizes of no block multiple
+CASES = {
+    "large": ([300, 0, 1000, 7, 129, 2048, 1, 515], 1536, 2048),
+    "tails": ([77, 0, 700, 1, 300], 1000, 2888),
+    "all_on_one": ([0, 0, 4099, 0], 2048, 768),
+    "one_row": ([0, 1], 128, 64),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def row_dot_err(got, ref, dy_rows, y_rows) -> float:
+    """A row weight's gradient (one dot per row) against the norm of the dots' terms."""
+    terms = (dy_rows.double().abs() * y_rows.double().abs()).sum(1)
+    return ((got.double() - ref.double()).norm() / terms.norm().clamp_min(1e-30)).item()
+
+
+def _configs(use_tma: bool) -> GemmConfigs:
+    configs = GemmConfigs.defaults(2, smem_limit_for(torch.device("cuda")))
+    return GemmConfigs(**{p: dataclasses.replace(configs.for_pass(p), use_tma=use_tma)
+                          for p in ("forward", "dx", "dw")})
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_gemm_bias_bf16(case, use_tma):
+    sizes, n, k = CASES[case]
+    rows = sum(sizes)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m_sizes = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    x = torch.randn(max(1, rows * 2 // 3), k, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(len(sizes), n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16().requires_grad_()
+    bias = torch.randn(len(sizes), n, device="cuda", generator=gen).bfloat16().requires_grad_()
+    rw = torch.rand(rows, device="cuda", generator=gen).requires_grad_()
+    g = torch.randint(0, x.shape[0], (rows,), device="cuda", generator=gen)
+    s = torch.randperm(rows, device="cuda", generator=gen)
+    leaves = [x, w, rw, bias]
+    y = grouped_gemm(x, w, m_sizes, gather_index=g, scatter_index=s, row_weights=rw, bias=bias,
+                     configs=_configs(use_tma), backend="triton")
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    y_ref = grouped_gemm_reference(ref_leaves[0], ref_leaves[1], m_sizes, gather_index=g, scatter_index=s,
+                                   row_weights=ref_leaves[2], bias=ref_leaves[3])
+    ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double())
+    assert rel_err(y, y_ref) < BF16_TOL
+    for name, got, want in zip(("dx", "dw", "drw", "db"), grads, ref_grads):
+        assert torch.isfinite(got).all(), name
+        if name == "drw":
+            y0 = grouped_gemm_reference(ref_leaves[0], ref_leaves[1], m_sizes, gather_index=g, scatter_index=s,
+                                        bias=ref_leaves[3])
+            assert row_dot_err(got, want, dy, y0) < BF16_TOL, name
+        else:
+            assert rel_err(got, want) < BF16_TOL, name
+    empty = m_sizes == 0
+    assert not grads[3][empty].any() and not grads[1][empty].any()
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+def test_slot_sum_bias_bf16(use_tma):
+    num_tokens, top_k, num_experts, n, k = 1500, 4, 8, 1024, 768
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.rand(num_tokens, num_experts, device="cuda", generator=gen).topk(top_k, dim=1).indices
+    meta = build_routing_metadata(ids, num_experts)
+    rows = meta.slot_index_R.shape[0]
+    a = torch.randn(rows, k, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(num_experts, n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16().requires_grad_()
+    bias = torch.randn(num_experts, n, device="cuda", generator=gen).bfloat16().requires_grad_()
+    rw = torch.rand(rows, device="cuda", generator=gen).requires_grad_()
+    out = grouped_gemm_slot_sum(a, w, meta.counts_E, rw, meta.token_index_R, meta.row_of_slot_N, top_k,
+                                _configs(use_tma), bias=bias)
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [a, w, bias], dy)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (a, w, bias)]
+    rows_ref = grouped_gemm_reference(ref_leaves[0], ref_leaves[1], meta.counts_E, row_weights=rw.detach().double(),
+                                      bias=ref_leaves[2])
+    ref = torch.zeros(num_tokens, n, dtype=torch.float64, device="cuda").index_add(0, meta.token_index_R, rows_ref)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dy.double())
+    assert rel_err(out, ref) < BF16_TOL
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < BF16_TOL
+
+
+def test_compiled_gemm_with_bias_matches_eager():
+    sizes, n, k = [40, 0, 300, 77], 512, 256
+    m_sizes = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    x = torch.randn(sum(sizes), k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4, n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    bias = torch.randn(4, n, device="cuda", dtype=torch.bfloat16)
+    configs = _configs(False)
+
+    def f(x, w, bias):
+        return torch.nn.functional.gelu(grouped_gemm(x, w, m_sizes, bias=bias, configs=configs, backend="triton"))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    leaves, leaves_c = ([t.clone().requires_grad_() for t in (x, w, bias)] for _ in range(2))
+    eager, got = f(*leaves), compiled(*leaves_c)
+    assert rel_err(got, eager) < BF16_TOL
+    dy = torch.randn_like(eager)
+    for a, b in zip(torch.autograd.grad(eager, leaves, dy), torch.autograd.grad(got, leaves_c, dy)):
+        assert rel_err(b, a) < BF16_TOL
+
+
+class _NormExpert(nn.Module):
+    """An expert the grouped GEMMs cannot run (ModuleExperts)."""
+
+    def __init__(self, hidden: int = 360):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.norm(x)))
+
+
+FORMS = {
+    "geglu_bias": dict(activation="geglu", mlp_bias=True),
+    "gelu_tanh_bias": dict(activation="gelu_tanh", mlp_bias=True, num_shared_experts=1),
+    "identity_bias": dict(activation="identity", mlp_bias=True),
+    "one_linear": dict(activation="identity", num_linears=1, intermediate_size=360, mlp_bias=True),
+    "module": dict(),
+}
+
+
+def _layer(form: str, backend: str, dtype: torch.dtype) -> MoELayer:
+    torch.manual_seed(0)
+    config = MoEConfig(**{**dict(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2, init_std=0.05,
+                                 backend=backend), **FORMS[form]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the slow path's warning
+        layer = MoELayer(config, device="cuda", dtype=dtype,
+                         expert_module=_NormExpert() if form == "module" else None)
+    with torch.no_grad():  # biases that matter
+        for name in layer.experts.tensor_names():
+            if name.endswith("bias"):
+                layer.experts.tensor(name).normal_(0.0, 0.5)
+    return layer
+
+
+def _step(layer, x, dy):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("path", ["ep1", "ep"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_layer_forms_bf16_match_fp32_torch_path(form, path):
+    """Triton in bf16 (EP=1, or the EP code path with no group) against the torch path in
+    float32 with the same weights: outputs and every gradient."""
+    reference = _layer(form, "torch", torch.float32)
+    layer = _layer(form, "triton", torch.bfloat16)
+    if path == "ep":  # the all-to-all's code path with no group: no collective
+        layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)
+    x = torch.randn(1023, 360, device="cuda")
+    dy = torch.randn_like(x)
+    (y, dx, grads), (ref_y, ref_dx, ref_grads) = _step(layer, x.bfloat16(), dy), _step(reference, x, dy)
+    assert rel_err(y, ref_y) < BF16_TOL and rel_err(dx, ref_dx) < BF16_TOL
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) < BF16_TOL, name
