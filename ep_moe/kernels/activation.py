@@ -29,9 +29,10 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 # Tiling: (BLOCK_R rows, BLOCK_C columns of I) blocks; program (i, j) takes row blocks i,
 #   i + grid rows, ... of column block j (one each unless LIMIT: row_block_programs); fp32
 #   math, rows masked. LIMIT: only rows r < *limit_ptr (a count on the device), the rest of
-#   the output left unwritten. ACT: the gate's activation (GateActivation).
+#   the output left unwritten. ACT: the gate's activation (GateActivation); the kernel keeps
+#   the name profiles and benchmarks know it by (benchmarks/bench_train.py) for GeGLU too.
 @triton.jit
-def _glu_kernel(h_ptr, da_ptr, out_ptr, limit_ptr, num_rows, I, stride_h, stride_a, stride_o,
+def _swiglu_kernel(h_ptr, da_ptr, out_ptr, limit_ptr, num_rows, I, stride_h, stride_a, stride_o,
                 BACKWARD: tl.constexpr, LIMIT: tl.constexpr, ACT: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     row_end = num_rows
@@ -73,7 +74,7 @@ def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor,
     block_r = 16
     col_blocks = triton.cdiv(inter, block_c)
     grid = (row_block_programs(triton.cdiv(rows, block_r), col_blocks, h.device, num_rows is not None), col_blocks)
-    _glu_kernel[grid](
+    _swiglu_kernel[grid](
         h, da if da is not None else h, out, num_rows if num_rows is not None else h, rows, inter,
         h.stride(0), da.stride(0) if da is not None else 0, out.stride(0),
         BACKWARD=da is not None, LIMIT=num_rows is not None, ACT=act, BLOCK_R=block_r, BLOCK_C=block_c,
