@@ -269,6 +269,9 @@ class ModuleExperts(nn.Module):
             raise ValueError("an expert module run as is (ModuleExperts) reads the exchanged rows before they "
                              "land on the copy engines; use dispatch='all_gather' or 'all_to_all'")
         kind = type(module).__name__
+        if not any(p.is_floating_point() for p in module.parameters()):
+            raise ValueError(f"expert module {kind} has no floating-point parameters, so its experts have nothing "
+                             "to learn; give the expert a weight (an nn.Linear, say)")
         if kind not in _SLOW_PATH_WARNED:
             _SLOW_PATH_WARNED.add(kind)
             warnings.warn(f"ep_moe runs the expert module {kind} as is, on each local expert's rows in a Python loop "
@@ -329,7 +332,7 @@ class ModuleExperts(nn.Module):
     @property
     def first_weight(self) -> torch.Tensor:
         """A floating-point parameter of the experts: its dtype and device are the experts'."""
-        return next((p for p in self.stacked if p.is_floating_point()), self.stacked[0])
+        return next(p for p in self.stacked if p.is_floating_point())
 
     def train(self, mode: bool = True) -> "ModuleExperts":
         self._template[0].train(mode)  # dropout and the like follow the layer's mode

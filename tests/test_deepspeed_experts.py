@@ -357,6 +357,8 @@ def test_experts_forms_errors():
     config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=1, dispatch="all_gather_copy_engine")
     with pytest.raises(ValueError, match=r"ModuleExperts.*use dispatch='all_gather' or 'all_to_all'"):
         MoELayer(config, expert_module=MegatronStyle())
+    with pytest.raises(ValueError, match=r"expert module GELU has no floating-point parameters"):
+        MoE(H, nn.GELU(), num_experts=E, k=1, **DROPLESS)
 
 
 # ---------------------------------------------------------------------------------------
