@@ -519,11 +519,13 @@ class MoE(nn.Module):
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism  # see set_deepspeed_parallelism
         if use_residual:
             self._build_residual(expert, hidden_size)
-        # the state dict in DeepSpeed's keys (module docstring); grouped experts of the
-        # explicit shape keep ep_moe's two weights under names of their own
-        experts = self.layer.experts
-        self._state_layout = (self.expert_layout or (_ModuleStateKeys(experts.tensor_state_names()) if expert_module
-                              else ExpertLayout(activation, intermediate_size, up="gate_up", down="down")))
+        # the state dict in DeepSpeed's keys (module docstring)
+        if self.expert_layout is not None:
+            self._state_layout = self.expert_layout
+        elif expert_module is not None:  # the module's own keys
+            self._state_layout = _ModuleStateKeys(self.layer.experts.tensor_state_names())
+        else:  # grouped experts of the explicit shape: ep_moe's two weights under names of their own
+            self._state_layout = ExpertLayout(activation, intermediate_size, up="gate_up", down="down")
         self.register_state_dict_post_hook(_deepspeed_keys_hook)
         self.register_load_state_dict_pre_hook(_ep_moe_keys_hook)
         ds_cls = _deepspeed_moe_class()
