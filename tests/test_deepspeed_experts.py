@@ -374,17 +374,14 @@ def _init_deepspeed():
     deepspeed.init_distributed(dist_backend="gloo")
 
 
-EP2_FORMS = ["linear", "two_linears", "fused_geglu", "module"]
-
-
 def _ep2_deepspeed_worker(rank, world_size):
-    """Each form at ep_size=2 (DeepSpeed's groups, gloo all-to-all) on Triton kernels:
+    """Every form at ep_size=2 (DeepSpeed's groups, gloo all-to-all) on Triton kernels:
     DeepSpeed's layer and the drop-in on this rank's tokens."""
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     _init_deepspeed()
     out = {}
-    for form in EP2_FORMS:
+    for form in FORMS:
         make, _ = FORMS[form]
         torch.manual_seed(6)
         ds = DeepSpeedMoE(H, make(), num_experts=E, ep_size=2, k=2, **DROPLESS)
