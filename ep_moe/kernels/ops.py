@@ -119,7 +119,12 @@ def _bwd_impl(
     if need_dw or need_db:
         grads = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, configs.dw,
                              bounded_rows=bounded_rows, bias=bias if need_db else None, need_dw=need_dw)
-        dw, db = (grads[0] if need_dw else dw, grads[1]) if need_db else (grads, db)
+        if not need_db:
+            dw = grads
+        elif need_dw:
+            dw, db = grads
+        else:
+            db = grads[1]
     return dx, dw, drw, db
 
 
