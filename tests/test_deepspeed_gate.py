@@ -319,16 +319,20 @@ def test_residual_needs_the_expert_module():
         MoE(H, None, num_experts=E, use_residual=True, intermediate_size=I, activation="gelu")
 
 
-def test_expert_tensor_parallelism(deepspeed):
-    """Accepted where DeepSpeed ignores it (no tensor parallelism); refused, saying why, where
-    DeepSpeed would shard the experts over tensor-parallel ranks."""
-    moe = MoE(H, mlp_expert(), num_experts=E, enable_expert_tensor_parallelism=True)
-    assert moe.enable_expert_tensor_parallelism and moe(torch.randn(8, H))[0].shape == (8, H)
+@pytest.mark.parametrize("flag", [True, False])
+def test_expert_tensor_parallelism(deepspeed, flag):
+    """Without tensor parallelism the flag changes nothing in DeepSpeed and is accepted; under
+    tensor parallelism the drop-in refuses either way, saying why (DeepSpeed shards the experts,
+    or splits the duplicated tokens among the tensor-parallel ranks: ep_moe does neither, so its
+    expert gradients would be too large by the tensor-parallel size)."""
+    moe = MoE(H, mlp_expert(), num_experts=E, enable_expert_tensor_parallelism=flag)
+    assert moe.enable_expert_tensor_parallelism == flag and moe(torch.randn(8, H))[0].shape == (8, H)
     moe._check_expert_tensor_parallelism(None)
     moe._check_expert_tensor_parallelism(types.SimpleNamespace(get_tensor_model_parallel_world_size=lambda: 1))
-    with pytest.raises(ValueError, match=r"enable_expert_tensor_parallelism=True under tensor parallelism of size "
-                                         r"2.*cannot compute a sharded expert.*enable_expert_tensor_parallelism="
-                                         r"False.*ep_size"):
+    how = "shards each expert" if flag else "splits the tokens"
+    with pytest.raises(ValueError, match=rf"does not run under tensor parallelism \(size 2 here, "
+                                         rf"enable_expert_tensor_parallelism={flag}\): DeepSpeed {how}.*too large.*"
+                                         r"DeepSpeed's own MoE layer.*ep_size"):
         moe._check_expert_tensor_parallelism(types.SimpleNamespace(get_tensor_model_parallel_world_size=lambda: 2))
 
 

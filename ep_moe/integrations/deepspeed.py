@@ -671,22 +671,28 @@ class MoE(nn.Module):
         self._tag_expert_params()
 
     def _check_expert_tensor_parallelism(self, mpu) -> None:
-        """``enable_expert_tensor_parallelism`` changes nothing in DeepSpeed without tensor
-        parallelism (no ``mpu``, or a tensor-parallel size of 1), so it is accepted then;
-        raise where DeepSpeed would shard the experts over the tensor-parallel ranks."""
-        if not self.enable_expert_tensor_parallelism or mpu is None:
+        """Raise under tensor parallelism (an ``mpu`` of tensor-parallel size > 1): DeepSpeed
+        then either shards each expert over the tensor-parallel ranks
+        (``enable_expert_tensor_parallelism=True``) or splits the tokens, which every
+        tensor-parallel rank holds alike, among those ranks before its experts and gathers
+        them after (False). ep_moe does neither: each tensor-parallel rank would run every
+        token, so expert gradients would come out too large by the tensor-parallel size.
+        Without tensor parallelism the flag changes nothing in DeepSpeed, and is accepted."""
+        if mpu is None:
             return
         from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
         tp_size = bwc_tensor_model_parallel_world_size(mpu)
-        if tp_size > 1:
-            raise ValueError(f"enable_expert_tensor_parallelism=True under tensor parallelism of size {tp_size}: "
-                             "DeepSpeed then runs tensor-parallel experts (the expert module sharded over the "
-                             "tensor-parallel ranks, e.g. Megatron's ColumnParallelLinear/RowParallelLinear) and "
-                             "gathers the tokens between those ranks; ep_moe runs each expert whole on one rank of "
-                             "the EP group, with no tensor-parallel reduction, so it cannot compute a sharded "
-                             "expert. Build the experts unsharded with enable_expert_tensor_parallelism=False and "
-                             "spread them over more ranks with ep_size")
+        if tp_size <= 1:
+            return
+        how = ("shards each expert over the tensor-parallel ranks (e.g. Megatron's ColumnParallelLinear/"
+               "RowParallelLinear)" if self.enable_expert_tensor_parallelism else
+               "splits the tokens, alike on every tensor-parallel rank, among those ranks before its experts")
+        raise ValueError(f"ep_moe's DeepSpeed drop-in does not run under tensor parallelism (size {tp_size} here, "
+                         f"enable_expert_tensor_parallelism={self.enable_expert_tensor_parallelism}): DeepSpeed "
+                         f"{how}, which ep_moe does not; each tensor-parallel rank would run every token and the "
+                         "expert gradients would come out too large. Use DeepSpeed's own MoE layer under tensor "
+                         "parallelism, or train without it and spread the experts over more ranks with ep_size")
 
     def _tag_expert_params(self) -> None:
         """Tag the expert weights as ``deepspeed.moe.experts.Experts`` tags its own."""
