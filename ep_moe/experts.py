@@ -67,7 +67,26 @@ EXPERT_TENSORS = ("gate_up", "down", "gate_up_bias", "down_bias")
 gives those there are."""
 
 
-class GroupedExperts(nn.Module):
+class _LocalExperts(nn.Module):
+    """What both expert kinds share: the e local experts of ``config``, local expert j being
+    global expert ``first_expert + j``, and the state-dict hooks that key each stacked tensor
+    per global id (and restack on load, resharding)."""
+
+    def __init__(self, config: MoEConfig, num_local_experts: int, first_expert: int) -> None:
+        super().__init__()
+        self.config = config
+        self.num_local_experts = num_local_experts
+        self.first_expert = first_expert
+        self.register_state_dict_post_hook(_split_experts_hook)
+        self.register_load_state_dict_pre_hook(_stack_experts_hook)
+        self.register_load_state_dict_post_hook(_mark_experts_hook)
+
+    def global_ids(self) -> range:
+        """Global ids of the local experts."""
+        return range(self.first_expert, self.first_expert + self.num_local_experts)
+
+
+class GroupedExperts(_LocalExperts):
     """The e local experts as stacked weights; math only (no communication).
 
     ``gate_up`` is [e, 2I, H] (gated activation) or [e, I, H], ``down`` is [e, H, I], both
@@ -80,11 +99,8 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, config: MoEConfig, num_local_experts: int, first_expert: int,
                  device=None, dtype=None) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config, num_local_experts, first_expert)
         self.activation = config.activation
-        self.num_local_experts = num_local_experts
-        self.first_expert = first_expert
         two = config.num_linears == 2
         shapes = {
             "gate_up": (config.gate_up_size, config.hidden_size) if two else None,
@@ -96,13 +112,6 @@ class GroupedExperts(nn.Module):
             param = None if shape is None else mark_expert_param(nn.Parameter(torch.empty(
                 num_local_experts, *shape, device=device, dtype=dtype)))
             self.register_parameter(name, param)
-        self.register_state_dict_post_hook(_split_experts_hook)
-        self.register_load_state_dict_pre_hook(_stack_experts_hook)
-        self.register_load_state_dict_post_hook(_mark_experts_hook)
-
-    def global_ids(self) -> range:
-        """Global ids of the local experts."""
-        return range(self.first_expert, self.first_expert + self.num_local_experts)
 
     def tensor_names(self) -> tuple[str, ...]:
         """Names of the stacked tensors there are (of :data:`EXPERT_TENSORS`), in order."""
@@ -240,7 +249,7 @@ _SLOW_PATH_WARNED: set[str] = set()
 """Expert module types :class:`ModuleExperts` has warned about (once each per process)."""
 
 
-class ModuleExperts(nn.Module):
+class ModuleExperts(_LocalExperts):
     """The e local experts as copies of any expert module: the slow path, for experts the
     grouped GEMMs cannot compute (another activation, normalisation, Megatron's parallel
     Linears, a module returning an ``(output, bias)`` pair...). Math only, like
@@ -264,7 +273,6 @@ class ModuleExperts(nn.Module):
 
     def __init__(self, module: nn.Module, config: MoEConfig, num_local_experts: int, first_expert: int,
                  device=None, dtype=None) -> None:
-        super().__init__()
         if config.dispatch == "all_gather_copy_engine":
             raise ValueError("an expert module run as is (ModuleExperts) reads the exchanged rows before they "
                              "land on the copy engines; use dispatch='all_gather' or 'all_to_all'")
@@ -278,9 +286,7 @@ class ModuleExperts(nn.Module):
                           "(the slow path: no grouped GEMMs, a host sync per call); for the fast path build the "
                           "expert from nn.Linear layers with an activation ep_moe names (MoEConfig.activation)",
                           stacklevel=3)
-        self.config = config
-        self.num_local_experts = num_local_experts
-        self.first_expert = first_expert
+        super().__init__(config, num_local_experts, first_expert)
         self.stacked = nn.ParameterList()
         self._param_names: list[str] = []
         self._buffer_names: list[str] = []
@@ -296,13 +302,6 @@ class ModuleExperts(nn.Module):
         # the module's structure, run with each expert's tensors in place of its own (kept
         # out of the module tree: its own tensors are neither parameters nor state of the layer)
         self._template = (copy.deepcopy(module).to("meta"),)
-        self.register_state_dict_post_hook(_split_experts_hook)
-        self.register_load_state_dict_pre_hook(_stack_experts_hook)
-        self.register_load_state_dict_post_hook(_mark_experts_hook)
-
-    def global_ids(self) -> range:
-        """Global ids of the local experts."""
-        return range(self.first_expert, self.first_expert + self.num_local_experts)
 
     def tensor_names(self) -> tuple[str, ...]:
         """Names of the stacked parameters, as in the module's state dict."""

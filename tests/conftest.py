@@ -39,3 +39,15 @@ def _session_cache_dir(tmp_path_factory):
 def device() -> torch.device:
     """The device tests run on: CUDA when present, else the CPU (Triton interpreter)."""
     return torch.device("cuda") if ON_GPU else torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def deepspeed(tmp_path_factory):
+    """DeepSpeed on its CPU accelerator, with a private extensions dir, for the drop-in's tests
+    (one per test module); skips without it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ACCELERATOR", "cpu")
+        mp.setenv("LOCAL_RANK", "0")
+        mp.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch_extensions")))
+        yield pytest.importorskip("deepspeed", reason="deepspeed is not installed "
+                                                      "(DS_BUILD_OPS=0 pip install deepspeed==0.19.8)")

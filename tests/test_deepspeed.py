@@ -200,17 +200,6 @@ def test_explicit_shape_when_expert_is_unreadable():
 # Against DeepSpeed's own layer.
 
 
-@pytest.fixture(scope="module")
-def deepspeed(tmp_path_factory):
-    """DeepSpeed on its CPU accelerator, with a private extensions dir; skips without it."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DS_ACCELERATOR", "cpu")
-        mp.setenv("LOCAL_RANK", "0")
-        mp.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch_extensions")))
-        yield pytest.importorskip("deepspeed", reason="deepspeed is not installed "
-                                                      "(DS_BUILD_OPS=0 pip install deepspeed==0.19.8)")
-
-
 class TwoMoEModel(nn.Module):
     """Linear -> DeepSpeed MoE (SwiGLU experts) -> DeepSpeed MoE (GELU experts) -> Linear."""
 

@@ -115,17 +115,6 @@ FORMS = {
 }
 
 
-@pytest.fixture(scope="module")
-def deepspeed(tmp_path_factory):
-    """DeepSpeed on its CPU accelerator, with a private extensions dir; skips without it."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DS_ACCELERATOR", "cpu")
-        mp.setenv("LOCAL_RANK", "0")
-        mp.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch_extensions")))
-        yield pytest.importorskip("deepspeed", reason="deepspeed is not installed "
-                                                      "(DS_BUILD_OPS=0 pip install deepspeed==0.19.8)")
-
-
 def _randomize(module: nn.Module, seed: int) -> nn.Module:
     """Every parameter N(0, 0.3^2) (biases too: they must matter), from ``seed``."""
     gen = torch.Generator().manual_seed(seed)

@@ -65,17 +65,6 @@ def _init_(module: nn.Module, seed: int, std: float = 0.5) -> nn.Module:
     return module
 
 
-@pytest.fixture(scope="module")
-def deepspeed(tmp_path_factory):
-    """DeepSpeed on its CPU accelerator, with a private extensions dir; skips without it."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DS_ACCELERATOR", "cpu")
-        mp.setenv("LOCAL_RANK", "0")
-        mp.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch_extensions")))
-        yield pytest.importorskip("deepspeed", reason="deepspeed is not installed "
-                                                      "(DS_BUILD_OPS=0 pip install deepspeed==0.19.8)")
-
-
 # ---------------------------------------------------------------------------------------
 # The gate alone: DeepSpeed's TopKGate routes (sparse_routes, as its MOELayer asks).
 
