@@ -158,7 +158,8 @@ def _grads(model: nn.Module, expert: bool) -> list[torch.Tensor]:
 
 def _all_reduce_mean(grads: list[torch.Tensor], group: Optional[ProcessGroup], reduce: bool,
                      divisor: int) -> None:
-    """Sum ``grads`` over ``group`` (one flat buffer per dtype and device), then divide."""
+    """Sum ``grads`` over ``group`` (one flat buffer per dtype and device), then divide
+    (divisor 1: nothing to divide)."""
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for grad in grads:
         buckets.setdefault((grad.dtype, grad.device), []).append(grad)
@@ -168,8 +169,8 @@ def _all_reduce_mean(grads: list[torch.Tensor], group: Optional[ProcessGroup], r
             dist.all_reduce(flat, group=group)
             for grad, synced in zip(bucket, flat.split([g.numel() for g in bucket])):
                 grad.copy_(synced.view_as(grad))
-        for grad in bucket:
-            grad.div_(divisor)
+        if divisor != 1:
+            torch._foreach_div_(bucket, divisor)
 
 
 def sync_gradients(
@@ -178,7 +179,8 @@ def sync_gradients(
     edp_group: Union[None, ProcessGroup, DeviceMesh],
     *,
     sync_dense: bool = True,
-) -> None:
+    average: bool = True,
+) -> int:
     """Average gradients over data parallelism, in place, after ``backward``.
 
     Expert parameters: all-reduce (sum) over ``edp_group``; non-expert parameters (when
@@ -187,6 +189,10 @@ def sync_gradients(
     the module docstring for why expert gradients are divided by it and not by
     ``edp_size``). ``None`` stands for a group of one rank; a 1-D DeviceMesh (``mesh["ep"]``,
     ``mesh["edp"]``) for its group. Call on every rank.
+
+    Returns that number. ``average=False`` sums without dividing, leaving the division to
+    the caller, who can fold it into a pass it makes over the gradients anyway (the trainer
+    folds it into gradient clipping's multiply): one pass over every gradient less.
     """
     ep_group, edp_group = resolve_ep_group(ep_group), resolve_ep_group(edp_group, "edp_group", "edp")
     ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
@@ -198,6 +204,8 @@ def sync_gradients(
                          f"{ep_size} * {edp_size} = {num_replicas}; dense gradients are averaged over the "
                          "default group, so it must hold exactly this model's data-parallel ranks. Pass "
                          "sync_dense=False and average them over your data-parallel group yourself (e.g. DDP)")
-    _all_reduce_mean(_grads(model, expert=True), edp_group, edp_size > 1, num_replicas)
+    divisor = num_replicas if average else 1
+    _all_reduce_mean(_grads(model, expert=True), edp_group, edp_size > 1, divisor)
     if sync_dense:
-        _all_reduce_mean(_grads(model, expert=False), None, num_replicas > 1, num_replicas)
+        _all_reduce_mean(_grads(model, expert=False), None, num_replicas > 1, divisor)
+    return num_replicas

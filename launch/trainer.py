@@ -126,40 +126,46 @@ def _all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float, ep_group: Optional[ProcessGroup],
-                   loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+                   loss: torch.Tensor, grad_scale: float = 1.0) -> tuple[torch.Tensor, bool]:
     """Global gradient norm over dense weights and every expert shard, after the gradient
     sync; clip to ``max_norm`` (0: no clipping). Dense gradients are equal on every rank;
     expert norms are summed (squared) over ``ep_group``, whose ranks hold disjoint experts.
+
+    ``grad_scale``: the gradients are ``1 / grad_scale`` times what is meant (summed over
+    the data-parallel ranks, ``sync_gradients(average=False)``): the norm is taken of the
+    scaled gradients and the scale is applied in the clip's multiply, one pass over them.
 
     Also returns whether this step is finite on every rank: the grad norm is global
     already, and this rank's ``loss`` (a 0-dim tensor) is folded in through one
     one-element all-reduce over all ranks, so every rank reaches the same verdict (a NaN
     on one rank stops or skips the step everywhere, no rank is left waiting). One host
-    read per step; gradients are left unclipped when the step is not finite."""
+    read per step; gradients are left unscaled and unclipped when the step is not finite."""
     params = [p for p in model.parameters() if p.grad is not None]
     dense = torch.nn.utils.get_total_norm([p.grad for p in params if not is_expert_param(p)])
     expert_sq = torch.nn.utils.get_total_norm([p.grad for p in params if is_expert_param(p)]).square()
     if ep_group is not None:
         dist.all_reduce(expert_sq, group=ep_group)
-    total = (dense.square() + expert_sq).sqrt()
+    total = (dense.square() + expert_sq).sqrt() * grad_scale
     bad = torch.logical_not(torch.isfinite(loss.detach().float()) & torch.isfinite(total))
     bad = bad.to(total.dtype).reshape(1)
     dist.all_reduce(bad)  # > 0 when any rank saw a non-finite loss or norm
     finite = not bool(bad)  # the one host read
-    if finite and max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    if finite and (max_norm > 0 or grad_scale != 1.0):
+        factor = torch.full_like(total, grad_scale)
+        if max_norm > 0:  # as torch.nn.utils.clip_grads_with_norm_
+            factor = factor * (max_norm / (total + 1e-6)).clamp(max=1.0)
+        _scale_gradients([p.grad for p in params], factor)
     return total, finite
 
 
-def tensorboard_writer_class() -> type:
-    """``torch.utils.tensorboard.SummaryWriter``, or a ``ConfigError`` naming the install
-    command when the ``tensorboard`` package is missing."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError("--tensorboard (logging.tensorboard_dir) needs the tensorboard package, which is not "
-                          "installed: pip install tensorboard") from None
-    return SummaryWriter
+def _scale_gradients(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient by the 0-dim ``factor`` (one multi-tensor kernel per device
+    and dtype)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, _), group in groups.items():
+        torch._foreach_mul_(group, factor.to(device))
 
 
 class Trainer:
@@ -332,10 +338,12 @@ class Trainer:
                              targets_BL.to(self.ranks.device, non_blocking=True).flatten())
         return ce, moe_aux_loss(self.model)
 
-    def _clip_gradients(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def _clip_gradients(self, loss: torch.Tensor, grad_divisor: int) -> tuple[torch.Tensor, bool]:
         """:func:`clip_gradients` of this run: the global grad norm, clipped to
-        ``training.grad_clip``, and whether the step is finite on every rank."""
-        return clip_gradients(self.model, self.job.training.grad_clip, self.ranks.ep_group, loss)
+        ``training.grad_clip``, and whether the step is finite on every rank; the gradients
+        come summed over ``grad_divisor`` replicas, and leave averaged."""
+        return clip_gradients(self.model, self.job.training.grad_clip, self.ranks.ep_group, loss,
+                              grad_scale=1.0 / grad_divisor)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step; returns this rank's (loss, aux loss, global grad norm)."""
@@ -345,8 +353,9 @@ class Trainer:
             group["lr"] = lr
         ce, aux = self._loss(inputs_BL, targets_BL)
         (ce + aux).backward()
-        sync_gradients(self.model, self.ranks.ep_group, self.ranks.edp_group)
-        grad_norm, finite = self._clip_gradients(ce + aux)
+        # summed, not averaged: the clip's multiply divides (one pass over the gradients less)
+        divisor = sync_gradients(self.model, self.ranks.ep_group, self.ranks.edp_group, average=False)
+        grad_norm, finite = self._clip_gradients(ce + aux, divisor)
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             self._non_finite_step(step, ce.detach(), aux.detach(), grad_norm)

@@ -48,17 +48,18 @@ def _model(ep_group):
     return model.MoETransformer(job.model, job.moe_config(), ep_group)
 
 
-def _clipped(net, ep_group, edp_group, tokens_BL, clip):
-    """Forward, backward, the trainer's sync and clipping; (global norm, clipped gradients
-    by name, expert gradients keyed by global expert id)."""
+def _clipped(net, ep_group, edp_group, tokens_BL, clip, folded=True):
+    """Forward, backward, the trainer's sync and clipping (``folded``: as the trainer runs
+    them, the averaging folded into the clip's multiply; else averaged first); (global norm,
+    clipped gradients by name, expert gradients keyed by global expert id)."""
     import trainer
     from ep_moe.parallel import is_expert_param
 
     logits_BLV = net(tokens_BL[:, :-1])
     loss = F.cross_entropy(logits_BLV.flatten(0, 1), tokens_BL[:, 1:].flatten())
     loss.backward()
-    trainer.sync_gradients(net, ep_group, edp_group)
-    total, finite = trainer.clip_gradients(net, clip, ep_group, loss)
+    divisor = trainer.sync_gradients(net, ep_group, edp_group, average=not folded)
+    total, finite = trainer.clip_gradients(net, clip, ep_group, loss, grad_scale=1.0 / divisor if folded else 1.0)
     assert finite
     grads = {}
     for name, param in net.named_parameters():
@@ -81,10 +82,12 @@ def _clip_worker(rank: int, world_size: int):
     clip = CLIP_FRACTION * norm1
     norm1, grads1 = _clipped(_model(None), None, ep1.edp_group, tokens_BL, clip)
     norm2, grads2 = _clipped(_model(ep2.ep_group), ep2.ep_group, None, tokens_BL, clip)
+    norm_avg, grads_avg = _clipped(_model(ep2.ep_group), ep2.ep_group, None, tokens_BL, clip, folded=False)
+    unfolded = max(float((grads2[k] - grads_avg[k]).abs().max() / grads_avg[k].abs().max()) for k in grads2)
     clipped_sq = torch.tensor(sum(float(g.square().sum()) for g in grads2.values()))
     dist.all_reduce(clipped_sq)  # each rank's dense gradients count once per rank: divide below
     worst = max((float((grads2[k] - grads1[k]).abs().max() / grads1[k].abs().max()), k) for k in grads2)
-    return {"norm1": norm1, "norm2": norm2, "clip": clip, "worst": worst,
+    return {"norm1": norm1, "norm2": norm2, "clip": clip, "worst": worst, "norm_avg": norm_avg, "unfolded": unfolded,
             "dense_sq": sum(float(g.square().sum()) for k, g in grads2.items() if "experts." not in k),
             "clipped_sq": float(clipped_sq)}
 
@@ -98,6 +101,8 @@ def test_clipping_at_ep2_matches_ep1():
         diff, key = r["worst"]
         assert diff <= RTOL, f"rank {rank}: clipped gradient {key} differs from EP=1 by {diff:.2e} (relative)"
         assert r["norm1"] > 5 * r["clip"], "the clip must bite"
+        # the averaging folded into the clip's multiply (the trainer) = averaging first
+        assert r["norm_avg"] == pytest.approx(r["norm2"], rel=RTOL) and r["unfolded"] <= RTOL, r
     # After clipping, the global norm is the clip: dense gradients (on both ranks) once, each
     # rank's experts once.
     dense_sq = results[0]["dense_sq"]
