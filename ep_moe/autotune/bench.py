@@ -325,8 +325,8 @@ class Tuner:
     """Best candidates recorded per pass."""
     min_gain: float = 0.03
     """Relative speedup over the default a candidate needs to be chosen: about the
-    run-to-run spread measured on H200 (p20 to p80 of one do_bench is often 5-10% on 2 ms
-    kernels), so a tie keeps the default."""
+    run-to-run spread of one do_bench on an H200 (``benchmarks/PERFORMANCE_LOG.md``), so a
+    tie keeps the default."""
     confirm_rounds: int = 3
     """Head-to-head re-timings of the fastest candidate against the default, alternating;
     the candidate must also win their medians by ``min_gain``, so one lucky timing among

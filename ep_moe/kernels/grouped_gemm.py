@@ -71,7 +71,7 @@ def one_program_per_tile():
     """Inside the block, the GEMM kernels launch one program per output tile instead of one
     per SM. Work launched beside them (an all-to-all's NCCL kernels) then gets an SM as soon
     as any tile ends, instead of waiting for a persistent kernel to end. The GEMMs alone run
-    a little slower this way (up to 5% on 4x H200, 17% on qwen3's small forward tiles).
+    a little slower this way (measured in ``benchmarks/PERFORMANCE_LOG.md``).
     Results are bitwise the same (same tiles, same reduction order)."""
     token = _TILE_GRID.set(True)
     try:
@@ -94,9 +94,7 @@ def row_block_programs(row_blocks: int, col_blocks: int, device: torch.device, l
     """Programs along the rows of a (row blocks x column blocks) elementwise launch: one per
     row block, or, when the rows in use are a device count below the grid's bound
     (``limited``), 64 per SM in all, striding the row blocks, so the blocks past the count
-    cost no launch. (H200, bf16, count = 1/4 of the bound: SwiGLU within 3% of a launch
-    over the counted rows alone, the row gather within 11%; a full grid whose programs past
-    the count do nothing: 16% and 28% above it; 16 per SM: 5% and 15%.)"""
+    cost no launch (against a full grid and other strides: ``benchmarks/PERFORMANCE_LOG.md``)."""
     if not limited:
         return max(1, row_blocks)
     return max(1, min(row_blocks, 64 * num_programs_for(device) // max(1, col_blocks)))

@@ -6,8 +6,8 @@ plain-PyTorch reference. Under ``torch.compile`` the kernels run through two
 (wired together with ``register_autograd``, with fake implementations), so Dynamo traces
 models that use them while the kernels stay opaque to Inductor, which keeps the persistent
 launch and TMA descriptors out of its tracing. In eager mode the same implementations run
-through a plain ``autograd.Function``: the custom-op dispatch costs about 80 us of host
-time per call, which an EP layer, whose host sync leaves the GPU waiting for the host,
+through a plain ``autograd.Function``: the custom-op dispatch costs tens of microseconds
+of host time per call (``benchmarks/PERFORMANCE_LOG.md``), which an EP layer, whose host sync leaves the GPU waiting for the host,
 pays in full.
 """
 

@@ -13,8 +13,8 @@ symmetric memory that every peer can address, and a stream for its copies. Flags
 words at the start of each workspace, written and awaited with CUDA stream memory operations
 (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``), which the GPU's front end runs: no SM is
 needed anywhere, so nothing waits for a GEMM to give one back (a barrier kernel needs an SM;
-with the GEMMs holding them all, one per exchange made the layer up to 3.7x slower than NCCL
-when first measured).
+with the GEMMs holding them all, one per exchange made the layer several times slower than
+NCCL: ``benchmarks/PERFORMANCE_LOG.md``).
 
 The layer's exchanges are captured in CUDA graphs, whose replays cannot count on the host,
 so each flag is 0 or 1 and whoever waits for it takes it back:
