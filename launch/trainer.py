@@ -168,6 +168,17 @@ def _scale_gradients(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
         torch._foreach_mul_(group, factor.to(device))
 
 
+def tensorboard_writer_class() -> type:
+    """``torch.utils.tensorboard.SummaryWriter``, or a ``ConfigError`` naming the install
+    command when the ``tensorboard`` package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("--tensorboard (logging.tensorboard_dir) needs the tensorboard package, which is not "
+                          "installed: pip install tensorboard") from None
+    return SummaryWriter
+
+
 class Trainer:
     """Owns the model, optimizer, data and checkpoints of one run; ``train()`` runs it."""
 
