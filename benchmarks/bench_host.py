@@ -43,7 +43,9 @@ from ep_moe import MoEConfig, MoELayer  # noqa: E402
 
 TOKENS = (1, 4, 16, 64, 256)
 TINY = MoEShape("tiny", 8, 64, 128, 2)
-SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time: longer than any round
+SLEEP_CYCLES = 600_000_000  # about 0.3 s of GPU time (~2 GHz): longer than any round of host work
+SYNC_ROUND_S = 0.15
+"""A busy-GPU round whose host time exceeds this waited for the sleep: the layer synced."""
 
 
 def per_call_us(fn, calls: int, rounds: int, busy_gpu: bool, device: torch.device) -> list[float]:
@@ -132,7 +134,7 @@ def main() -> None:
                 host = None
                 if device.type == "cuda":
                     host = statistics.median(per_call_us(fn, args.calls, args.rounds, True, device))
-                syncs = host is not None and host * args.calls > 0.25e6  # waited for the sleep
+                syncs = host is not None and host * args.calls > SYNC_ROUND_S * 1e6
                 rows.append(dict(layer=name, tokens=tokens, call=what, wall_us=wall,
                                  host_us=None if syncs else host, syncs=syncs))
                 if rank0:

@@ -26,6 +26,7 @@ from ep_moe.kernels.grouped_gemm import smem_limit_for
 from ep_moe.kernels.ops import grouped_gemm_slot_sum
 from ep_moe.kernels.reference import grouped_gemm_reference
 from ep_moe.routing import build_routing_metadata
+from tolerance import rel_err, within
 
 pytestmark = pytest.mark.gpu
 BF16_TOL = 2e-2
@@ -39,8 +40,9 @@ CASES = {
 }
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+def close(a: torch.Tensor, b: torch.Tensor, what: str) -> bool:
+    """``a`` within ``BF16_TOL`` of ``b`` (relative Frobenius error)."""
+    return within(rel_err(a, b), BF16_TOL, what, __name__)
 
 
 def row_dot_err(got, ref, dy_rows, y_rows) -> float:
@@ -77,15 +79,15 @@ def test_grouped_gemm_bias_bf16(case, use_tma):
     y_ref = grouped_gemm_reference(ref_leaves[0], ref_leaves[1], m_sizes, gather_index=g, scatter_index=s,
                                    row_weights=ref_leaves[2], bias=ref_leaves[3])
     ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double())
-    assert rel_err(y, y_ref) < BF16_TOL
+    assert close(y, y_ref, "y")
     for name, got, want in zip(("dx", "dw", "drw", "db"), grads, ref_grads):
         assert torch.isfinite(got).all(), name
         if name == "drw":
             y0 = grouped_gemm_reference(ref_leaves[0], ref_leaves[1], m_sizes, gather_index=g, scatter_index=s,
                                         bias=ref_leaves[3])
-            assert row_dot_err(got, want, dy, y0) < BF16_TOL, name
+            assert within(row_dot_err(got, want, dy, y0), BF16_TOL, name, __name__), name
         else:
-            assert rel_err(got, want) < BF16_TOL, name
+            assert close(got, want, name), name
     empty = m_sizes == 0
     assert not grads[3][empty].any() and not grads[1][empty].any()
 
@@ -110,9 +112,9 @@ def test_slot_sum_bias_bf16(use_tma):
                                       bias=ref_leaves[2])
     ref = torch.zeros(num_tokens, n, dtype=torch.float64, device="cuda").index_add(0, meta.token_index_R, rows_ref)
     ref_grads = torch.autograd.grad(ref, ref_leaves, dy.double())
-    assert rel_err(out, ref) < BF16_TOL
+    assert close(out, ref, "out")
     for got, want in zip(grads, ref_grads):
-        assert rel_err(got, want) < BF16_TOL
+        assert close(got, want, "got")
 
 
 def test_compiled_gemm_with_bias_matches_eager():
@@ -130,10 +132,10 @@ def test_compiled_gemm_with_bias_matches_eager():
     compiled = torch.compile(f, fullgraph=True)
     leaves, leaves_c = ([t.clone().requires_grad_() for t in (x, w, bias)] for _ in range(2))
     eager, got = f(*leaves), compiled(*leaves_c)
-    assert rel_err(got, eager) < BF16_TOL
+    assert close(got, eager, "got")
     dy = torch.randn_like(eager)
     for a, b in zip(torch.autograd.grad(eager, leaves, dy), torch.autograd.grad(got, leaves_c, dy)):
-        assert rel_err(b, a) < BF16_TOL
+        assert close(b, a, "b")
 
 
 class _NormExpert(nn.Module):
@@ -191,7 +193,7 @@ def test_layer_forms_bf16_match_fp32_torch_path(form, path):
     x = torch.randn(1023, 360, device="cuda")
     dy = torch.randn_like(x)
     (y, dx, grads), (ref_y, ref_dx, ref_grads) = _step(layer, x.bfloat16(), dy), _step(reference, x, dy)
-    assert rel_err(y, ref_y) < BF16_TOL and rel_err(dx, ref_dx) < BF16_TOL
+    assert close(y, ref_y, "y") and close(dx, ref_dx, "dx")
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
-        assert rel_err(grad, ref_grads[name]) < BF16_TOL, name
+        assert close(grad, ref_grads[name], name), name

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from dist_utils import progress, run_distributed
+from tolerance import rel_err, within
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.parallel import ep_layout, is_expert_param
 
@@ -236,16 +237,10 @@ def _ep1_reference(kwargs, state, inputs, grads, ranks, autocast: bool = False) 
     return dict(runs=runs, grads=_param_grads(layer))
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative Frobenius error; 0 when both are zero (an expert no token chose)."""
-    diff, ref = (a.float() - b.float()).norm(), b.float().norm()
-    return 0.0 if diff == 0 else (diff / ref).item()
-
-
 def _check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     err = rel_err(actual, expected)
-    assert err < MAX_REL_ERR, f"{what}: relative error {err:.2e} >= {MAX_REL_ERR}"
+    assert within(err, MAX_REL_ERR, what, __name__), f"{what}: relative error {err:.2e} >= {MAX_REL_ERR}"
 
 
 @pytest.fixture(scope="module")

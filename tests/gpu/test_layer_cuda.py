@@ -15,13 +15,10 @@ import torch
 
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.ep.all_to_all import AllToAllDispatcher
+from tolerance import rel_err, within
 
 pytestmark = pytest.mark.gpu
 MAX_REL_ERR = 2e-2
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def _layer(dtype: torch.dtype = torch.bfloat16, **overrides) -> MoELayer:
@@ -41,9 +38,10 @@ def _forward_backward(forward, layer: MoELayer, x: torch.Tensor, dy: torch.Tenso
 
 def _compare(got, want) -> None:
     (y, dx, grads), (ref_y, ref_dx, ref_grads) = got, want
-    assert rel_err(y, ref_y) < MAX_REL_ERR and rel_err(dx, ref_dx) < MAX_REL_ERR
-    for g, ref in zip(grads, ref_grads):
-        assert rel_err(g, ref) < MAX_REL_ERR
+    pairs = {"output": (y, ref_y), "dx": (dx, ref_dx), **{f"grad {i}": g for i, g in enumerate(zip(grads, ref_grads))}}
+    for what, (a, b) in pairs.items():
+        err = rel_err(a, b)
+        assert within(err, MAX_REL_ERR, what, __name__), f"{what}: relative error {err:.2e} >= {MAX_REL_ERR}"
 
 
 def test_compiled_layer_matches_eager():
