@@ -43,20 +43,27 @@ from ep_moe import MoEConfig, MoELayer  # noqa: E402
 
 TOKENS = (1, 4, 16, 64, 256)
 TINY = MoEShape("tiny", 8, 64, 128, 2)
-SLEEP_CYCLES = 600_000_000  # about 0.3 s of GPU time (~2 GHz): longer than any round of host work
-SYNC_ROUND_S = 0.15
-"""A busy-GPU round whose host time exceeds this waited for the sleep: the layer synced."""
 
 
-def per_call_us(fn, calls: int, rounds: int, busy_gpu: bool, device: torch.device) -> list[float]:
-    """Microseconds per call of ``fn`` in each round (a round: ``calls`` calls, then one sync;
-    with ``busy_gpu`` a GPU sleep queued ahead, so only the host is timed)."""
+def sleep_cycles_per_s(device: torch.device) -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per second, measured once."""
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    torch.cuda._sleep(100_000_000)
+    torch.cuda.synchronize(device)
+    return 100_000_000 / (time.perf_counter() - start)
+
+
+def per_call_us(fn, calls: int, rounds: int, device: torch.device, sleep_cycles: int = 0) -> list[float]:
+    """Microseconds per call of ``fn`` in each round (a round: ``calls`` calls, then one sync).
+    With ``sleep_cycles`` a GPU sleep is queued ahead of each round and only the host's time
+    to issue the calls counts (no launch waits for the GPU unless the layer syncs)."""
     times = []
     for _ in range(rounds):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            if busy_gpu:
-                torch.cuda._sleep(SLEEP_CYCLES)
+            if sleep_cycles:
+                torch.cuda._sleep(sleep_cycles)
         start = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -64,7 +71,7 @@ def per_call_us(fn, calls: int, rounds: int, busy_gpu: bool, device: torch.devic
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - start
-        times.append(1e6 * (host if busy_gpu else wall) / calls)
+        times.append(1e6 * (host if sleep_cycles else wall) / calls)
     return times
 
 
@@ -125,16 +132,21 @@ def main() -> None:
     layers = build(shape, args.dispatch, group, device, dtype)
     rank0 = not torchrun or dist.get_rank() == 0
     rows = []
+    cycles_per_s = sleep_cycles_per_s(device) if device.type == "cuda" else 0.0
     for tokens in TOKENS:
         x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
         for name, layer in layers.items():
             for what, fn in cases(layer, x):
                 fn()  # compile, tune, allocate
-                wall = statistics.median(per_call_us(fn, args.calls, args.rounds, False, device))
-                host = None
+                wall = statistics.median(per_call_us(fn, args.calls, args.rounds, device))
+                host, syncs = None, False
                 if device.type == "cuda":
-                    host = statistics.median(per_call_us(fn, args.calls, args.rounds, True, device))
-                syncs = host is not None and host * args.calls > SYNC_ROUND_S * 1e6
+                    # A sleep three times as long as a round: a layer that syncs with the host
+                    # waits for it (its round lasts the sleep), one that does not is done well before.
+                    sleep_s = max(3 * wall * args.calls / 1e6, 0.02)
+                    host = statistics.median(per_call_us(fn, args.calls, args.rounds, device,
+                                                         int(sleep_s * cycles_per_s)))
+                    syncs = host * args.calls / 1e6 > sleep_s / 2
                 rows.append(dict(layer=name, tokens=tokens, call=what, wall_us=wall,
                                  host_us=None if syncs else host, syncs=syncs))
                 if rank0:

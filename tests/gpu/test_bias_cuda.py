@@ -6,7 +6,7 @@ dW, the bias gradient (the dW kernel's K block 0 tiles) and the top-k weights' g
 (whose bias share the dX kernel's column block 0 tiles add), against float64; the
 slot-summing down projection with a bias; torch.compile of a GEMM with a bias (the custom
 ops' new argument); and MoELayer with biases (gated and not), one Linear and module experts,
-on the Triton kernels against the torch path in float32, at EP=1 and through the EP code
+on the Triton kernels against the torch path in bf16 (same routing), at EP=1 and through the EP code
 path (no group; the all-gather's row bound with biases runs at gloo EP=2 in
 ``tests/test_deepspeed_experts.py``). Run on the device machine: ``pytest tests/gpu/test_bias_cuda.py -q``.
 """
@@ -183,16 +183,19 @@ def _step(layer, x, dy):
 
 @pytest.mark.parametrize("path", ["ep1", "ep"])
 @pytest.mark.parametrize("form", list(FORMS))
-def test_layer_forms_bf16_match_fp32_torch_path(form, path):
+def test_layer_forms_bf16_match_torch_path(form, path):
     """Triton in bf16 (EP=1, or the EP code path with no group) against the torch path in
-    float32 with the same weights: outputs and every gradient."""
-    reference = _layer(form, "torch", torch.float32)
+    bf16 with the same weights: outputs and every gradient. Both in bf16, so the router picks
+    the same experts: against an fp32 layer, bf16 logits that round to a tie flip a few
+    tokens' experts, and even the torch path in bf16 is 3-8% off the fp32 one (measured on
+    CPU). The kernels' own bf16 accuracy is checked with fixed routing above."""
+    reference = _layer(form, "torch", torch.bfloat16)
     layer = _layer(form, "triton", torch.bfloat16)
     if path == "ep":  # the all-to-all's code path with no group: no collective
         layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)
     x = torch.randn(1023, 360, device="cuda")
     dy = torch.randn_like(x)
-    (y, dx, grads), (ref_y, ref_dx, ref_grads) = _step(layer, x.bfloat16(), dy), _step(reference, x, dy)
+    (y, dx, grads), (ref_y, ref_dx, ref_grads) = _step(layer, x.bfloat16(), dy), _step(reference, x.bfloat16(), dy)
     assert close(y, ref_y, "y") and close(dx, ref_dx, "dx")
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
