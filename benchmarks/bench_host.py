@@ -105,6 +105,37 @@ def build(shape: MoEShape, dispatch: str, group, device, dtype) -> dict[str, tor
     return layers
 
 
+def profile_host(layers: dict[str, torch.nn.Module], tokens: int, hidden: int, device: torch.device,
+                 dtype: torch.dtype, calls: int, show: bool) -> None:
+    """Print, per layer and call, cProfile's top functions by own time and the torch ops
+    per call (``--profile``)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    for name, layer in layers.items():
+        for what, fn in cases(layer, x):
+            fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                fn()
+            prof.disable()
+            with profile(activities=[ProfilerActivity.CPU]) as ops:
+                for _ in range(calls):
+                    fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if show:
+                print(f"===== {name} {what} T={tokens}: cProfile over {calls} calls")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+                rows = sorted(ops.key_averages(), key=lambda e: -e.count)
+                print(f"torch ops per call ({sum(e.count for e in rows) / calls:.0f} in all): " + ", ".join(
+                    f"{e.key} {e.count / calls:g}" for e in rows[:30]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-30b-a3b", help=f"one of {list(SHAPES)} or 'tiny'")
@@ -115,6 +146,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                        help="instead of timing: where the host time of each layer's calls at TOKENS goes "
+                             "(cProfile's top functions and the torch ops launched per call)")
     args = parser.parse_args()
 
     torchrun = "RANK" in os.environ
@@ -131,6 +165,11 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     layers = build(shape, args.dispatch, group, device, dtype)
     rank0 = not torchrun or dist.get_rank() == 0
+    if args.profile:
+        profile_host(layers, args.profile, shape.hidden, device, dtype, args.calls, rank0)
+        if torchrun:
+            dist.destroy_process_group()
+        return
     rows = []
     cycles_per_s = sleep_cycles_per_s(device) if device.type == "cuda" else 0.0
     for tokens in TOKENS:
