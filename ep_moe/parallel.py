@@ -20,18 +20,26 @@ size as well, so both kinds of gradients are gradients of the same objective, th
 of the per-rank losses. :func:`sync_gradients` does exactly this. With DDP, wrap the model
 with the expert parameters ignored (:func:`expert_param_names`) and call
 ``sync_gradients(model, ep_group, edp_group, sync_dense=False)`` after backward.
+
+FSDP2. :func:`init_parallel_mesh` builds the mesh once: the 2-D ("edp", "ep") mesh above
+plus its flattening "dp_shard" (every rank), all three bookkept in a :class:`ParallelMesh`.
+:func:`apply_fsdp` then shards, torchtitan's way, the dense parameters over "dp_shard" and
+each layer's local experts over "edp"; the reduce-scatters divide both kinds of gradients
+by the number of data-parallel ranks, as :func:`sync_gradients` does (no call to it then).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 EXPERT_PARAM_ATTR = "_ep_moe_expert"
 
@@ -95,7 +103,8 @@ def build_ep_groups(ep_size: int, *, world_size: Optional[int] = None,
 
 def init_ep_mesh(ep_size: int, *, device_type: str = "cuda", num_experts: Optional[int] = None) -> DeviceMesh:
     """A 2-D DeviceMesh ("edp", "ep") over all ranks in the expert-then-data layout
-    (``num_experts``: as in :func:`build_ep_groups`)."""
+    (``num_experts``: as in :func:`build_ep_groups`). :func:`init_parallel_mesh` builds the
+    same mesh and adds the flattened "dp_shard" axis that FSDP needs."""
     _check_num_experts(num_experts, ep_size)
     world_size = dist.get_world_size()
     ep_layout(world_size, ep_size)  # validates
@@ -109,8 +118,125 @@ def _check_num_experts(num_experts: Optional[int], ep_size: int) -> None:
                          f"num_experts / ep_size experts; pick an ep_size that divides {num_experts}")
 
 
-def groups_from_mesh(mesh: DeviceMesh, *, ep_axis: str = "ep", edp_axis: str = "edp") -> ExpertParallelGroups:
-    """EP and EDP groups from the named axes of a 2-D mesh (see :func:`init_ep_mesh`)."""
+def parallel_dims(world_size: int, ep_size: int, *, dp_shard: Optional[int] = None,
+                  num_experts: Optional[int] = None) -> dict[str, int]:
+    """The sizes of the mesh axes, ``{"dp_shard": world_size, "edp": world_size // ep_size,
+    "ep": ep_size}`` (pure: no process group needed).
+
+    Every rank is a data-parallel rank (``dp_shard``, the axis FSDP shards dense parameters
+    over); expert parallelism borrows its ranks from it, ``dp_shard = edp * ep``. Raises
+    ``ValueError`` naming both numbers when ``dp_shard`` (if given) is not ``world_size``,
+    ``ep_size`` does not divide ``world_size``, or (with ``num_experts``) ``ep_size`` does not
+    divide ``num_experts``.
+    """
+    if not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"ep_size={ep_size!r} must be a positive integer")
+    _check_num_experts(num_experts, ep_size)
+    if dp_shard is not None and dp_shard != world_size:
+        raise ValueError(f"mesh dims dp_shard={dp_shard} (= edp * ep) do not multiply to the world size "
+                         f"{world_size}: every rank is a data-parallel rank; pass dp_shard={world_size} or leave "
+                         "it out")
+    if world_size % ep_size != 0:
+        raise ValueError(f"ep_size={ep_size} does not divide the world size {world_size} (dp_shard = edp * ep): "
+                         f"pick an ep_size that is a divisor of {world_size}")
+    return {"dp_shard": world_size, "edp": world_size // ep_size, "ep": ep_size}
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """Every mesh axis the layer, FSDP and the trainer need, from one DeviceMesh.
+
+    ``mesh`` is the 2-D ("edp", "ep") DeviceMesh of the expert-then-data layout (see the
+    module docstring); ``ep`` and ``edp`` are its axes, and ``dp_shard`` its flattening (all
+    ranks: the axis :func:`apply_fsdp` shards dense parameters over). The flattened mesh is
+    kept here rather than sliced from ``mesh`` by name, which torch deprecates.
+    ``pm["ep"]`` is ``pm.ep`` (likewise "edp", "dp_shard"); :meth:`groups` gives the process
+    groups of :func:`sync_gradients` and ``MoELayer(ep_group=pm.ep)``.
+    """
+
+    mesh: DeviceMesh
+    """The 2-D ("edp", "ep") mesh."""
+    ep: DeviceMesh
+    """Expert-parallel axis (1-D): the ranks that split one layer's experts."""
+    edp: DeviceMesh
+    """Expert-data-parallel axis (1-D): the replicas of this rank's experts."""
+    dp_shard: DeviceMesh
+    """Data-parallel axis (1-D), ``edp * ep`` ranks: every rank of ``mesh``."""
+
+    @classmethod
+    def from_device_mesh(cls, mesh: DeviceMesh, *, ep_axis: str = "ep", edp_axis: str = "edp",
+                         dp_axis: str = "dp_shard") -> "ParallelMesh":
+        """Wrap a 2-D DeviceMesh with ``ep_axis`` and ``edp_axis`` (e.g. :func:`init_ep_mesh`'s),
+        flattening both into ``dp_axis``. Creates a process group on first use: call on
+        every rank."""
+        names = mesh.mesh_dim_names or ()
+        if mesh.ndim != 2 or set(names) != {ep_axis, edp_axis}:
+            raise ValueError(f"a ParallelMesh comes from a 2-D mesh with axes ({edp_axis!r}, {ep_axis!r}); got a "
+                             f"{mesh.ndim}-D mesh with axes {names}: build it with "
+                             "ep_moe.parallel.init_parallel_mesh, or slice those two axes from yours")
+        return cls(mesh=mesh, ep=mesh[ep_axis], edp=mesh[edp_axis], dp_shard=mesh._flatten(dp_axis))
+
+    def __getitem__(self, axis: str) -> DeviceMesh:
+        if axis not in ("ep", "edp", "dp_shard"):
+            raise KeyError(f"ParallelMesh has the axes 'dp_shard', 'edp' and 'ep', not {axis!r}")
+        return getattr(self, axis)
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks per EP group."""
+        return self.ep.size()
+
+    @property
+    def edp_size(self) -> int:
+        """Ranks per EDP group."""
+        return self.edp.size()
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (``ep_size * edp_size``): what both kinds of gradients are divided by."""
+        return self.dp_shard.size()
+
+    def groups(self) -> ExpertParallelGroups:
+        """The EP and EDP process groups of this rank (no collective: the mesh made them)."""
+        return ExpertParallelGroups(ep_group=self.ep.get_group(), edp_group=self.edp.get_group(),
+                                    ep_size=self.ep_size, edp_size=self.edp_size)
+
+
+def init_parallel_mesh(ep_size: int, *, dp_shard: Optional[int] = None, world_size: Optional[int] = None,
+                       num_experts: Optional[int] = None, device_type: str = "cuda") -> ParallelMesh:
+    """Build the mesh once (call on every rank, same arguments): ("edp", "ep") over all
+    ranks in the expert-then-data layout, and its flattening "dp_shard" (:class:`ParallelMesh`).
+
+    ``dp_shard`` and ``world_size`` default to the default group's size and must equal it;
+    ``num_experts`` (the model's expert count) must be divisible by ``ep_size``. These are
+    checked (:func:`parallel_dims`) before any collective, so bad input raises alike on every
+    rank, naming both numbers. ``device_type``: "cuda" for NCCL, "cpu" for gloo.
+
+    Example (4 ranks, EP=2)::
+
+        pm = init_parallel_mesh(2, num_experts=8)
+        model = build_model(ep_group=pm.ep)       # MoELayer(config, ep_group=pm.ep)
+        apply_fsdp(model, pm)                     # or: groups = pm.groups(); sync_gradients(...)
+    """
+    if world_size is not None:  # pure checks first: no process group needed to fail
+        parallel_dims(world_size, ep_size, dp_shard=dp_shard, num_experts=num_experts)
+    if not dist.is_initialized():
+        raise ValueError("init_parallel_mesh needs torch.distributed; call torch.distributed.init_process_group "
+                         "first")
+    if world_size is not None and world_size != dist.get_world_size():
+        raise ValueError(f"init_parallel_mesh(world_size={world_size}) but the default group has "
+                         f"{dist.get_world_size()} ranks; the mesh covers every rank: drop world_size=")
+    dims = parallel_dims(dist.get_world_size(), ep_size, dp_shard=dp_shard, num_experts=num_experts)
+    mesh = init_device_mesh(device_type, (dims["edp"], dims["ep"]), mesh_dim_names=("edp", "ep"))
+    return ParallelMesh.from_device_mesh(mesh)
+
+
+def groups_from_mesh(mesh: Union[DeviceMesh, ParallelMesh], *, ep_axis: str = "ep",
+                     edp_axis: str = "edp") -> ExpertParallelGroups:
+    """EP and EDP groups from the named axes of a 2-D mesh (see :func:`init_ep_mesh`), or
+    of a :class:`ParallelMesh` (:meth:`ParallelMesh.groups`)."""
+    if isinstance(mesh, ParallelMesh):
+        return mesh.groups()
     names = mesh.mesh_dim_names or ()
     for axis in (ep_axis, edp_axis):
         if axis not in names:
@@ -194,6 +320,10 @@ def sync_gradients(
     the caller, who can fold it into a pass it makes over the gradients anyway (the trainer
     folds it into gradient clipping's multiply): one pass over every gradient less.
     """
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("sync_gradients: the model's parameters are DTensors (FSDP, e.g. apply_fsdp): its "
+                         "reduce-scatters already averaged the gradients in the backward; do not call "
+                         "sync_gradients on it")
     ep_group, edp_group = resolve_ep_group(ep_group), resolve_ep_group(edp_group, "edp_group", "edp")
     ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
     edp_size = 1 if edp_group is None else dist.get_world_size(edp_group)
@@ -209,3 +339,185 @@ def sync_gradients(
     if sync_dense:
         _all_reduce_mean(_grads(model, expert=False), None, num_replicas > 1, divisor)
     return num_replicas
+
+
+# ---------------------------------------------------------------------------------------
+# FSDP2
+
+
+def _fsdp_api():
+    """``(fully_shard, MixedPrecisionPolicy, register_fsdp_forward_method)``: public in
+    ``torch.distributed.fsdp`` since torch 2.6, under ``torch.distributed._composable.fsdp`` before."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
+            MixedPrecisionPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
+    return fully_shard, MixedPrecisionPolicy, register_fsdp_forward_method
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_FSDP_CALL = "_ep_moe_fsdp_call"
+"""The method of a sharded experts module through which its layer's forward runs."""
+
+
+def _call(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def _default_blocks(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The transformer blocks of ``model``: every child of each container (ModuleList,
+    ModuleDict, Sequential) that holds an MoE layer in one of its children; an MoE layer in
+    no container is a block of its own."""
+    parents: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for child in module.children():
+            parents.setdefault(id(child), module)
+    blocks, seen = [], set()
+    for layer in layers:
+        found, module = None, layer
+        while id(module) in parents:
+            parent = parents[id(module)]
+            if isinstance(parent, _CONTAINERS):
+                found = parent
+                break
+            module = parent
+        for block in (found.children() if found is not None else (layer,)):
+            if id(block) not in seen:
+                seen.add(id(block))
+                blocks.append(block)
+    return blocks
+
+
+def _check_layers(layers: list[nn.Module], pm: ParallelMesh) -> None:
+    """Raise unless every MoE layer splits its experts over the mesh's "ep" axis (local: no collective)."""
+    mesh_ranks = pm.ep.mesh.flatten().tolist()
+    for layer in layers:
+        if layer.ep_size != pm.ep_size:
+            raise ValueError(f"an MoE layer has ep_size={layer.ep_size} but the mesh's 'ep' axis has {pm.ep_size} "
+                             "ranks; build the layers with MoELayer(config, ep_group=mesh.ep)")
+        if layer.ep_group is not None:
+            ranks = dist.get_process_group_ranks(layer.ep_group)
+            if ranks != mesh_ranks:
+                raise ValueError(f"an MoE layer's EP group holds the ranks {ranks} but the mesh's 'ep' axis here is "
+                                 f"{mesh_ranks}; build the layers with MoELayer(config, ep_group=mesh.ep)")
+
+
+def _experts_placement(edp_size: int):
+    """FSDP's shard placement of a stacked expert tensor [e, ...] over ``edp_size`` ranks:
+    dim 0 (whole experts per rank), unless there are fewer local experts than ranks and
+    dim 1 divides evenly (torchtitan's rule: dim-0 shards would then be mostly padding)."""
+    from torch.distributed.tensor import Shard
+
+    def placement(param: nn.Parameter):
+        if param.shape[0] < edp_size and param.dim() > 1 and param.shape[1] % edp_size == 0:
+            return Shard(1)
+        return Shard(0)
+    return placement
+
+
+def _divide_gradients_by(module: nn.Module, factor: int, mesh: DeviceMesh) -> None:
+    """Make ``module``'s (an FSDPModule's) reduce-scatter over ``mesh`` divide by ``factor``.
+
+    On NCCL FSDP pre-multiplies by 1/factor in the reduce-scatter (``PREMUL_SUM``). Gloo has
+    no such op: over more than one rank it sums, then divides the shard. Over one rank FSDP
+    copies and divides by itself; forcing the sum there would divide twice (torch 2.13)."""
+    if hasattr(module, "set_gradient_divide_factor"):
+        module.set_gradient_divide_factor(float(factor))
+    else:  # torch < 2.8
+        module.set_reduce_scatter_divide_factor(float(factor))
+    if (mesh.size() > 1 and dist.get_backend(mesh.get_group()) != "nccl"
+            and hasattr(module, "set_force_sum_reduction_for_comms")):
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: Union[ParallelMesh, DeviceMesh],
+    *,
+    blocks: Optional[Iterable[nn.Module]] = None,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+    offload_policy=None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 (``fully_shard``), in place, as torchtitan's ``apply_fsdp``
+    does for MoE models; returns ``model``. Call on every rank, after building the model
+    with ``MoELayer(config, ep_group=mesh.ep)`` and before building the optimizer.
+
+    - Dense parameters (every parameter not tagged by :func:`mark_expert_param`: router,
+      shared experts, the rest of the model) are sharded over ``mesh.dp_shard`` (all ranks),
+      one FSDP group per block, plus one for what no block holds (the root, ``model``).
+    - At EP > 1 each MoE layer's local experts (its stacked expert tensors) are one FSDP
+      group sharded over ``mesh.edp``, the replicas of those experts. Their all-gather and
+      reduce-scatter run around the layer's forward and backward (the layer reads the
+      stacked tensors directly, so FSDP's hooks are moved from the experts' ``forward`` to
+      the layer's). At EP = 1 they are sharded with their block over ``dp_shard``.
+    - Gradients are reduce-scattered in the backward and come out as :func:`sync_gradients`
+      leaves them (with the per-rank mean loss): dense ones averaged over all ranks; expert
+      ones summed over ``edp`` and divided by all ranks too (each rank's expert gradient
+      already sums its EP group's tokens). Do not call :func:`sync_gradients` then.
+    - ``blocks``: the modules to shard one by one (transformer blocks), in forward order;
+      default: the children of each ModuleList/ModuleDict/Sequential holding an MoE layer
+      (an MoE layer in none is its own block). At EP > 1 each block prefetches the next
+      block and its experts in the forward (the previous in the backward), since the
+      all-to-all's host sync keeps FSDP's implicit prefetch from running ahead.
+    - ``param_dtype`` / ``reduce_dtype`` (e.g. bf16 / fp32) make a
+      ``MixedPrecisionPolicy``; or pass ``mp_policy`` (not both). ``reshard_after_forward``
+      applies to blocks and experts (the root keeps FSDP's default, not resharded).
+      ``offload_policy``: FSDP's, e.g. ``CPUOffloadPolicy()``.
+
+    Parameters become DTensors (``.full_tensor()`` gathers one); expert parameters keep
+    their tag. ``mesh``: a :class:`ParallelMesh` (:func:`init_parallel_mesh`) or a 2-D
+    ("edp", "ep") DeviceMesh (:func:`init_ep_mesh`). Raises ``ValueError`` when an MoE layer
+    was built on another EP group than ``mesh.ep``.
+    """
+    from ep_moe.layer import MoELayer  # lazy: ep_moe.layer imports this module
+
+    fully_shard, MixedPrecisionPolicy, register_fsdp_forward_method = _fsdp_api()
+    pm = mesh if isinstance(mesh, ParallelMesh) else ParallelMesh.from_device_mesh(mesh)
+    if mp_policy is not None and (param_dtype is not None or reduce_dtype is not None):
+        raise ValueError("apply_fsdp: pass either mp_policy or param_dtype/reduce_dtype, not both")
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    common = {"mp_policy": mp_policy}
+    if offload_policy is not None:
+        common["offload_policy"] = offload_policy
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    _check_layers(layers, pm)
+    expert_names = set(expert_param_names(model))
+    blocks = _default_blocks(model, layers) if blocks is None else list(blocks)
+    blocks = [b for b in blocks if b is not model]
+    block_experts: dict[int, list[nn.Module]] = {id(b): [] for b in blocks}
+
+    if pm.ep_size > 1:
+        for layer in layers:
+            experts = layer.experts
+            fully_shard(experts, mesh=pm.edp, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=_experts_placement(pm.edp_size), **common)
+            _divide_gradients_by(experts, pm.dp_size, pm.edp)
+            # the layer reads the stacked tensors, never calls experts.forward: run FSDP's
+            # pre/post-forward hooks (all-gather, reshard, backward hooks) around the layer's
+            setattr(experts, _FSDP_CALL, _call)
+            register_fsdp_forward_method(experts, _FSDP_CALL)
+            layer.forward = functools.partial(getattr(experts, _FSDP_CALL), layer.forward)
+            for block in blocks:
+                if any(m is layer for m in block.modules()):
+                    block_experts[id(block)].append(experts)
+                    break
+    for block in blocks:
+        fully_shard(block, mesh=pm.dp_shard, reshard_after_forward=reshard_after_forward, **common)
+    fully_shard(model, mesh=pm.dp_shard, **common)
+    for name, param in model.named_parameters():  # FSDP made new Parameters (DTensors)
+        if name in expert_names:
+            mark_expert_param(param)
+
+    if pm.ep_size > 1 and len(blocks) > 1:  # explicit prefetch, as torchtitan's at EP > 1
+        for block, after in zip(blocks, blocks[1:]):
+            block.set_modules_to_forward_prefetch([after, *block_experts[id(after)]])
+            after.set_modules_to_backward_prefetch([block, *block_experts[id(block)]])
+    return model
