@@ -3,8 +3,10 @@ gloo: the same model, seed and per-rank data, trained 3 AdamW steps both ways, g
 same losses, the same gradients (gathered from the DTensors with ``full_tensor()``) and the
 same weights, to fp32 tolerance. Cases (world, EP): (2, 1), (2, 2), (4, 2) (edp = 2), (4, 4),
 and (4, 2) with 2 experts (one local expert over two edp ranks: sharded on dim 1). Also:
-where each parameter is sharded, resharding after forward, the mesh's bad input (before any
-collective), a layer on another EP group, sync_gradients refusing a sharded model."""
+where each parameter is sharded, resharding after forward, checkpoints under FSDP (the torch
+state-dict APIs, and ep_moe.checkpoint's DCP save loaded at other (EP, edp) layouts and
+into the replicated model), the mesh's bad input (before any collective), a layer on another
+EP group, sync_gradients refusing a sharded model."""
 
 import re
 
@@ -14,8 +16,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
 from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
+from ep_moe.checkpoint import load_checkpoint, save_checkpoint
 from ep_moe.layer import moe_aux_loss
 from ep_moe.parallel import (
     ParallelMesh,
@@ -27,6 +37,7 @@ from ep_moe.parallel import (
     parallel_dims,
     sync_gradients,
 )
+from test_dcp import _assert_equal_views
 
 H, I = 16, 8
 STEPS = 3
@@ -81,12 +92,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _train(model, rank: int, sync=None) -> dict:
-    """STEPS AdamW steps on this rank's tokens: the losses, each step's gradients and the
-    final weights (full tensors, this rank's experts)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+def _optimizer(model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train(model, rank: int, sync=None, optimizer=None, steps: int = STEPS) -> dict:
+    """AdamW steps on this rank's tokens: the losses, each step's gradients and the final
+    weights (full tensors, this rank's experts)."""
+    optimizer = _optimizer(model) if optimizer is None else optimizer
     out = {"loss": [], "grads": []}
-    for step in range(STEPS):
+    for step in range(steps):
         torch.manual_seed(1000 * step + rank)
         loss = model(torch.randn(6, H)).square().mean() + moe_aux_loss(model)
         loss.backward()
@@ -126,21 +141,109 @@ def _compare(rank, world_size, cases):
     return results
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_distributed(_compare, 2, [(1, 8), (2, 8)], timeout_s=60, deadline_s=150)
+def _view(model, optimizer) -> dict[str, torch.Tensor]:
+    """This rank's weights and AdamW state as full tensors, experts by global id, keyed as
+    tests/test_dcp.py's view keys them (DTensors gathered with full_tensor())."""
+    view = {}
+    for name, param in model.named_parameters():
+        weight, state = _full(param), {k: _full(v) for k, v in optimizer.state.get(param, {}).items()}
+        if not is_expert_param(param):
+            view[f"model.{name}"] = weight
+            view.update({f"optim.{name}.{k}": v for k, v in state.items()})
+            continue
+        for j, g in enumerate(model.get_submodule(name.rpartition(".")[0]).global_ids()):
+            view[f"model.{name}.{g}"] = weight[j]
+            view.update({f"optim.{name}.{g}.{k}": v[j] if v.dim() else v for k, v in state.items()})
+    return view
+
+
+def _fresh(ep: int, fsdp: bool = True):
+    """A model of other weights and its optimizer (no state yet) at EP ``ep``, under FSDP or replicated."""
+    pm = init_parallel_mesh(ep, device_type="cpu")
+    torch.manual_seed(1)
+    model = _Model(_config(8), pm.ep if fsdp else pm.groups().ep_group)
+    if fsdp:
+        apply_fsdp(model, pm)
+    return model, _optimizer(model)
+
+
+def _checkpoints(rank, world_size, root):
+    """FSDP at (EP, edp) = (2, 2), 2 steps, then: the torch state-dict APIs into another FSDP
+    model of that layout; ep_moe.checkpoint's DCP save, loaded under FSDP at EP 4 and 1 and
+    replicated at EP 2 (from a fresh optimizer: load_checkpoint initialises its state)."""
+    pm = init_parallel_mesh(2, device_type="cpu")
+    model = apply_fsdp(_build(pm.ep, 8), pm)
+    optimizer = _optimizer(model)
+    _train(model, rank, optimizer=optimizer, steps=2)
+    out = {"saved": _view(model, optimizer), "loaded": {}}
+    model_state, optim_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    other, other_optimizer = _fresh(2)
+    _train(other, rank, optimizer=other_optimizer, steps=1)  # state to overwrite
+    set_model_state_dict(other, model_state)
+    set_optimizer_state_dict(other, other_optimizer, optim_state)
+    out["loaded"]["torch_apis"] = _view(other, other_optimizer)
+    save_checkpoint(root / "ckpt", model, optimizer, extra={"step": torch.tensor(2)})
+    for ep, fsdp in ((4, True), (1, True), (2, False)):
+        other, other_optimizer = _fresh(ep, fsdp)
+        extra = {"step": torch.tensor(0)}
+        load_checkpoint(root / "ckpt", other, other_optimizer, extra=extra)
+        assert int(extra["step"]) == 2
+        out["loaded"][(ep, fsdp)] = _view(other, other_optimizer)
+    return out
+
+
+def _misuse(rank, world_size):
+    """A layer built on another EP group than the mesh's; sync_gradients on a sharded model;
+    the mesh's views (ParallelMesh from init_ep_mesh, groups_from_mesh)."""
+    errors = {}
+    pm = init_parallel_mesh(2, device_type="cpu")
+    try:
+        apply_fsdp(_build(None, 8), pm)
+    except ValueError as exc:
+        errors["ep_size"] = str(exc)
+    model = apply_fsdp(_build(pm.ep, 8), pm)
+    model(torch.randn(2, H)).sum().backward()
+    try:
+        sync_gradients(model, pm.ep, pm.edp)
+    except ValueError as exc:
+        errors["sync"] = str(exc)
+    wrapped = ParallelMesh.from_device_mesh(init_ep_mesh(1, device_type="cpu"))
+    views = {"pm": (pm.ep_size, pm.edp_size, pm.dp_size, pm["ep"] is pm.ep),
+             "groups": (groups_from_mesh(pm).ep_size, groups_from_mesh(pm.mesh).edp_size),
+             "wrapped": (wrapped.ep_size, wrapped.edp_size, wrapped.dp_size),
+             "ep_ranks": dist.get_process_group_ranks(pm.groups().ep_group)}
+    return errors, views
+
+
+def _world(rank, world_size, cases, root):
+    """One run per world size (process start-up dominates): the comparisons of ``cases``,
+    then at world 2 the misuse, at world 4 the checkpoints (in ``root``)."""
+    out = {"compare": _compare(rank, world_size, cases)}
+    if world_size == 2:
+        out["misuse"] = _misuse(rank, world_size)
+    else:
+        out["checkpoints"] = _checkpoints(rank, world_size, root)
+    return out
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_distributed(_compare, 4, [(2, 8), (4, 8), (2, 2)], timeout_s=60, deadline_s=150)
+def world2(tmp_path_factory):
+    return run_distributed(_world, 2, [(1, 8), (2, 8)], tmp_path_factory.mktemp("fsdp_world2"),
+                           timeout_s=60, deadline_s=150, start_method="forkserver")
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return run_distributed(_world, 4, [(2, 8), (4, 8), (2, 2)], tmp_path_factory.mktemp("fsdp_world4"),
+                           timeout_s=60, deadline_s=150, start_method="forkserver")
 
 
 CASES = [(2, 1, 8), (2, 2, 8), (4, 2, 8), (4, 4, 8), (4, 2, 2)]
 
 
-def _results(request, world: int):
-    return request.getfixturevalue(f"world{world}")
+def _results(request, world: int) -> list[dict]:
+    """Each rank's comparisons at ``world``."""
+    return [r["compare"] for r in request.getfixturevalue(f"world{world}")]
 
 
 @pytest.mark.distributed
@@ -178,32 +281,20 @@ def test_where_parameters_are_sharded(request, world, ep, num_experts):
         assert all(result[(ep, num_experts)]["resharded"])
 
 
-def _misuse(rank, world_size):
-    """A layer built on another EP group than the mesh's; sync_gradients on a sharded model;
-    the mesh's views (ParallelMesh from init_ep_mesh, groups_from_mesh)."""
-    errors = {}
-    pm = init_parallel_mesh(2, device_type="cpu")
-    try:
-        apply_fsdp(_build(None, 8), pm)
-    except ValueError as exc:
-        errors["ep_size"] = str(exc)
-    model = apply_fsdp(_build(pm.ep, 8), pm)
-    model(torch.randn(2, H)).sum().backward()
-    try:
-        sync_gradients(model, pm.ep, pm.edp)
-    except ValueError as exc:
-        errors["sync"] = str(exc)
-    wrapped = ParallelMesh.from_device_mesh(init_ep_mesh(1, device_type="cpu"))
-    views = {"pm": (pm.ep_size, pm.edp_size, pm.dp_size, pm["ep"] is pm.ep),
-             "groups": (groups_from_mesh(pm).ep_size, groups_from_mesh(pm.mesh).edp_size),
-             "wrapped": (wrapped.ep_size, wrapped.edp_size, wrapped.dp_size),
-             "ep_ranks": dist.get_process_group_ranks(pm.groups().ep_group)}
-    return errors, views
+@pytest.mark.distributed
+def test_checkpoints_under_fsdp(world4):
+    """get/set_model_state_dict and get/set_optimizer_state_dict round-trip under FSDP; a DCP
+    checkpoint (ep_moe.checkpoint) saved under FSDP at (EP, edp) = (2, 2) loads under FSDP at
+    (4, 1) and (1, 4) and into the replicated model at (2, 2): every weight and AdamW state
+    tensor equal."""
+    saved = [r["checkpoints"]["saved"] for r in world4]
+    for layout in ("torch_apis", (4, True), (1, True), (2, False)):
+        _assert_equal_views([r["checkpoints"]["loaded"][layout] for r in world4], saved)
 
 
 @pytest.mark.distributed
-def test_misuse_is_named():
-    for rank, (errors, views) in enumerate(run_distributed(_misuse, 2, timeout_s=60, deadline_s=150)):
+def test_misuse_is_named(world2):
+    for errors, views in (r["misuse"] for r in world2):
         assert "an MoE layer has ep_size=1 but the mesh's 'ep' axis has 2 ranks" in errors["ep_size"]
         assert "reduce-scatters already averaged the gradients" in errors["sync"]
         assert views == {"pm": (2, 1, 2, True), "groups": (2, 1), "wrapped": (1, 2, 2), "ep_ranks": [0, 1]}
