@@ -16,9 +16,11 @@ With an optional per-expert bias ``b`` [E, N] (an ``nn.Linear``'s), the forward 
 
 Forward and dX are the same kernel, ``_grouped_rows_kernel``: a row-tiled product whose
 B operand is ``w[e]`` read transposed (forward) or as stored (dX), chosen by strides. The
-bias is an epilogue add of the forward; its gradient is a column sum that the dW kernel's
-tiles of the first K block take over the rows they reduce anyway, and its share of ``drw``
-a dot the dX kernel's tiles of the first column block add to the row dots.
+bias is an epilogue add of the forward; its gradient is each expert's column sum of the
+(weighted) dy rows, a segment sum of its own (``_segment_sum_kernel``: taken inside the dW
+kernel by the tiles of the first K block, it made them several times slower than the rest
+and cost more than the separate pass); its share of ``drw`` a dot the dX kernel's tiles of
+the first column block add to the row dots.
 """
 
 from __future__ import annotations
@@ -336,24 +338,20 @@ def _grouped_rows_kernel(
 #   past N or K. Experts with no rows store zeros. fp32 accumulation.
 # Fuses: with ACCUMULATE, the tile adds what dw already holds (in fp32, one rounding), so the
 #   dW of several row sets (the chunks of a pipeline) sums in place, with no buffer per set
-#   and no separate add. HAS_BIAS: the bias gradient db[e] = the column sums of the expert's
-#   DY rows, in fp32, taken by the tiles of K block 0 in a second pass over their DY tiles
-#   (still in cache; the main loop is the same), ACCUMULATE adding to db as to dw.
+#   and no separate add.
 @triton.jit(launch_metadata=_dw_metadata)
 def _grouped_dw_kernel(
-    dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, db_ptr, m_sizes_ptr, m_starts_ptr,
+    dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, m_sizes_ptr, m_starts_ptr,
     num_experts, num_rows, N, K,
     stride_dym, stride_dyn,
     stride_xm, stride_xk,
     stride_we, stride_wn, stride_wk,
-    stride_db_e,
     # Meta-parameters
     TILE_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_TMA: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_k_tiles = tl.cdiv(K, BLOCK_K)
@@ -394,37 +392,30 @@ def _grouped_dw_kernel(
         if ACCUMULATE:
             acc += tl.load(dw_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
         tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=tile_ok)
-        if HAS_BIAS:
-            if pid_k == 0:
-                db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                dy_ptrs = (dy_ptr + (tl.cast(seg_start, tl.int64) + offs_m)[:, None] * stride_dym
-                           + offs_n[None, :] * stride_dyn)
-                for mi in range(tl.cdiv(m_e, BLOCK_M)):
-                    db_row_ok = offs_m < m_e - mi * BLOCK_M
-                    dy_tile = tl.load(dy_ptrs, mask=db_row_ok[:, None] & n_ok[None, :], other=0.0)
-                    db += tl.sum(dy_tile.to(tl.float32), axis=0)
-                    dy_ptrs += BLOCK_M * stride_dym
-                db_ptrs = db_ptr + tl.cast(e, tl.int64) * stride_db_e + offs_n
-                if ACCUMULATE:
-                    db += tl.load(db_ptrs, mask=n_ok, other=0.0).to(tl.float32)
-                tl.store(db_ptrs, db.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
-# out[t] = sum of src rows offsets[t] .. offsets[t+1]-1, in order: the deterministic
-# reduction of a gathered operand's gradient (rows pre-sorted by destination).
-# Tiling: one program per (destination row, BLOCK_K columns); fp32 accumulation.
+# out[t] = sum of src rows offsets[t] .. offsets[t+1]-1: the deterministic reduction of a
+# gathered operand's gradient (rows pre-sorted by destination, a few per segment) and the
+# bias gradient (each expert's rows, hundreds to thousands per segment).
+# Tiling: one program per (destination row, BLOCK_K columns), reading BLOCK_R rows a step
+# into a [BLOCK_R, BLOCK_K] fp32 accumulator that is summed over its rows at the end (with
+# BLOCK_R = 1: the rows added one by one, in order). Fixed order either way: deterministic.
 @triton.jit
 def _segment_sum_kernel(src_ptr, out_ptr, offsets_ptr, K, stride_sm, stride_om,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < K
     start = tl.load(offsets_ptr + t)
     end = tl.load(offsets_ptr + t + 1)
-    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for i in range(start, end):
-        acc += tl.load(src_ptr + tl.cast(i, tl.int64) * stride_sm + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tl.cast(t, tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for first in range(start, end, BLOCK_R):
+        rows = first + offs_r
+        ptrs = src_ptr + tl.cast(rows, tl.int64)[:, None] * stride_sm + cols[None, :]
+        acc += tl.load(ptrs, mask=(rows < end)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.cast(t, tl.int64) * stride_om + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty),
+             mask=col_ok)
 
 
 def _int32_bits(value: int) -> int:
@@ -545,12 +536,10 @@ def launch_rows(
 
 
 def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torch.Tensor,
-              config: KernelConfig, accumulate: bool = False, db: torch.Tensor | None = None) -> None:
+              config: KernelConfig, accumulate: bool = False) -> None:
     """Launch the dW kernel into ``dw`` [E, N, K] from expert-ordered rows of ``dy`` [M, N]
     and ``x`` [M, K] (gather or weight them first with :func:`ep_moe.kernels.permute.launch_gather_rows`).
-    ``accumulate``: add the product to what ``dw`` holds instead of overwriting it.
-    ``db`` [E, N] (contiguous): also the bias gradient, each expert's column sums of ``dy``
-    (added to ``db`` with ``accumulate``)."""
+    ``accumulate``: add the product to what ``dw`` holds instead of overwriting it."""
     num_experts, n, k = dw.shape
     m_starts = torch.cumsum(m_sizes, 0, dtype=torch.int32) - m_sizes
     c = config
@@ -560,29 +549,30 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
     x_desc = TensorDescriptor.from_tensor(x, [c.BLOCK_M, c.BLOCK_K]) if use_tma else None
     grid, stride = launch_grid(x.device, max_tiles)
     _grouped_dw_kernel[grid](
-        dy, x, dy_desc, x_desc, dw, db if db is not None else dw, m_sizes, m_starts,
+        dy, x, dy_desc, x_desc, dw, m_sizes, m_starts,
         num_experts, x.shape[0], n, k,
         dy.stride(0), dy.stride(1),
         x.stride(0), x.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
-        db.stride(0) if db is not None else 0,
         TILE_STRIDE=stride,
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
         USE_TMA=use_tma,
         INPUT_PRECISION=_input_precision(x.dtype),
         ACCUMULATE=accumulate,
-        HAS_BIAS=db is not None,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
 
 
-def launch_segment_sum(src: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[t] = src[offsets[t]:offsets[t+1]].sum(0)`` for every row t of ``out``, in order."""
+def launch_segment_sum(src: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, rows_per_step: int = 1) -> None:
+    """``out[t] = src[offsets[t]:offsets[t+1]].sum(0)`` for every row t of ``out``, in fp32, in
+    a fixed order. ``rows_per_step``: rows each program reads at once, 1 (rows added in order:
+    segments of a few rows) or a power of two (long segments: 32 reads the bias gradient's
+    hundreds of rows per expert several times faster)."""
     num_out, k = out.shape
     if num_out == 0:
         return
-    block_k = min(triton.next_power_of_2(max(k, 16)), 1024)
+    block_k = min(triton.next_power_of_2(max(k, 16)), 1024 if rows_per_step == 1 else 256)
     _segment_sum_kernel[(num_out, triton.cdiv(k, block_k))](
-        src, out, offsets, k, src.stride(0), out.stride(0), BLOCK_K=block_k,
+        src, out, offsets, k, src.stride(0), out.stride(0), BLOCK_R=rows_per_step, BLOCK_K=block_k,
         num_warps=4,
     )

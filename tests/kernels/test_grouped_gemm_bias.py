@@ -16,8 +16,8 @@ import torch
 
 from ep_moe import grouped_gemm
 from ep_moe.ep.pipeline import DeferredWeightGrads
-from ep_moe.kernels.grouped_gemm import launch_dw, launch_rows
-from ep_moe.kernels.ops import defer_weight_grads, grouped_gemm_slot_sum
+from ep_moe.kernels.grouped_gemm import launch_rows, launch_segment_sum
+from ep_moe.kernels.ops import _expert_rows_grads, defer_weight_grads, grouped_gemm_slot_sum
 from ep_moe.kernels.reference import grouped_gemm_reference
 from test_grouped_gemm import CASES, DEVICE, DTYPES, TOL, configs_for, make_problem, rel_err, row_dot_err
 from test_slot_sum import TOP_K, _problem, _unweighted_rows
@@ -196,8 +196,8 @@ def test_bias_grad_is_queued_with_dw_and_accumulates(op):
 # --- raw launchers on poisoned outputs -----------------------------------------------------
 
 def test_launchers_with_bias_write_every_element():
-    """Forward with a bias, the dX row dots with its share, and the dW kernel's db (empty
-    experts: zeros; accumulate adds what db holds), on NaN-poisoned outputs."""
+    """Forward with a bias, the dX row dots with its share, and dW with db (empty experts:
+    zeros; ``add_to`` adds to what dw and db hold), on NaN-poisoned outputs."""
     x, w, m_sizes, g, s, rw = make_problem("ragged", torch.float32, True, True, True)
     bias = _bias_for(w)
     num_rows, n, k = g.shape[0], w.shape[1], w.shape[2]
@@ -220,15 +220,31 @@ def test_launchers_with_bias_write_every_element():
     assert rel_err(dots, want_dots) < TOL[torch.float32]
     assert rel_err(dx_rows, torch.einsum("rn,rnk->rk", dy.double(), w64[experts])) < TOL[torch.float32]
 
-    dw = torch.full_like(w, float("nan"))
-    db = torch.full_like(bias, float("nan"))
-    launch_dw(dy, a_rows, dw, m_sizes, CONFIGS.dw, db=db)
+    dw, db = _expert_rows_grads(dy, a_rows, w, m_sizes, CONFIGS.dw, bias)  # new tensors (torch.empty)
     want_db = torch.zeros_like(b64).index_add(0, experts, dy.double())
     assert torch.isfinite(db).all() and rel_err(db, want_db) < TOL[torch.float32]
     assert torch.equal(db[1], torch.zeros_like(db[1]))  # expert 1 has no rows
-    held = db.clone()
-    launch_dw(dy, a_rows, dw, m_sizes, CONFIGS.dw, accumulate=True, db=db)
-    assert rel_err(db, held.double() + want_db) < TOL[torch.float32]
+    want_dw = torch.zeros_like(w64).index_add(0, experts, torch.einsum("rn,rk->rnk", dy.double(), a_rows.double()))
+    assert rel_err(dw, want_dw) < TOL[torch.float32]
+    held = dw.clone(), db.clone()
+    _expert_rows_grads(dy, a_rows, w, m_sizes, CONFIGS.dw, bias, add_to=(dw, db))
+    assert rel_err(dw, 2 * held[0].double()) < TOL[torch.float32] and rel_err(db, 2 * held[1].double()) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("rows_per_step", [1, 4, 32])
+def test_segment_sum_rows_per_step(rows_per_step):
+    """Segment sums with 1, 4 and 32 rows a step against float64: empty segments, one row,
+    lengths that are multiples of no step, one long segment; equal results every run."""
+    lengths = [0, 1, 7, 33, 0, 130, 5]
+    offsets = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+    src = torch.randn(sum(lengths), 200, device=DEVICE)
+    out = torch.full((len(lengths), 200), float("nan"), device=DEVICE)
+    launch_segment_sum(src, offsets, out, rows_per_step=rows_per_step)
+    want = torch.stack([src.double()[int(a):int(b)].sum(0) for a, b in zip(offsets[:-1], offsets[1:])])
+    assert rel_err(out, want) < TOL[torch.float32]
+    again = torch.empty_like(out)
+    launch_segment_sum(src, offsets, again, rows_per_step=rows_per_step)
+    assert torch.equal(out, again)
 
 
 # --- argument errors -------------------------------------------------------------------------
