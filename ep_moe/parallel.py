@@ -365,7 +365,11 @@ _FSDP_CALL = "_ep_moe_fsdp_call"
 
 
 def _call(fn, *args, **kwargs):
-    return fn(*args, **kwargs)
+    """``fn(*args, **kwargs)``, a view it returns copied: FSDP hooks the experts' unshard for
+    the backward on this output, and an in-place op on a view (``y = moe(h); y += h``) would
+    drop that hook, failing the backward on freed weights."""
+    out = fn(*args, **kwargs)
+    return out.clone() if isinstance(out, torch.Tensor) and out._base is not None else out
 
 
 def _default_blocks(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
@@ -456,7 +460,9 @@ def apply_fsdp(
       group sharded over ``mesh.edp``, the replicas of those experts. Their all-gather and
       reduce-scatter run around the layer's forward and backward (the layer reads the
       stacked tensors directly, so FSDP's hooks are moved from the experts' ``forward`` to
-      the layer's). At EP = 1 they are sharded with their block over ``dp_shard``.
+      the layer's; the layer's output, a view, is then copied once, so that an in-place op
+      on it keeps FSDP's backward hook). At EP = 1 they are sharded with their block over
+      ``dp_shard``.
     - Gradients are reduce-scattered in the backward and come out as :func:`sync_gradients`
       leaves them (with the per-rank mean loss): dense ones averaged over all ranks; expert
       ones summed over ``edp`` and divided by all ranks too (each rank's expert gradient

@@ -47,23 +47,29 @@ order than the replicated path's all-reduce."""
 
 
 class _Block(nn.Module):
-    """A dense layer and an MoE layer (with a shared expert), residual."""
+    """A dense layer and an MoE layer (with a shared expert), residual (``inplace``: added
+    in place to the MoE layer's output)."""
 
-    def __init__(self, config: MoEConfig, ep_group) -> None:
+    def __init__(self, config: MoEConfig, ep_group, inplace: bool = False) -> None:
         super().__init__()
         self.dense = nn.Linear(H, H)
         self.moe = MoELayer(config, ep_group)
+        self.inplace = inplace
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         h_TH = x_TH + torch.tanh(self.dense(x_TH))
-        return h_TH + self.moe(h_TH)
+        if not self.inplace:
+            return h_TH + self.moe(h_TH)
+        y_TH = self.moe(h_TH)
+        y_TH += h_TH
+        return y_TH
 
 
 class _Model(nn.Module):
-    def __init__(self, config: MoEConfig, ep_group) -> None:
+    def __init__(self, config: MoEConfig, ep_group, inplace: bool = False) -> None:
         super().__init__()
         self.embed = nn.Linear(H, H)
-        self.blocks = nn.ModuleList(_Block(config, ep_group) for _ in range(2))
+        self.blocks = nn.ModuleList(_Block(config, ep_group, inplace) for _ in range(2))
         self.head = nn.Linear(H, 4)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
@@ -78,9 +84,9 @@ def _config(num_experts: int) -> MoEConfig:
                      init_std=0.2, num_shared_experts=1, aux_loss_coef=0.1, z_loss_coef=0.01)
 
 
-def _build(ep_group, num_experts: int):
+def _build(ep_group, num_experts: int, inplace: bool = False):
     torch.manual_seed(0)  # the same dense weights on every rank; experts by global id
-    return _Model(_config(num_experts), ep_group)
+    return _Model(_config(num_experts), ep_group, inplace)
 
 
 def _assert_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -194,9 +200,14 @@ def _checkpoints(rank, world_size, root):
 
 def _misuse(rank, world_size):
     """A layer built on another EP group than the mesh's; sync_gradients on a sharded model;
-    the mesh's views (ParallelMesh from init_ep_mesh, groups_from_mesh)."""
+    the mesh's views (ParallelMesh from init_ep_mesh, groups_from_mesh); the MoE output added
+    to in place (FSDP's backward hook on a view would be dropped)."""
     errors = {}
     pm = init_parallel_mesh(2, device_type="cpu")
+    groups = pm.groups()
+    inplace = {"replicated": _train(_build(groups.ep_group, 8, inplace=True), rank,
+                                    lambda m: sync_gradients(m, groups.ep_group, groups.edp_group), steps=1),
+               "fsdp": _train(apply_fsdp(_build(pm.ep, 8, inplace=True), pm), rank, steps=1)}
     try:
         apply_fsdp(_build(None, 8), pm)
     except ValueError as exc:
@@ -212,7 +223,7 @@ def _misuse(rank, world_size):
              "groups": (groups_from_mesh(pm).ep_size, groups_from_mesh(pm.mesh).edp_size),
              "wrapped": (wrapped.ep_size, wrapped.edp_size, wrapped.dp_size),
              "ep_ranks": dist.get_process_group_ranks(pm.groups().ep_group)}
-    return errors, views
+    return errors, views, inplace
 
 
 def _world(rank, world_size, cases, root):
@@ -294,10 +305,22 @@ def test_checkpoints_under_fsdp(world4):
 
 @pytest.mark.distributed
 def test_misuse_is_named(world2):
-    for errors, views in (r["misuse"] for r in world2):
+    for errors, views, _ in (r["misuse"] for r in world2):
         assert "an MoE layer has ep_size=1 but the mesh's 'ep' axis has 2 ranks" in errors["ep_size"]
         assert "reduce-scatters already averaged the gradients" in errors["sync"]
         assert views == {"pm": (2, 1, 2, True), "groups": (2, 1), "wrapped": (1, 2, 2), "ep_ranks": [0, 1]}
+
+
+@pytest.mark.distributed
+def test_moe_output_added_to_in_place(world2):
+    """``y = moe(h); y += h`` under FSDP at EP=2: the gradients of the replicated path (the
+    layer's output is a view, which apply_fsdp copies so that FSDP's backward hook on it
+    survives the in-place add)."""
+    for rank, (_, _, inplace) in enumerate(r["misuse"] for r in world2):
+        ref, got = inplace["replicated"], inplace["fsdp"]
+        _assert_close(got["loss"][0], ref["loss"][0], f"rank {rank} loss")
+        for name, grad in ref["grads"][0].items():
+            _assert_close(got["grads"][0][name], grad, f"rank {rank} grad of {name}")
 
 
 def test_mesh_dims_checked_before_any_collective():
