@@ -3,10 +3,12 @@ gloo: the same model, seed and per-rank data, trained 3 AdamW steps both ways, g
 same losses, the same gradients (gathered from the DTensors with ``full_tensor()``) and the
 same weights, to fp32 tolerance. Cases (world, EP): (2, 1), (2, 2), (4, 2) (edp = 2), (4, 4),
 and (4, 2) with 2 experts (one local expert over two edp ranks: sharded on dim 1). Also:
-where each parameter is sharded, resharding after forward, checkpoints under FSDP (the torch
-state-dict APIs, and ep_moe.checkpoint's DCP save loaded at other (EP, edp) layouts and
-into the replicated model), the mesh's bad input (before any collective), a layer on another
-EP group, sync_gradients refusing a sharded model."""
+where each parameter is sharded, resharding after forward, activation-checkpointed blocks,
+an in-place add to the MoE output, checkpoints under FSDP (the torch state-dict APIs, and
+ep_moe.checkpoint's DCP save loaded at other (EP, edp) layouts and into the replicated
+model), the mesh's bad input (before any collective), a layer on another EP group,
+sync_gradients refusing a sharded model. One forkserver run per world size (the torch
+backend: no Triton kernel runs, so the server's environment does not matter)."""
 
 import re
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -71,11 +74,13 @@ class _Model(nn.Module):
         self.embed = nn.Linear(H, H)
         self.blocks = nn.ModuleList(_Block(config, ep_group, inplace) for _ in range(2))
         self.head = nn.Linear(H, 4)
+        self.checkpoint_blocks = False
+        """Recompute each block in the backward (non-reentrant activation checkpoint, as the trainer's)."""
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         h_TH = self.embed(x_TH)
         for block in self.blocks:
-            h_TH = block(h_TH)
+            h_TH = checkpoint(block, h_TH, use_reentrant=False) if self.checkpoint_blocks else block(h_TH)
         return self.head(h_TH)
 
 
@@ -198,6 +203,18 @@ def _checkpoints(rank, world_size, root):
     return out
 
 
+@pytest.mark.distributed
+def test_activation_checkpointed_blocks(world4):
+    """Blocks recomputed in the backward (non-reentrant checkpoint; the experts' all-gather
+    runs again in the recompute) at (EP, edp) = (2, 2): the replicated path's losses and gradients."""
+    for rank, result in enumerate(world4):
+        ref, got = result["compare"][(2, 8)]["replicated"], result["recomputed"]
+        for step in range(STEPS):
+            _assert_close(got["loss"][step], ref["loss"][step], f"rank {rank} step {step} loss")
+            for name, grad in ref["grads"][step].items():
+                _assert_close(got["grads"][step][name], grad, f"rank {rank} step {step} grad of {name}")
+
+
 def _misuse(rank, world_size):
     """A layer built on another EP group than the mesh's; sync_gradients on a sharded model;
     the mesh's views (ParallelMesh from init_ep_mesh, groups_from_mesh); the MoE output added
@@ -234,6 +251,10 @@ def _world(rank, world_size, cases, root):
         out["misuse"] = _misuse(rank, world_size)
     else:
         out["checkpoints"] = _checkpoints(rank, world_size, root)
+        pm = init_parallel_mesh(2, device_type="cpu")
+        model = _build(pm.ep, 8)
+        model.checkpoint_blocks = True
+        out["recomputed"] = _train(apply_fsdp(model, pm), rank)  # against compare[(2, 8)]["replicated"]
     return out
 
 
