@@ -29,7 +29,9 @@ from ep_moe.routing import build_routing_metadata
 from tolerance import rel_err, within
 
 pytestmark = pytest.mark.gpu
-BF16_TOL = 2e-2
+BF16_TOL = 8e-3
+"""Relative error allowed in bf16: twice the worst measured on H200 (4.2e-3, a dX against
+float64, where rounding the operands and the output to bf16 alone costs about that)."""
 
 # (m_sizes, N, K): zero-row experts, all rows on one expert, ragged sizes of no block multiple
 CASES = {

@@ -18,7 +18,9 @@ from ep_moe.ep.all_to_all import AllToAllDispatcher
 from tolerance import rel_err, within
 
 pytestmark = pytest.mark.gpu
-MAX_REL_ERR = 2e-2
+MAX_REL_ERR = 1e-3
+"""Both sides run in bf16 on the same kernels and routing, so they differ only in summation
+order: the worst measured on H200 is 2.9e-5; a wrong gradient is off by 1e-2 and more."""
 
 
 def _layer(dtype: torch.dtype = torch.bfloat16, **overrides) -> MoELayer:
