@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -277,7 +277,9 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Optional[torch.
     not a complete, readable checkpoint or its tensors do not fit the model; the error then names
     the MoE config fields that differ between the checkpoint and the model, and the keys
     that are missing, unexpected or of another shape. Config fields that differ while the
-    tensors fit (``top_k``, ``aux_loss_coef``, ...) are logged as a warning.
+    tensors fit (``top_k``, ``aux_loss_coef``, ...) are logged as a warning. A data file
+    that fails to read (truncated, deleted) raises ``ValueError`` on every rank too, naming
+    the first failing rank's error; the model and optimizer may then be partly loaded.
     """
     path = Path(path)
     problem, differences, state = None, [], None
@@ -295,17 +297,33 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Optional[torch.
         try:
             saved = FileSystemReader(path).read_metadata().state_dict_metadata
             differences = _config_differences(path, saved, model)
-        except Exception as exc:  # a damaged file fails in many ways: unpickler, EOF, a data file missing
-            problem = (f"checkpoint {path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}); "
-                       "load an earlier checkpoint")
+        except (Exception, CheckpointException) as exc:  # a damaged file fails in many ways: unpickler, EOF,
+            # a data file missing (reading the configs: DCP's CheckpointException, a BaseException)
+            why = (_first_failure(exc) if isinstance(exc, CheckpointException)
+                   else f"{type(exc).__name__}: {str(exc)[:200]}")
+            problem = f"checkpoint {path} cannot be read ({why}); load an earlier checkpoint"
         else:
             problem = _misfit(path, saved, state, _stacked_experts(model), differences)
     _raise_on_every_rank(problem)
     if differences and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning("checkpoint %s was saved with other MoE config values, which this model overrides: %s",
                        path, "; ".join(differences))
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as exc:  # on every rank alike: DCP gathers the ranks' outcomes of each step
+        raise ValueError(f"checkpoint {path} cannot be read ({_first_failure(exc)}); load an earlier checkpoint "
+                         "(this model and optimizer may be partly loaded)") from None
     load_moe_state_dict(model, optimizer, state)
+
+
+def _first_failure(exc: CheckpointException) -> str:
+    """The lowest failing rank's exception of a DCP ``CheckpointException``, in one line."""
+    if not exc.failures:
+        return str(exc).strip().splitlines()[0][:200]
+    rank = min(exc.failures)
+    error = exc.failures[rank][0]
+    first = " ".join(str(error).split()).split(". ")[0]  # torch's advice after it does not apply here
+    return f"rank {rank}: {type(error).__name__}: {first[:200]}"
 
 
 def _config_differences(path: Path, saved_metadata: dict[str, Any], model: nn.Module) -> list[str]:

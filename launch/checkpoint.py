@@ -1,6 +1,20 @@
 """Checkpoints of an expert-parallel run: save, find the latest, load (with EP resharding).
 
-One checkpoint is a directory ``{dir}/step_{step:08d}/``::
+One checkpoint is a directory ``{dir}/step_{step:08d}/``, in one of two formats
+(``checkpoint.format``; loading reads the format from ``meta.json``, so either resumes).
+``"dcp"``, the default: ``torch.distributed.checkpoint`` through ``ep_moe.checkpoint``::
+
+    .metadata, __{r}_0.distcp DCP (``ep_moe.checkpoint.save_checkpoint``): weights and AdamW
+                              state, experts and their state keyed per *global* expert, each
+                              tensor written once (replicas deduplicated), and the MoE
+                              layers' configs; loads at any (EP, DP) layout, each rank
+                              reading the tensors of its own experts
+    rng-{r:05d}.pt            every rank: its torch CPU (and CUDA) RNG states
+    meta.json                 rank 0: format, step, world and EP sizes, config, ``extra``
+                              (step, data position)
+    COMPLETE                  written last, by rank 0: the checkpoint is complete
+
+``"native"``, this module's own files::
 
     dense.pt                  rank 0: replicated weights (everything but the experts), their
                               AdamW state, optimizer hyper-parameters (a resumed run uses
@@ -10,25 +24,31 @@ One checkpoint is a directory ``{dir}/step_{step:08d}/``::
                               EP rank p of the first EP group (global rank p): its experts'
                               weights and AdamW state, keyed by *global* expert id
     rng-{r:05d}.pt            every rank: its torch CPU (and CUDA) RNG states
-    meta.json                 rank 0: step, world and EP sizes, config
+    meta.json                 rank 0: format, step, world and EP sizes, config
     COMPLETE                  written last, by rank 0: the checkpoint is complete
 
 Replicas hold identical values (dense weights on every rank, experts on every rank of an
 expert-data-parallel group), so only one copy is written. Expert tensors are stored per
 global expert id, in the layout of ``MoELayer.state_dict()`` (``...experts.gate_up.{g}``),
 and optimizer state the same way; so a checkpoint loads at any EP size that divides the
-number of experts, each rank reading only the shards that hold its experts.
+number of experts, each rank reading only the shards that hold its experts. Either format
+resumes the optimizer's per-parameter state (moments, step counts), not its
+hyper-parameters: those come from the run's config. RNG states are restored when the
+world size is the one saved.
 
-Nothing a kill interrupts looks complete. Files are written into ``step_XXXXXXXX.partial/``;
-once every rank is done, rank 0 writes the ``COMPLETE`` marker there and renames the
-directory into place. Only a directory holding the marker counts as a checkpoint.
-Deleting one (pruning, or a re-save of the same step replacing it) first renames the
-directory to ``*.deleting`` (atomic; no lookup matches that name), then removes its marker
-and deletes it. A re-save killed after the old directory was renamed away leaves the new
-one complete as ``.partial``, which ``--resume latest`` puts in place. ``--resume latest`` takes the newest complete checkpoint that loads on every rank,
-naming in the log each one it skips and why; a damaged file is named with its checkpoint
-and an earlier step to resume from, a checkpoint of another model config with the
-``[model]`` and ``[moe]`` values that differ.
+Both formats share what follows. Nothing a kill interrupts looks complete. Files are written
+into ``step_XXXXXXXX.partial/``; once every rank is done, rank 0 writes the ``COMPLETE``
+marker there and renames the directory into place (for DCP, DCP's own ``.metadata`` is not
+enough: the marker comes after it, the RNG files and ``meta.json``). Only a directory
+holding the marker counts as a checkpoint. Deleting one (pruning, or a re-save of the same
+step replacing it) first renames the directory to ``*.deleting`` (atomic; no lookup matches
+that name), then removes its marker and deletes it. A re-save killed after the old
+directory was renamed away leaves the new one complete as ``.partial``, which ``--resume
+latest`` puts in place. ``--resume latest`` takes the newest complete checkpoint that loads
+on every rank, naming in the log each one it skips and why; a damaged file is named with its
+checkpoint and an earlier step to resume from (DCP: a missing ``.metadata`` by name, other
+damage by the reader's error), a checkpoint of another model config with the ``[model]`` and
+``[moe]`` values that differ. Non-finite weights or optimizer state are never saved.
 
 Pruning (``keep``) only considers checkpoints up to the step just saved, which is never
 deleted: newer ones (another run's, when this one resumed from an earlier step) are left
@@ -44,7 +64,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,6 +72,7 @@ from torch import nn
 
 from errors import CheckpointError
 
+from ep_moe import checkpoint as dcp_checkpoint
 from ep_moe.parallel import is_expert_param
 
 logger = logging.getLogger(__name__)
@@ -64,6 +85,8 @@ _DELETING = ".deleting"
 # param_group entries that are not hyper-parameters of the run: which parameters, the lr the
 # schedule sets every step, and implementation choices that follow the device.
 _NOT_HYPER = frozenset({"params", "lr", "initial_lr", "fused", "foreach", "capturable", "differentiable"})
+FORMATS = ("dcp", "native")
+"""The values of ``checkpoint.format``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,8 +105,15 @@ class CheckpointConfig:
     """``""``: start fresh; ``"latest"``: the newest complete checkpoint in ``dir`` that
     loads (fresh start if there is none, so a preempted job can be resubmitted unchanged);
     or a path to one ``step_XXXXXXXX`` directory."""
+    format: Literal["dcp", "native"] = "dcp"
+    """How checkpoints are written: ``dcp`` (``torch.distributed.checkpoint``, each tensor
+    under a global key, experts per global id) or ``native`` (this trainer's own files).
+    Either loads at any EP and data-parallel layout; resuming reads the format a checkpoint
+    was saved in, whatever this value."""
 
     def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"checkpoint.format={self.format!r}: use {' or '.join(map(repr, FORMATS))}")
         if self.interval < -1:
             raise ValueError(f"checkpoint.interval={self.interval} must be >= -1 (-1: never save)")
         if self.keep < 0:
@@ -152,14 +182,21 @@ def _param_order(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
 
 
 def save_checkpoint(root: Path, step: int, layout: Layout, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
+                    extra: dict[str, Any], meta: dict[str, Any], keep: int, format: str = "native") -> Path:
     """Write this rank's part of the checkpoint of ``step``; collective (call on every rank).
 
     Returns the final directory. Every rank must see the same ``root``. A kill at any point
-    leaves every earlier checkpoint complete, and this one complete or unmarked.
+    leaves every earlier checkpoint complete, and this one complete or unmarked. ``format``:
+    one of :data:`FORMATS` (the trainer passes ``checkpoint.format``); with ``"dcp"``,
+    ``extra`` must be JSON (it goes to ``meta.json``).
     """
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}: use {' or '.join(map(repr, FORMATS))}")
     final = root / f"step_{step:08d}"
     partial = final.with_name(final.name + ".partial")
+    meta = {"format": format, "step": step, "world_size": layout.world_size, "ep_size": layout.ep_size,
+            **({"extra": extra} if format == "dcp" else {}), **meta}
+    meta_json = json.dumps(meta, indent=1)  # not JSON: raises here on every rank, before any collective
     _check_finite(step, model, optimizer)
     if layout.rank == 0:
         _discard(partial)  # an interrupted save of this step
@@ -167,6 +204,26 @@ def save_checkpoint(root: Path, step: int, layout: Layout, model: nn.Module, opt
             shutil.rmtree(trash, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
+    if format == "dcp":
+        dcp_checkpoint.save_checkpoint(partial, model, optimizer)  # collective
+    else:
+        _save_native(partial, layout, model, optimizer, extra)
+    torch.save(_rng_state(), partial / f"rng-{layout.rank:05d}.pt")
+    dist.barrier()
+    if layout.rank == 0:
+        (partial / "meta.json").write_text(meta_json)
+        _mark_complete(partial, step)
+        _discard(final)  # a re-save of this step: the old one stops counting before it goes
+        partial.rename(final)
+        _prune(root, keep, step)
+    dist.barrier()
+    return final
+
+
+def _save_native(partial: Path, layout: Layout, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 extra: dict[str, Any]) -> None:
+    """This rank's files of the native format: rank 0 the replicated tensors, the ranks of
+    the first EP group their experts."""
     model_state = model.state_dict()
     optim_state = _optimizer_state_by_key(model, optimizer)
     dense = _dense_keys(model)
@@ -179,17 +236,6 @@ def save_checkpoint(root: Path, step: int, layout: Layout, model: nn.Module, opt
         torch.save({"model": {k: v for k, v in model_state.items() if k not in dense},
                     "optimizer": {k: v for k, v in optim_state.items() if k not in dense}},
                    partial / f"experts-{layout.ep_rank:03d}-of-{layout.ep_size:03d}.pt")
-    torch.save(_rng_state(), partial / f"rng-{layout.rank:05d}.pt")
-    dist.barrier()
-    if layout.rank == 0:
-        (partial / "meta.json").write_text(json.dumps(
-            {"step": step, "world_size": layout.world_size, "ep_size": layout.ep_size, **meta}, indent=1))
-        _mark_complete(partial, step)
-        _discard(final)  # a re-save of this step: the old one stops counting before it goes
-        partial.rename(final)
-        _prune(root, keep, step)
-    dist.barrier()
-    return final
 
 
 def _mark_complete(path: Path, step: int) -> None:
@@ -402,15 +448,29 @@ def load_checkpoint(path: Path, layout: Layout, model: nn.Module, optimizer: tor
                     config: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Load weights, optimizer state and (same world size only) RNG states; return ``extra``.
 
-    Loading is local (no collective): each rank reads ``dense.pt`` and the expert shards
-    that cover its experts, whatever EP size they were saved at. Raises ``CheckpointError``
-    naming the checkpoint, the file and an earlier checkpoint to resume from when a file is
-    missing, empty or damaged; and, when the tensors do not fit the model, naming the
-    ``[model]`` and ``[moe]`` values that differ between the checkpoint's config and
-    ``config`` (this run's ``JobConfig.to_dict()``). A failed load may leave the model and
-    optimizer partly loaded: load another checkpoint, or stop.
+    The format is the one ``meta.json`` names (none: native). Native loading is local (no
+    collective): each rank reads ``dense.pt`` and the expert shards that cover its experts,
+    whatever EP size they were saved at. DCP loading is collective (every rank, same
+    ``path``): each rank reads the tensors of its experts, whatever (EP, DP) layout they
+    were saved at, and its errors are raised alike on every rank. Raises
+    ``CheckpointError`` naming the checkpoint, the file and an earlier checkpoint to resume
+    from when a file is missing, empty or damaged; and, when the tensors do not fit the
+    model, naming the ``[model]`` and ``[moe]`` values that differ between the checkpoint's
+    config and ``config`` (this run's ``JobConfig.to_dict()``). A failed load may leave the
+    model and optimizer partly loaded: load another checkpoint, or stop.
     """
     meta = _read_meta(path)
+    if meta["format"] == "dcp":
+        extra = _load_dcp(path, meta, layout, model, optimizer, config)
+    else:
+        extra = _load_native(path, meta, layout, model, optimizer, config)
+    _load_rng(path, meta, layout)
+    return extra
+
+
+def _load_native(path: Path, meta: dict[str, Any], layout: Layout, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, config: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Weights and optimizer state of a native checkpoint; returns its ``extra``."""
     dense = _read_part(path, "dense.pt", ("model", "optimizer", "param_groups", "extra"))
     extra = dense["extra"]
     if not (isinstance(extra, dict) and isinstance(extra.get("step"), int) and "data" in extra):
@@ -436,6 +496,44 @@ def load_checkpoint(path: Path, layout: Layout, model: nn.Module, optimizer: tor
         _load_optimizer(model, optimizer, optim_state, dense["param_groups"], warn=layout.rank == 0)
     except (RuntimeError, ValueError, KeyError) as exc:
         raise _not_this_model(path, diffs, _summary(exc)) from None
+    return extra
+
+
+def _load_dcp(path: Path, meta: dict[str, Any], layout: Layout, model: nn.Module,
+              optimizer: torch.optim.Optimizer, config: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Weights and optimizer state of a DCP checkpoint (``ep_moe.checkpoint.load_checkpoint``:
+    collective, its errors alike on every rank); returns its ``extra`` (from ``meta.json``).
+    The optimizer keeps this run's hyper-parameters, as :func:`_load_optimizer` does."""
+    extra = meta.get("extra")
+    if not (isinstance(extra, dict) and isinstance(extra.get("step"), int) and "data" in extra):
+        raise _damaged(path, "meta.json", "holds no step and data position (extra)")
+    if not (path / dcp_checkpoint.METADATA).is_file():
+        raise _damaged(path, dcp_checkpoint.METADATA, "is missing")
+    diffs = _config_diff(meta.get("config"), config)
+    current = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    try:
+        dcp_checkpoint.load_checkpoint(path, model, optimizer)
+    except ValueError as exc:  # raised on every rank alike
+        # ep_moe's message less its advice (the trainer gives its own) and, where the config
+        # values that differ are named, less its own naming of them
+        detail = re.sub(r"; (load an earlier checkpoint|build the model)[^;]*$", "",
+                        str(exc).replace(f"checkpoint {path} ", "it ", 1))
+        if diffs:
+            misfit = re.search(r"its tensors do not fit this model \((.*)\)$", detail)
+            raise _not_this_model(path, diffs, _summary(misfit.group(1) if misfit else detail)) from None
+        raise CheckpointError(f"cannot resume from checkpoint {path}: {_summary(detail)}. "
+                              f"{_earlier_hint(path)}") from None
+    finally:  # the checkpoint's param groups came with its state: this run's config wins
+        saved = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        for group, own in zip(optimizer.param_groups, current):
+            group.update(own)
+    if layout.rank == 0:
+        _warn_hyper(saved, current)
+    return extra
+
+
+def _load_rng(path: Path, meta: dict[str, Any], layout: Layout) -> None:
+    """This rank's RNG states, when the checkpoint was saved at this world size."""
     if meta["world_size"] == layout.world_size:
         name = f"rng-{layout.rank:05d}.pt"
         try:
@@ -446,7 +544,6 @@ def load_checkpoint(path: Path, layout: Layout, model: nn.Module, optimizer: tor
         logger.warning("checkpoint %s was saved by %s ranks, this run has %s: RNG states are not "
                        "restored and the data order differs from the original run",
                        path, meta["world_size"], layout.world_size)
-    return extra
 
 
 def _summary(exc: BaseException, lines: int = 3) -> str:
@@ -481,6 +578,10 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not (isinstance(meta, dict) and all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in sizes)
             and meta["ep_size"] > 0):
         raise _damaged(path, file.name, f"lacks {', '.join(sizes)} (non-negative integers)")
+    meta.setdefault("format", "native")  # saved before there was a choice
+    if meta["format"] not in FORMATS:
+        raise _damaged(path, file.name, f"names the format {meta['format']!r}, not one of "
+                                        f"{', '.join(map(repr, FORMATS))}")
     return meta
 
 
@@ -565,13 +666,22 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, by_key: 
         raise ValueError(f"checkpoint has {len(param_groups)} optimizer parameter groups, this model "
                          f"{len(current)}")
     if warn:
-        changed = sorted({f"{k}={saved[k]!r} -> {now[k]!r}" for saved, now in zip(param_groups, current)
-                          for k in saved.keys() & now.keys()
-                          if k not in _NOT_HYPER and saved[k] != now[k]})
-        if changed:
-            logger.warning("optimizer hyper-parameters differ from the checkpoint's; using this run's "
-                           "config: %s", ", ".join(changed))
+        _warn_hyper(param_groups, current)
     optimizer.load_state_dict({"state": state, "param_groups": current})
+
+
+def _warn_hyper(saved_groups: list[dict[str, Any]], current_groups: list[dict[str, Any]]) -> None:
+    """Log the optimizer hyper-parameters in which the checkpoint's param groups differ from
+    this run's (which are used)."""
+    def plain(value: Any) -> Any:  # DCP gives a tuple back as a list
+        return tuple(value) if isinstance(value, list) else value
+
+    changed = sorted({f"{k}={plain(saved[k])!r} -> {plain(now[k])!r}"
+                      for saved, now in zip(saved_groups, current_groups)
+                      for k in saved.keys() & now.keys() if k not in _NOT_HYPER and plain(saved[k]) != plain(now[k])})
+    if changed:
+        logger.warning("optimizer hyper-parameters differ from the checkpoint's; using this run's "
+                       "config: %s", ", ".join(changed))
 
 
 def _rng_state() -> dict[str, Any]:

@@ -469,7 +469,8 @@ class Trainer:
         start = time.perf_counter()
         extra = {"step": step, "data": self.batches.state_dict()}
         path = save_checkpoint(Path(self.job.checkpoint.dir), step, self.layout, self.model, self.optimizer,
-                               extra, {"config": self.job.to_dict()}, self.job.checkpoint.keep)
+                               extra, {"config": self.job.to_dict()}, self.job.checkpoint.keep,
+                               format=self.job.checkpoint.format)
         if self.ranks.rank == 0:
             logger.info("saved %s in %.1fs", path, time.perf_counter() - start)
 

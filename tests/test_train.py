@@ -3,10 +3,12 @@
 - ``launch/train.py`` under ``torchrun --nproc-per-node 2`` (gloo, torch experts, EP=2):
   the loss falls; resuming from a checkpoint logs exactly the losses of the uninterrupted
   run, also with activation checkpointing (and, to rounding, with compiled blocks); the
-  EP=2 checkpoint also resumes at EP=1 (experts resharded on load).
+  EP=2 checkpoint also resumes at EP=1 (experts resharded on load). These runs save in the
+  default format, DCP (``tests/test_train_dcp.py``: other layouts, faults).
 - resuming from an earlier checkpoint of a directory that holds newer ones: pruning keeps
   the newer ones and this run's own, the metrics file drops the records past the resumed
-  step; a resume takes the optimizer's hyper-parameters from the config, not the checkpoint.
+  step; a resume takes the optimizer's hyper-parameters from the config, not the checkpoint
+  (either format).
 - a validation split too short for one sequence: named in the error, or not needed when
   evaluation is off.
 - in-process: config overrides and their errors (type checks included), checkpoint
@@ -118,7 +120,7 @@ def test_resume_is_exact(full_run, tmp_path):
 
 def test_resume_reshards_experts(full_run, tmp_path):
     """The EP=2 checkpoint loads at EP=1: each rank then holds all 8 experts, read from
-    both shard files, optimizer state included; the run continues up to float rounding."""
+    the DCP checkpoint, optimizer state included; the run continues up to float rounding."""
     out, records = full_run
     resumed = _train(tmp_path, "--ep-size", "1", "--resume", str(out / "ckpt" / "step_00000010"))
     want = {s: v for s, v in _by_step(records, "loss").items() if s > CKPT_EVERY}
@@ -197,32 +199,44 @@ def test_resume_drops_metrics_past_the_resumed_step(full_run, branched_run):
     assert [r["step"] for r in resumed if "val_loss" in r] == [10, 16]
 
 
-def test_resume_takes_optimizer_settings_from_the_config(full_run, launch_modules, tmp_path, caplog):
+@pytest.mark.parametrize("fmt", ["dcp", "native"])
+def test_resume_takes_optimizer_settings_from_the_config(launch_modules, tmp_path, caplog, fmt):
     """A resume with other AdamW settings uses them (and says which differ), while the
-    per-parameter state comes from the checkpoint; a checkpoint's ``fused`` flag (here as
-    if saved on a GPU) does not carry over either."""
-    out, _ = full_run
+    per-parameter state comes from the checkpoint, in either format; a checkpoint's
+    ``fused`` flag (here as if saved on a GPU) does not carry over either. A group of one."""
     checkpoint, config, _ = launch_modules
     import model
+    import torch.distributed as dist
     import trainer
 
-    ckpt = tmp_path / "step_00000010"
-    shutil.copytree(out / "ckpt" / ckpt.name, ckpt)
-    dense = torch.load(ckpt / "dense.pt", weights_only=True)
-    for group in dense["param_groups"]:
-        group["fused"] = True
-    torch.save(dense, ckpt / "dense.pt")
-    job = config.parse_args(["--set", "training.weight_decay=0.0", "--set", "training.betas=[0.8, 0.99]"])
-    net = model.MoETransformer(job.model, job.moe_config(), None)
-    optimizer = trainer.build_optimizer(net, job.training, torch.device("cpu"))
-    with caplog.at_level(logging.WARNING, logger=checkpoint.logger.name):
-        extra = checkpoint.load_checkpoint(ckpt, checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1),
-                                           net, optimizer)
-    assert extra["step"] == CKPT_EVERY
+    def build(*argv):
+        job = config.parse_args(["--set", "model.n_layers=1", *argv])
+        torch.manual_seed(0)
+        net = model.MoETransformer(job.model, job.moe_config(), None)
+        return job, net, trainer.build_optimizer(net, job.training, torch.device("cpu"))
+
+    layout = checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        job, net, optimizer = build()
+        for _ in range(3):
+            for p in net.parameters():
+                p.grad = torch.randn_like(p)
+            optimizer.step()
+        for group in optimizer.param_groups:
+            group["fused"] = True
+        checkpoint.save_checkpoint(tmp_path, 3, layout, net, optimizer, {"step": 3, "data": {"step": 3}},
+                                   {"config": job.to_dict()}, keep=0, format=fmt)
+        job, net, optimizer = build("--set", "training.weight_decay=0.0", "--set", "training.betas=[0.8, 0.99]")
+        with caplog.at_level(logging.WARNING, logger=checkpoint.logger.name):
+            extra = checkpoint.load_checkpoint(tmp_path / "step_00000003", layout, net, optimizer, job.to_dict())
+    finally:
+        dist.destroy_process_group()
+    assert extra["step"] == 3
     groups = [(g["weight_decay"], g["betas"], g["fused"]) for g in optimizer.param_groups]
     assert groups == [(0.0, (0.8, 0.99), False)] * 2
     assert len(optimizer.state) == len(list(net.parameters()))
-    assert {int(state["step"]) for state in optimizer.state.values()} == {CKPT_EVERY}
+    assert {int(state["step"]) for state in optimizer.state.values()} == {3}
     assert "betas=(0.9, 0.95) -> (0.8, 0.99), weight_decay=0.1 -> 0.0" in caplog.text
 
 

@@ -78,10 +78,20 @@ def _names(ckpt: Path) -> list[str]:
     return sorted(p.name for p in ckpt.iterdir()) if ckpt.is_dir() else []
 
 
-def _assert_finite(path: Path) -> None:
-    for file in path.glob("*.pt"):
+def _assert_finite(path: Path, scratch: Path) -> None:
+    """Every weight of checkpoint ``path`` is finite (either format; ``scratch``: a file
+    that a DCP checkpoint is converted into)."""
+    files = [file for file in path.glob("*.pt") if not file.name.startswith("rng-")]
+    if (path / ".metadata").is_file():  # DCP: converted into one torch.save file
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(path, scratch)
+        files.append(scratch)
+    assert files, f"{path} holds no weights"
+    for file in files:
         state = torch.load(file, weights_only=True)
-        for key, value in state.get("model", {}).items():
+        assert state["model"]
+        for key, value in state["model"].items():
             assert torch.isfinite(value).all(), f"{file.name}: {key}"
 
 
@@ -98,7 +108,7 @@ def test_nan_weights_stop_the_run_and_keep_the_good_checkpoints(launch, monkeypa
     assert run.step == 25
     assert _names(tmp_path / "ckpt") == ["step_00000010", "step_00000020"]
     for path in (tmp_path / "ckpt").iterdir():
-        _assert_finite(path)
+        _assert_finite(path, tmp_path / "converted.pt")
 
 
 def test_nan_weights_are_never_saved(launch, monkeypatch, tmp_path):
