@@ -446,6 +446,14 @@ def debug_enabled(debug: Optional[bool] = None) -> bool:
     return os.environ.get("EP_MOE_DEBUG", "0") not in ("", "0")
 
 
+def value_checks(debug: bool, device: torch.device) -> bool:
+    """Whether the checks of index and count values run: on the CPU, where they are free,
+    or in debug mode (on a GPU each costs a host sync); never while tracing, where the
+    values are data-dependent. ``benchmarks/host_proxy.py`` turns them off to count a CPU
+    call as a GPU call runs."""
+    return (debug or device.type == "cpu") and not torch.compiler.is_compiling()
+
+
 def _check_tensor(name: str, value) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; convert it with torch.as_tensor")
@@ -544,10 +552,8 @@ def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bo
     if bounded_rows and scatter_index is not None:
         raise ValueError("bounded_rows=True does not take a scatter_index (a permutation of every row); "
                          "sum the rows with row_of_slot instead (ep_moe.kernels.permute.sum_slot_rows)")
-    if torch.compiler.is_compiling() or (not debug and x.device.type != "cpu"):
+    if not value_checks(debug, x.device):
         return
-    # Value checks: free on the CPU; on a GPU each costs a host sync, so only in debug mode.
-    # Never while tracing: the values are data-dependent.
     _check_counts(m_sizes, rows, bounded_rows, "gather_index entries" if gather_index is not None else "rows of x")
     if gather_index is not None and rows and not bool(((gather_index >= 0) & (gather_index < x.shape[0])).all()):
         raise ValueError(f"gather_index has entries outside [0, {x.shape[0]}) (the rows of x); index rows of x only")
@@ -574,7 +580,7 @@ def _validate_slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top
         raise ValueError(f"row_of_slot must be 1-D with top_k={top_k} entries per token (slot t*K + k), got "
                          f"shape {tuple(row_of_slot.shape)}")
     _check_index("row_of_slot", row_of_slot, row_of_slot.shape[0], a.device, "a")
-    if torch.compiler.is_compiling() or (not debug_enabled() and a.device.type != "cpu"):
+    if not value_checks(debug_enabled(), a.device):
         return
     _check_counts(m_sizes, rows, bounded_rows, "rows of a")
     if row_of_slot.numel() and not bool(((row_of_slot >= -1) & (row_of_slot < rows)).all()):
@@ -638,8 +644,8 @@ def grouped_gemm(
     """
     debug = debug_enabled(debug)
     _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug, bounded_rows, bias)
-    if unique_gather and gather_index is not None and (debug or x.device.type == "cpu") \
-            and not torch.compiler.is_compiling() and torch.unique(gather_index).numel() != gather_index.numel():
+    if unique_gather and gather_index is not None and value_checks(debug, x.device) \
+            and torch.unique(gather_index).numel() != gather_index.numel():
         raise ValueError("unique_gather=True but gather_index reads some rows of x more than once; "
                          "pass unique_gather=False")
     if backend not in ("auto", "triton", "torch"):
