@@ -76,13 +76,18 @@ tags its own; the ZeRO 1/2 param groups below read them), else from
 ``set_deepspeed_parallelism``. The engine thus all-reduces expert gradients over
 the expert-data-parallel group only and divides them, like every other gradient, by the
 data-parallel world size, exactly as :func:`ep_moe.parallel.sync_gradients` does; the
-router and the rest of the model are averaged over all data-parallel ranks. Tested
-against DeepSpeed's own MoE with ZeRO stage 0, fp32 and a client torch optimizer (one
-step at world 2 and 4, ``ep_size=2``) and with ZeRO stage 1 (world 2); for ZeRO stage 1/2
-pass DeepSpeed's MoE optimizer param groups
-(``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``, which reads
-the tags above) as for DeepSpeed's own MoE. ZeRO stage 3 is refused by the engine as for
-native MoE.
+router and the rest of the model are averaged over all data-parallel ranks; at start the
+engine broadcasts expert weights from the first rank of their expert-data-parallel group
+and the rest from rank 0. ZeRO stages 1 and 2 partition the expert parameter groups over
+the expert-data-parallel group, and gradient clipping takes DeepSpeed's MoE-aware norm, as
+for DeepSpeed's own layer. For ZeRO 1/2, pass a client optimizer DeepSpeed's MoE parameter
+groups (``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``, which
+reads the tags above), as for DeepSpeed's own MoE; ZeRO 3 the engine refuses for MoE.
+Tested against DeepSpeed's own MoE layer (``tests/test_deepspeed_engine.py``, CPU, gloo):
+ZeRO 0, 1 and 2, each in float32 and in bf16 (the ``"bf16"`` section: DeepSpeed's CPU
+accelerator runs it), a client ``torch.optim`` optimizer, gradient clipping, at world 2
+and 4 with ``ep_size=2``: losses, global gradient norms and weights match step by step
+(float32 to rounding, bf16 to its precision).
 :meth:`MoE.set_deepspeed_parallelism` raises (naming the fix) where this cannot work: a
 layer built before ``import deepspeed`` at ``ep_size > 1``, DeepSpeed groups that are not
 ep_moe's expert-then-data layout (``use_data_before_expert_parallelism=True`` with
@@ -92,12 +97,30 @@ Checkpoints. :class:`MoE`'s ``state_dict`` has DeepSpeed's MoE keys: the router 
 ``deepspeed_moe.gate.wg.weight``, local expert j's weights under
 ``deepspeed_moe.experts.deepspeed_experts.{j}.``, named as in the expert module (grouped
 experts of an explicit shape: ``gate_up.weight`` and ``down.weight``). So
-``engine.save_checkpoint`` writes DeepSpeed's per-expert files and
-``engine.load_checkpoint`` reads them, at the same or another ``ep_size``, and a
-checkpoint of the model with DeepSpeed's own MoE layers loads into the replaced model
-(its weights: pass ``load_optimizer_states=False``, since its optimizer holds other
-parameters). Tested with ZeRO stage 0 at world 2 and 4 and stage 1 at world 2. One
-difference: ``save_checkpoint(exclude_frozen_parameters=True)`` still saves a frozen router
+``engine.save_checkpoint`` writes DeepSpeed's files, one per global expert
+(``layer_X_expert_Y_mp_rank_00_model_states.pt``), and ``engine.load_checkpoint`` reads
+them, and checkpoints move between the drop-in and DeepSpeed's own layer both ways. What
+loads where is DeepSpeed's rule, the same for its own layer (tested at every ZeRO stage,
+float32 and bf16, saved at world 2 with ``ep_size=2``):
+
+- A full load (optimizer state included) at the same ``ep_size`` and world size resumes
+  exactly.
+- The weights load at any ``ep_size`` dividing ``num_experts`` and any world size (tested:
+  ``ep_size`` 1 at world 1 and 2, 2 at world 2 and 4, 4 at world 4), and from DeepSpeed's
+  layer's checkpoints (its optimizer holds other parameters): pass
+  ``load_module_only=True``, or ``load_optimizer_states=False`` except in bf16 at ZeRO 0,
+  where DeepSpeed's ``FP16_UnfusedOptimizer`` then keeps its old fp32 master weights and
+  its next step overwrites the loaded ones.
+- Optimizer states do not carry across ``ep_size``: ZeRO 0 keeps them per expert-parallel
+  rank, ZeRO 1/2 as flat partitions per data-parallel rank (and DeepSpeed refuses another
+  world size). For its own layer DeepSpeed refuses another ``ep_size`` as well (its
+  parameter groups change size). The drop-in's stacked expert tensors keep the parameter
+  count alike at every ``ep_size``, so there the load itself is not refused: at ZeRO 0 a
+  missing file or the first step's shapes fail, at ZeRO 1/2 and the same world size it
+  goes through with states that do not fit. Pass one of the two flags above when
+  ``ep_size`` changes.
+
+One difference: ``save_checkpoint(exclude_frozen_parameters=True)`` still saves a frozen router
 (the engine leaves out frozen weights by parameter name, and the router's key is renamed).
 Keys the expert layout does not name (a bias of bias-free experts) are not taken: a
 strict load reports them. As for DeepSpeed's layer, these
