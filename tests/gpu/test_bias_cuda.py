@@ -2,7 +2,7 @@
 test_grouped_gemm_bias.py`` runs float32/float16 in the interpreter and bfloat16 here too).
 
 The grouped GEMM with a bias at shapes users run, with TMA loads on and off: forward, dX,
-dW, the bias gradient (the dW kernel's K block 0 tiles) and the top-k weights' gradient
+dW, the bias gradient (a segment sum of its own) and the top-k weights' gradient
 (whose bias share the dX kernel's column block 0 tiles add), against float64; the
 slot-summing down projection with a bias; torch.compile of a GEMM with a bias (the custom
 ops' new argument); and MoELayer with biases (gated and not), one Linear and module experts,
