@@ -20,6 +20,7 @@ from torch import nn
 from ep_moe.config import GATED_ACTIVATIONS, Activation, MoEConfig
 from ep_moe.kernels.activation import gated
 from ep_moe.kernels.config import GemmConfigs
+from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.kernels.ops import grouped_gemm, grouped_gemm_slot_sum
 from ep_moe.kernels.permute import sum_slot_rows
 from ep_moe.parallel import mark_expert_param
@@ -51,7 +52,7 @@ def activate(h_RF: torch.Tensor, activation: Activation, backend: str,
     return h_RF  # identity
 
 
-@torch.compiler.disable  # a cache lookup (maybe file reads): run eagerly, the configs enter as constants
+@eager_or_graph_break  # a cache lookup (maybe file reads): run eagerly, the configs enter as constants
 def _kernel_configs(problem: "GemmProblem", num_rows: int, device: torch.device) -> Optional[GemmConfigs]:
     """Tuned configs for one Triton GEMM call, or None (the kernels' defaults) when the
     autotuner is not available."""

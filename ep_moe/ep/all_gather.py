@@ -43,6 +43,7 @@ from torch.distributed import ProcessGroup
 
 from ep_moe.ep.base import Dispatcher, Exchange, PendingExchange, all_gather_single, reduce_scatter_single
 from ep_moe.ep.pipeline import expert_pipeline
+from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.routing import RouterOutput, RoutingMetadata, count_sorted, sort_slots
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class TokenCountCheck:
         self.agreed: set[int] = set()  # counts every rank of the group has passed at once
         self._in_flight: Optional[tuple[int, torch.Tensor, PendingExchange]] = None
 
-    @torch.compiler.disable  # an async collective: eager under torch.compile
+    @eager_or_graph_break  # an async collective: eager under torch.compile
     def start(self, num_tokens: int, group: ProcessGroup, device: torch.device) -> None:
         """Start the all-gather of this rank's ``num_tokens`` over ``group`` (collective)."""
         mine = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
@@ -207,7 +208,7 @@ class AllGatherDispatcher(Dispatcher):
         """The collectives of one call: NCCL's all-gather and reduce-scatter."""
         return GatherExchange(self.group)
 
-    @torch.compiler.disable  # async collectives, a host read for a new count: eager under torch.compile
+    @eager_or_graph_break  # async collectives, a host read for a new count: eager under torch.compile
     def dispatch(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                  backend: str) -> GatheredTokens:
         """The token count checked; every rank's expert ids and top-k weights gathered, then
@@ -232,7 +233,7 @@ class AllGatherDispatcher(Dispatcher):
         return GatheredTokens(backend, x_TH, weights_TK, exchange, rows_in, local,
                               packed_GK[:, top_k:].to(weights_TK.dtype), num_dropped)
 
-    @torch.compiler.disable
+    @eager_or_graph_break
     def experts(self, routed: GatheredTokens, experts: "GroupedExperts") -> torch.Tensor:
         """The experts on the gathered slots (GEMM2 sums each token's local slots) and the
         partial sums reduce-scattered back, through the expert pipeline: [T, H]."""

@@ -34,6 +34,7 @@ from torch.distributed import ProcessGroup
 
 from ep_moe.ep.base import Dispatcher, PendingExchange, all_gather_single, group_size, round_up
 from ep_moe.ep.pipeline import expert_pipeline
+from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.kernels.permute import gather_tokens, permute_tokens, sum_slot_rows
 from ep_moe.routing import (
     RankRouting,
@@ -74,7 +75,7 @@ class PendingCounts:
                  keep: tuple = ()) -> None:
         self._host, self._shape, self._event, self._keep = host, shape, event, keep
 
-    @torch.compiler.disable  # the host sync: eager under torch.compile
+    @eager_or_graph_break  # the host sync: eager under torch.compile
     def result(self) -> list:
         """The nested lists ``all[q][p]`` (host ints; blocks until they are here)."""
         self._release()
@@ -92,7 +93,7 @@ class PendingCounts:
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-@torch.compiler.disable  # streams, events and async collectives stay eager under torch.compile
+@eager_or_graph_break  # streams, events and async collectives stay eager under torch.compile
 def start_gather_counts(counts_PX: torch.Tensor, group: Optional[ProcessGroup]) -> PendingCounts:
     """Start gathering every rank's per-destination counts: ``counts_PX[p]`` holds X
     numbers this rank has for rank p; :meth:`PendingCounts.result` returns nested lists
@@ -135,7 +136,7 @@ def rank_splits(counts: list, rank: int) -> SplitSizes:
     return SplitSizes(send=[x[0] for x in counts[rank]], recv=[per_rank[rank][0] for per_rank in counts])
 
 
-@torch.compiler.disable  # streams, events and async collectives stay eager under torch.compile
+@eager_or_graph_break  # streams, events and async collectives stay eager under torch.compile
 def start_exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
                    group: Optional[ProcessGroup]) -> PendingExchange:
     """Start ``all_to_all_single`` of the rows of ``x`` with uneven splits (not
@@ -266,7 +267,7 @@ class AllToAllDispatcher(Dispatcher):
 
     # Both steps run eagerly under torch.compile: the host sync, collectives and side
     # streams make graph breaks of nearly every line.
-    @torch.compiler.disable
+    @eager_or_graph_break
     def dispatch(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                  backend: str) -> RoutedRows:
         """Count, sort and send: one all-gather of counts and one host sync, then the rows."""
@@ -296,7 +297,7 @@ class AllToAllDispatcher(Dispatcher):
         num_kept = sum(source[self.rank][1] for source in counts)
         return RoutedRows(backend, routing, send_rows, weights_U[:num_sent], exchange, rows_in, packed_in, num_kept)
 
-    @torch.compiler.disable
+    @eager_or_graph_break
     def experts(self, routed: RoutedRows, experts: "GroupedExperts") -> torch.Tensor:
         """The arrived rows routed to the local experts, the experts on them (GEMM2 sums each
         row's slots) and one row back per row received, through the expert pipeline: [U, H]

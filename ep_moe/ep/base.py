@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ep_moe.kernels.arrival import Landing
+from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.routing import RouterOutput
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class PendingExchange:
             raise RuntimeError("this exchange's rows do not land source by source; use wait()")
         return self._out
 
-    @torch.compiler.disable  # a stream wait: eager under torch.compile
+    @eager_or_graph_break  # a stream wait: eager under torch.compile
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()

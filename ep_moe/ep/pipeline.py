@@ -39,7 +39,7 @@ import torch
 
 from ep_moe.ep.base import Exchange, PendingExchange
 from ep_moe.kernels.arrival import RowArrival, rows_arriving
-from ep_moe.kernels.grouped_gemm import one_program_per_tile
+from ep_moe.kernels.grouped_gemm import eager_or_graph_break, one_program_per_tile
 from ep_moe.kernels.ops import defer_weight_grads
 from ep_moe.routing import RoutingMetadata
 
@@ -334,7 +334,7 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-@torch.compiler.disable  # streams, events and async collectives: eager under torch.compile
+@eager_or_graph_break  # streams, events and async collectives: eager under torch.compile
 def expert_pipeline(expert_fn: ExpertFn, local: RoutingMetadata, exchange: Exchange, params: Sequence[torch.Tensor],
                     send_rows: torch.Tensor, send_weights: torch.Tensor, arrived_weights: torch.Tensor,
                     dispatched: Optional[PendingExchange] = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_moe.kernels.grouped_gemm import row_block_programs
+from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, next_power_of_2, row_block_programs
 
 GateActivation = Literal["silu", "gelu"]
 """The gate's activation: ``"silu"`` (SwiGLU) or ``"gelu"``, the exact erf form (GeGLU)."""
@@ -64,16 +64,16 @@ def _swiglu_kernel(h_ptr, da_ptr, out_ptr, limit_ptr, num_rows, I, stride_h, str
             tl.store(out_ptr + rows * stride_o + offs_c[None, :], (act * up).to(out_ty), mask=mask)
 
 
-@torch.compiler.disable  # Triton launches stay eager under torch.compile (a graph break)
+@eager_or_graph_break  # Triton launches stay eager under torch.compile (a graph break)
 def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor,
             num_rows: torch.Tensor | None, act: GateActivation = "silu") -> torch.Tensor:
     rows, inter = h.shape[0], h.shape[1] // 2
     if rows == 0:
         return out
-    block_c = min(triton.next_power_of_2(max(inter, 16)), 256)
+    block_c = min(next_power_of_2(max(inter, 16)), 256)
     block_r = 16
-    col_blocks = triton.cdiv(inter, block_c)
-    grid = (row_block_programs(triton.cdiv(rows, block_r), col_blocks, h.device, num_rows is not None), col_blocks)
+    col_blocks = cdiv(inter, block_c)
+    grid = (row_block_programs(cdiv(rows, block_r), col_blocks, h.device, num_rows is not None), col_blocks)
     _swiglu_kernel[grid](
         h, da if da is not None else h, out, num_rows if num_rows is not None else h, rows, inter,
         h.stride(0), da.stride(0) if da is not None else 0, out.stride(0),

@@ -10,6 +10,7 @@ tensor descriptors. Every field reaches the launch (``launch_kwargs``); the auto
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -138,6 +139,7 @@ class GemmConfigs:
         return getattr(self, which)
 
     @classmethod
+    @functools.lru_cache(maxsize=None)  # on every grouped_gemm call without configs
     def defaults(cls, elem_size: int, smem_limit: int) -> "GemmConfigs":
         """The default configs fitted to an element size and a shared-memory limit."""
         return cls(**{p: fit_to_smem(DEFAULT_CONFIGS[p], p, elem_size, smem_limit) for p in PASSES})

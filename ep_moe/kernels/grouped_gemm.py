@@ -53,6 +53,33 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints. ``triton.cdiv`` does the same, but as a Triton
+    ``constexpr_function`` it costs several Python calls per host call (launch sizing runs on
+    every layer call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), on the host
+    (``triton.next_power_of_2`` costs more, as :func:`cdiv` says)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def eager_or_graph_break(fn):
+    """``fn`` run eagerly under ``torch.compile`` (a graph break, as ``torch.compiler.disable``
+    does) and called directly in eager mode: the disable wrapper switches Dynamo's frame
+    hook off and on around every call, host time that eager layer calls would pay each time."""
+    disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return (disabled if torch.compiler.is_compiling() else fn)(*args, **kwargs)
+
+    call.disabled = disabled  # what runs under torch.compile
+    return call
+
+
 @functools.lru_cache(maxsize=None)
 def num_programs_for(device: torch.device) -> int:
     """Size of the persistent grid: one program per SM (a few in the interpreter)."""
@@ -479,14 +506,14 @@ def launch_rows(
         b_desc = TensorDescriptor.from_tensor(w, block)
     if bias is not None and not transpose_w and dot_with is None:
         raise ValueError("launch_rows: a bias in the dX pass only adds to the row dots; pass dot_with, or no bias")
-    num_n_tiles = triton.cdiv(n_out, c.BLOCK_N)
+    num_n_tiles = cdiv(n_out, c.BLOCK_N)
     row_dot = None
     if dot_with is not None:
         if not per_routed_row and a.shape[0] != num_rows:  # the kernel strides the dots by num_rows
             raise ValueError(f"launch_rows: dots by load row need one routed row per row of a "
                              f"({num_rows} routed rows, a has {a.shape[0]}); pass per_routed_row=True")
         row_dot = torch.empty((num_n_tiles, num_rows), device=a.device, dtype=torch.float32)
-    max_tiles = (triton.cdiv(num_rows, c.BLOCK_M) + num_experts) * num_n_tiles
+    max_tiles = (cdiv(num_rows, c.BLOCK_M) + num_experts) * num_n_tiles
     dummy = m_sizes  # stands in for absent optional pointers; never dereferenced
     arrival = arrival_of(a)
     if arrival is not None and arrival.source_ends.shape != (num_experts, arrival.num_sources):
@@ -543,7 +570,7 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
     num_experts, n, k = dw.shape
     m_starts = torch.cumsum(m_sizes, 0, dtype=torch.int32) - m_sizes
     c = config
-    max_tiles = num_experts * triton.cdiv(n, c.BLOCK_N) * triton.cdiv(k, c.BLOCK_K)
+    max_tiles = num_experts * cdiv(n, c.BLOCK_N) * cdiv(k, c.BLOCK_K)
     use_tma = c.use_tma and tma_usable(dy, x)
     dy_desc = TensorDescriptor.from_tensor(dy, [c.BLOCK_M, c.BLOCK_N]) if use_tma else None
     x_desc = TensorDescriptor.from_tensor(x, [c.BLOCK_M, c.BLOCK_K]) if use_tma else None
@@ -571,8 +598,8 @@ def launch_segment_sum(src: torch.Tensor, offsets: torch.Tensor, out: torch.Tens
     num_out, k = out.shape
     if num_out == 0:
         return
-    block_k = min(triton.next_power_of_2(max(k, 16)), 1024 if rows_per_step == 1 else 256)
-    _segment_sum_kernel[(num_out, triton.cdiv(k, block_k))](
+    block_k = min(next_power_of_2(max(k, 16)), 1024 if rows_per_step == 1 else 256)
+    _segment_sum_kernel[(num_out, cdiv(k, block_k))](
         src, out, offsets, k, src.stride(0), out.stride(0), BLOCK_R=rows_per_step, BLOCK_K=block_k,
         num_warps=4,
     )

@@ -14,6 +14,7 @@ pays in full.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Callable, Literal, Optional, Protocol, Union
 
@@ -23,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from ep_moe.kernels.arrival import take_departure
 from ep_moe.kernels.config import PASSES, GemmConfigs, KernelConfig
 from ep_moe.kernels.grouped_gemm import (
+    eager_or_graph_break,
     interpreter_active,
     launch_dw,
     launch_rows,
@@ -38,11 +40,15 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages", "use_tma")
 
 
-def _configs_to_ints(configs: GemmConfigs) -> list[int]:
-    return [int(getattr(configs.for_pass(p), f)) for p in PASSES for f in _CONFIG_FIELDS]
+# The custom ops take the configs as ints (their schema has no dataclass); both directions
+# are cached, since a layer passes the same few configs on every call.
+@functools.lru_cache(maxsize=None)
+def _configs_to_ints(configs: GemmConfigs) -> tuple[int, ...]:
+    return tuple(int(getattr(configs.for_pass(p), f)) for p in PASSES for f in _CONFIG_FIELDS)
 
 
-def _configs_from_ints(values: list[int]) -> GemmConfigs:
+@functools.lru_cache(maxsize=None)
+def _configs_from_ints(values: tuple[int, ...]) -> GemmConfigs:
     n = len(_CONFIG_FIELDS)
     per_pass = {}
     for i, p in enumerate(PASSES):
@@ -76,7 +82,7 @@ def _fwd_impl(
 ) -> torch.Tensor:
     out = x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
     launch_rows(
-        x, w, out, m_sizes, _configs_from_ints(config).forward, transpose_w=True,
+        x, w, out, m_sizes, _configs_from_ints(tuple(config)).forward, transpose_w=True,
         load_idx=gather_index, store_idx=scatter_index, scale=row_weights, bias=bias,
     )
     return out
@@ -109,7 +115,7 @@ def _bwd_impl(
     need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, d row_weights, d bias); a gradient not asked for comes back as an empty tensor."""
-    configs = _configs_from_ints(config)
+    configs = _configs_from_ints(tuple(config))
     dx, dw, drw, db = x.new_empty(0), x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if need_dx or need_drw:
         dx, drw_f32 = _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
@@ -290,7 +296,7 @@ class _EagerGroupedGemm(torch.autograd.Function):
         if queue is None:
             return _backward_with(_bwd_impl, ctx, dy, saved=saved)
         dy = dy.contiguous()
-        config = _configs_from_ints(ctx.config).dw
+        config = _configs_from_ints(tuple(ctx.config)).dw
         bounded_rows, bias = ctx.bounded_rows, bias if with_bias else None
         queue.add((w, bias) if with_bias else w,
                   lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
@@ -302,9 +308,8 @@ class _GemmSlotSum(torch.autograd.Function):
     """:func:`grouped_gemm_slot_sum`'s forward and backward (Triton)."""
 
     @staticmethod
-    def forward(ctx, a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, config, bounded_rows,
+    def forward(ctx, a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, configs, bounded_rows,
                 source_ends, departure, bias):
-        configs = _configs_from_ints(config)
         rows = a.new_empty((a.shape[0], w.shape[1]))
         ctx.save_for_backward(a, w, m_sizes, row_weights, token_index, bias)
         ctx.configs, ctx.bounded_rows = configs, bounded_rows
@@ -355,7 +360,7 @@ class _GemmSlotSum(torch.autograd.Function):
                 None, None, None, None, None, None, None, db)
 
 
-@torch.compiler.disable  # eager only: its autograd.Function is not a custom op
+@eager_or_graph_break  # eager only: its autograd.Function is not a custom op
 def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, row_weights: torch.Tensor,
                           token_index: torch.Tensor, row_of_slot: torch.Tensor, top_k: int,
                           configs: Optional[GemmConfigs] = None, bounded_rows: bool = False,
@@ -388,7 +393,7 @@ def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tenso
         raise ValueError("grouped_gemm_slot_sum: a departure needs source_ends with one column per source "
                          f"({departure.num_sources}), got {None if source_ends is None else tuple(source_ends.shape)}")
     return _GemmSlotSum.apply(a, w, _as_int32(m_sizes), row_weights.contiguous(), _as_int32(token_index),
-                              _as_int32(row_of_slot), top_k, _configs_to_ints(configs), bounded_rows,
+                              _as_int32(row_of_slot), top_k, configs, bounded_rows,
                               source_ends, departure, None if bias is None else bias.contiguous())
 
 

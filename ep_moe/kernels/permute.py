@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ep_moe.kernels.grouped_gemm import row_block_programs
+from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, next_power_of_2, row_block_programs
 
 if TYPE_CHECKING:
     from ep_moe.routing import RoutingMetadata
@@ -77,10 +77,10 @@ def _sum_slot_rows_kernel(src_ptr, rows_ptr, out_ptr, num_tokens, C, stride_sm, 
 
 
 def _column_block(cols: int) -> int:
-    return min(triton.next_power_of_2(max(cols, 16)), 256)
+    return min(next_power_of_2(max(cols, 16)), 256)
 
 
-@torch.compiler.disable  # Triton launches stay eager under torch.compile (a graph break)
+@eager_or_graph_break  # Triton launches stay eager under torch.compile (a graph break)
 def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
                        scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                        limit: Optional[torch.Tensor] = None, scale_by_out_row: bool = False) -> torch.Tensor:
@@ -96,8 +96,8 @@ def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
     if num_rows == 0 or cols == 0:
         return out
     block_c, block_r = _column_block(cols), 16
-    col_blocks = triton.cdiv(cols, block_c)
-    row_programs = row_block_programs(triton.cdiv(num_rows, block_r), col_blocks, src.device, limit is not None)
+    col_blocks = cdiv(cols, block_c)
+    row_programs = row_block_programs(cdiv(num_rows, block_r), col_blocks, src.device, limit is not None)
     _gather_rows_kernel[(row_programs, col_blocks)](
         src, idx, scale if scale is not None else idx, limit if limit is not None else idx, out, num_rows, cols,
         src.stride(0), out.stride(0), SCALE=scale is not None, SCALE_BY_OUT_ROW=scale_by_out_row,
@@ -107,7 +107,7 @@ def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
     return out
 
 
-@torch.compiler.disable  # Triton launches stay eager under torch.compile (a graph break)
+@eager_or_graph_break  # Triton launches stay eager under torch.compile (a graph break)
 def launch_sum_slot_rows(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: int,
                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[t] = sum_k src[row_of_slot[t*top_k + k]]`` ([N / top_k, C], src's dtype; into
@@ -118,7 +118,7 @@ def launch_sum_slot_rows(src: torch.Tensor, row_of_slot: torch.Tensor, top_k: in
     if num_tokens == 0 or cols == 0:
         return out
     block_c, block_t = _column_block(cols), 16
-    _sum_slot_rows_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(cols, block_c))](
+    _sum_slot_rows_kernel[(cdiv(num_tokens, block_t), cdiv(cols, block_c))](
         src, row_of_slot, out, num_tokens, cols, src.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
     )
