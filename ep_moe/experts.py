@@ -21,7 +21,7 @@ from ep_moe.config import GATED_ACTIVATIONS, Activation, MoEConfig
 from ep_moe.kernels.activation import gated
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break
-from ep_moe.kernels.ops import grouped_gemm, grouped_gemm_slot_sum
+from ep_moe.kernels.ops import layer_grouped_gemm, layer_grouped_gemm_slot_sum
 from ep_moe.kernels.permute import sum_slot_rows
 from ep_moe.parallel import mark_expert_param
 from ep_moe.routing import RoutingMetadata
@@ -228,21 +228,23 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     :func:`~ep_moe.kernels.ops.grouped_gemm`)."""
     # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
     down, down_bias = down.to(x.dtype), None if down_bias is None else down_bias.to(x.dtype)
+    if backend == "triton":
+        m_sizes_e = m_sizes_e.to(torch.int32)  # as the kernels take it: converted once, not per GEMM
     if gate_up is None:
-        y_RH = grouped_gemm(x, down, m_sizes_e, gather_index=gather_index, scatter_index=scatter_index,
-                            row_weights=row_weights, bias=down_bias, configs=configs[1], backend=backend,
-                            bounded_rows=bounded_rows)
+        y_RH = layer_grouped_gemm(x, down, m_sizes_e, gather_index=gather_index, scatter_index=scatter_index,
+                                  row_weights=row_weights, bias=down_bias, configs=configs[1], backend=backend,
+                                  bounded_rows=bounded_rows)
         return y_RH if slot_sum is None else sum_slot_rows(y_RH, slot_sum, backend)
-    h_RF = grouped_gemm(x, gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
-                        bias=None if gate_up_bias is None else gate_up_bias.to(x.dtype),
-                        configs=configs[0], backend=backend, bounded_rows=bounded_rows)
+    h_RF = layer_grouped_gemm(x, gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
+                              bias=None if gate_up_bias is None else gate_up_bias.to(x.dtype),
+                              configs=configs[0], backend=backend, bounded_rows=bounded_rows)
     a_RI = activate(h_RF, activation, backend, m_sizes_e.sum() if bounded_rows else None)
     if slot_sum is not None and backend == "triton":
-        return grouped_gemm_slot_sum(a_RI, down, m_sizes_e, row_weights, slot_sum.token_index_R,
-                                     slot_sum.row_of_slot_N, slot_sum.top_k, configs[1], bounded_rows,
-                                     source_ends=slot_sum.source_ends_ES, bias=down_bias)
-    y_RH = grouped_gemm(a_RI, down, m_sizes_e, scatter_index=scatter_index, row_weights=row_weights,
-                        bias=down_bias, configs=configs[1], backend=backend, bounded_rows=bounded_rows)
+        return layer_grouped_gemm_slot_sum(a_RI, down, m_sizes_e, row_weights, slot_sum.token_index_R,
+                                           slot_sum.row_of_slot_N, slot_sum.top_k, configs[1], bounded_rows,
+                                           source_ends=slot_sum.source_ends_ES, bias=down_bias)
+    y_RH = layer_grouped_gemm(a_RI, down, m_sizes_e, scatter_index=scatter_index, row_weights=row_weights,
+                              bias=down_bias, configs=configs[1], backend=backend, bounded_rows=bounded_rows)
     return y_RH if slot_sum is None else sum_slot_rows(y_RH, slot_sum, backend)
 
 

@@ -218,8 +218,9 @@ class MoELayer(nn.Module):
         :meth:`compute_dtype`: call ``warmup`` under the training autocast)."""
         return self.experts.problems(self.compute_dtype())
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        """Raise naming what is wrong with ``x`` and the fix (local checks: no collective)."""
+    def _check_input(self, x: torch.Tensor) -> torch.dtype:
+        """Raise naming what is wrong with ``x`` and the fix (local checks: no collective);
+        returns the :meth:`compute_dtype`."""
         hidden, param = self.config.hidden_size, self.experts.first_weight
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor [..., {hidden}], got {type(x).__name__}; "
@@ -237,9 +238,11 @@ class MoELayer(nn.Module):
                              f"cast x with x.to({param.dtype}){layer_fix}")
         if x.device != param.device:
             raise ValueError(f"x is on {x.device} but the layer is on {param.device}; move one of them")
-        if self.compute_dtype() not in _EXPERT_DTYPES:
-            raise ValueError(f"the layer computes in {self.compute_dtype()}, but its experts run in float32, "
+        compute_dtype = self.compute_dtype()
+        if compute_dtype not in _EXPERT_DTYPES:
+            raise ValueError(f"the layer computes in {compute_dtype}, but its experts run in float32, "
                              "float16 or bfloat16; cast the layer (layer.float()) and x, or run under autocast")
+        return compute_dtype
 
     def forward(self, x: torch.Tensor, route_fn: Optional[RouteFn] = None) -> torch.Tensor:
         """MoE forward, ``x`` [..., H] -> same shape and dtype (under autocast, the
@@ -270,26 +273,25 @@ class MoELayer(nn.Module):
         if shared_TH is not None:
             y_TH = y_TH + shared_TH
         self._record(router, keep_TK, torch.is_grad_enabled(), self.dispatcher.num_dropped(routed))
-        return y_TH.view(x.shape)
+        return y_TH if x.dim() == 2 else y_TH.view(x.shape)
 
     def _input_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` checked and flattened to [T, H] in the compute dtype (step 1)."""
-        if self._config_agreed:
-            self._check_input(x)
-        else:
-            self._agree_first_call(x)
+        compute_dtype = self._check_input(x) if self._config_agreed else self._agree_first_call(x)
+        x_TH = x if x.dim() == 2 else x.reshape(-1, self.config.hidden_size)
         if debug_enabled() and not torch.compiler.is_compiling():
             # after the checks every rank passed: all of them reach its collective
-            _check_finite_tokens(x.reshape(-1, self.config.hidden_size), self.ep_group)
-        return x.reshape(-1, self.config.hidden_size).to(self.compute_dtype())
+            _check_finite_tokens(x_TH, self.ep_group)
+        return x_TH.to(compute_dtype)
 
-    def _agree_first_call(self, x: torch.Tensor) -> None:
+    def _agree_first_call(self, x: torch.Tensor) -> torch.dtype:
         """First call at EP>1: every rank of the EP group checks that all have the same
         config, parameter dtype and input width and dtype (:func:`ep_moe.config.check_same_config`).
         A rank whose input fails its own check still takes part, then raises its error, so
-        its peers raise too instead of waiting in a collective it never joins."""
+        its peers raise too instead of waiting in a collective it never joins. Returns the
+        :meth:`compute_dtype`."""
         try:
-            self._check_input(x)
+            compute_dtype = self._check_input(x)
             failed = None
         except ValueError as err:
             failed = err
@@ -306,6 +308,7 @@ class MoELayer(nn.Module):
         if failed is not None:
             raise failed
         self._config_agreed = True
+        return compute_dtype
 
     def _route(self, x_TH: torch.Tensor) -> tuple[RouterOutput, Optional[torch.Tensor]]:
         """The router's output and, with a capacity, which slots are kept (step 2)."""
@@ -326,7 +329,9 @@ class MoELayer(nn.Module):
                 bound_dropped: Optional[torch.Tensor] = None) -> None:
         if _in_backward():  # an activation checkpoint recomputing this forward: counted already
             return
-        counts_E = router.counts_E.detach()
+        counts_E = router.counts_E  # int64: no gradient (a route_fn's may be another dtype)
+        if counts_E.requires_grad:
+            counts_E = counts_E.detach()
         num_dropped = (torch.zeros((), dtype=torch.int64, device=counts_E.device) if keep_TK is None
                        else keep_TK.numel() - keep_TK.sum())
         if bound_dropped is not None:

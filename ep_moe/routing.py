@@ -65,9 +65,10 @@ class RoutingMetadata:
     """Slot ``t*K + k`` of each routed row (int64): the scatter index back to slot order."""
     token_index_R: torch.Tensor
     """Token of each routed row (int64, ``slot_index_R // K``): the gather index."""
-    row_of_slot_N: torch.Tensor
+    row_of_slot_N: Optional[torch.Tensor]
     """Routed row of each slot (int64, -1 for a dropped slot): the inverse of
-    ``slot_index_R``, which :func:`ep_moe.kernels.permute.sum_slot_rows` sums by."""
+    ``slot_index_R``, which :func:`ep_moe.kernels.permute.sum_slot_rows` sums by; None when
+    not asked for (:func:`sort_slots`' ``inverse``)."""
     num_tokens: int
     """T."""
     top_k: int
@@ -229,27 +230,37 @@ def build_routing_metadata(
     num_experts: int,
     keep_TK: Optional[torch.Tensor] = None,
     num_kept: Optional[int] = None,
+    *,
+    counts_E: Optional[torch.Tensor] = None,
+    inverse: bool = True,
 ) -> RoutingMetadata:
     """Sort the (token, slot) pairs by expert: counts, slot and token index of each row.
 
     Dropped slots (``keep_TK`` False) get the sentinel expert ``E``, sort last, and are
     cut off; how many rows remain is ``num_kept`` when the caller knows it, else read
-    back from the device (a host sync, so only when slots are dropped).
+    back from the device (a host sync, so only when slots are dropped). ``counts_E`` and
+    ``inverse``: as for :func:`sort_slots`.
     """
-    meta = sort_slots(topk_ids_TK, num_experts, keep_TK)
+    meta = sort_slots(topk_ids_TK, num_experts, keep_TK, counts_E=counts_E, inverse=inverse)
     if keep_TK is None:
         return meta
     return meta.first_rows(int(meta.counts_E.sum()) if num_kept is None else num_kept)  # sync unless given
 
 
 def sort_slots(topk_ids_TK: torch.Tensor, num_experts: int, keep_TK: Optional[torch.Tensor] = None,
-               first_slot: int = 0) -> RoutingMetadata:
+               first_slot: int = 0, *, counts_E: Optional[torch.Tensor] = None,
+               inverse: bool = True) -> RoutingMetadata:
     """:func:`build_routing_metadata` before the cut, with no host sync: all N slots are
     rows, the dropped ones last (their ``row_of_slot_N`` is already -1). Only the first
     ``counts_E.sum()`` rows are routed: cut with :meth:`RoutingMetadata.first_rows` once
     that count is on the host (until then, the metadata is only good for gathers).
     ``first_slot``: each expert's rows in slot order from that slot on, wrapping around
-    (the all-gather dispatch puts the rank's own tokens first)."""
+    (the all-gather dispatch puts the rank's own tokens first). ``counts_E``: the slots per
+    expert, already counted (:attr:`RouterOutput.counts_E`; only without ``keep_TK``),
+    taken instead of counting them again. ``inverse=False``: no ``row_of_slot_N`` (None),
+    for callers that never sum by it (two kernels fewer)."""
+    if counts_E is not None and keep_TK is not None:
+        raise ValueError("sort_slots: counts_E counts every slot; with a keep_TK, leave it to sort_slots")
     num_tokens, top_k = topk_ids_TK.shape
     ids_N = topk_ids_TK.flatten()
     if keep_TK is not None:
@@ -260,12 +271,14 @@ def sort_slots(topk_ids_TK: torch.Tensor, num_experts: int, keep_TK: Optional[to
         slot_index_N = torch.argsort(ids_N.long() * num_slots + rotated_N)
     else:
         slot_index_N = torch.argsort(ids_N, stable=True)
-    row_of_slot_N = torch.empty_like(slot_index_N).scatter_(
-        0, slot_index_N, torch.arange(slot_index_N.shape[0], device=ids_N.device))
-    if keep_TK is not None:
-        row_of_slot_N.masked_fill_(~keep_TK.flatten(), -1)
+    row_of_slot_N = None
+    if inverse:
+        row_of_slot_N = torch.empty_like(slot_index_N).scatter_(
+            0, slot_index_N, torch.arange(slot_index_N.shape[0], device=ids_N.device))
+        if keep_TK is not None:
+            row_of_slot_N.masked_fill_(~keep_TK.flatten(), -1)
     return RoutingMetadata(
-        counts_E=count_sorted(ids_N[slot_index_N], num_experts),
+        counts_E=count_sorted(ids_N[slot_index_N], num_experts) if counts_E is None else counts_E,
         slot_index_R=slot_index_N,
         token_index_R=torch.div(slot_index_N, top_k, rounding_mode="floor"),
         row_of_slot_N=row_of_slot_N,

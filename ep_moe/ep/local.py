@@ -32,8 +32,15 @@ class LocalDispatcher(Dispatcher):
 
     def dispatch(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                  backend: str) -> LocalTokens:
-        """The (token, slot) pairs sorted by expert (:func:`ep_moe.routing.build_routing_metadata`)."""
-        meta = build_routing_metadata(router.topk_ids_TK, self.config.num_experts, keep_TK)
+        """The (token, slot) pairs sorted by expert (:func:`ep_moe.routing.build_routing_metadata`).
+        Dropless, the router's counts are the rows per expert, and the slot sum is a plain sum
+        over each token's K rows in slot order (:func:`ep_moe.routing.combine_slots`), which
+        needs no ``row_of_slot_N``: neither is computed again."""
+        if keep_TK is None:
+            meta = build_routing_metadata(router.topk_ids_TK, self.config.num_experts, counts_E=router.counts_E,
+                                          inverse=False)
+        else:
+            meta = build_routing_metadata(router.topk_ids_TK, self.config.num_experts, keep_TK)
         return LocalTokens(backend, x_TH, router.topk_weights_TK.flatten(), meta)
 
     def experts(self, routed: LocalTokens, experts: "GroupedExperts") -> torch.Tensor:

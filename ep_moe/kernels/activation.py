@@ -75,7 +75,7 @@ def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor,
     col_blocks = cdiv(inter, block_c)
     grid = (row_block_programs(cdiv(rows, block_r), col_blocks, h.device, num_rows is not None), col_blocks)
     _swiglu_kernel[grid](
-        h, da if da is not None else h, out, num_rows if num_rows is not None else h, rows, inter,
+        h, da, out, num_rows, rows, inter,  # None (a constexpr the flags prune) when absent
         h.stride(0), da.stride(0) if da is not None else 0, out.stride(0),
         BACKWARD=da is not None, LIMIT=num_rows is not None, ACT=act, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=4,
@@ -115,6 +115,8 @@ def gated(h: torch.Tensor, act: GateActivation, num_rows: torch.Tensor | None = 
                                  or num_rows.device != h.device):
         raise ValueError(f"{name}: num_rows must be a one-element integer tensor on {h.device}, got "
                          f"{num_rows.dtype} {tuple(num_rows.shape)} on {num_rows.device}; pass m_sizes.sum()")
+    if not torch.is_grad_enabled():  # the forward alone: no autograd function's per-call setup
+        return _launch(h, None, h.new_empty((h.shape[0], h.shape[1] // 2)), num_rows, act)
     return _GLU.apply(h, num_rows, act)
 
 

@@ -368,7 +368,7 @@ def _grouped_rows_kernel(
 #   and no separate add.
 @triton.jit(launch_metadata=_dw_metadata)
 def _grouped_dw_kernel(
-    dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, m_sizes_ptr, m_starts_ptr,
+    dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, m_sizes_ptr, m_ends_ptr,
     num_experts, num_rows, N, K,
     stride_dym, stride_dyn,
     stride_xm, stride_xk,
@@ -387,8 +387,8 @@ def _grouped_dw_kernel(
         e = tile // tiles_per_expert
         pid_n = (tile % tiles_per_expert) // num_k_tiles
         pid_k = tile % num_k_tiles
-        seg_start = tl.load(m_starts_ptr + e)
         m_e = tl.load(m_sizes_ptr + e)
+        seg_start = tl.load(m_ends_ptr + e) - m_e
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         n_ok = offs_n < N
@@ -514,7 +514,6 @@ def launch_rows(
                              f"({num_rows} routed rows, a has {a.shape[0]}); pass per_routed_row=True")
         row_dot = torch.empty((num_n_tiles, num_rows), device=a.device, dtype=torch.float32)
     max_tiles = (cdiv(num_rows, c.BLOCK_M) + num_experts) * num_n_tiles
-    dummy = m_sizes  # stands in for absent optional pointers; never dereferenced
     arrival = arrival_of(a)
     if arrival is not None and arrival.source_ends.shape != (num_experts, arrival.num_sources):
         raise ValueError(f"launch_rows: source_ends of shape {tuple(arrival.source_ends.shape)} for "
@@ -527,16 +526,10 @@ def launch_rows(
         0, arrival.num_sources if arrival is not None else 1)
     grid, stride = launch_grid(a.device, max_tiles)
     _grouped_rows_kernel[grid](
-        a, w, b_desc, out, m_sizes,
-        load_idx if load_idx is not None else dummy,
-        store_idx if store_idx is not None else dummy,
-        scale if scale is not None else dummy,
-        bias if bias is not None else dummy,
-        dot_with if dot_with is not None else dummy,
-        dot_idx if dot_idx is not None else dummy,
-        row_dot if row_dot is not None else dummy,
-        source_ends if source_ends is not None else dummy,
-        arrival.landing.flag if arrival is not None else dummy,
+        # absent optional tensors go as None: a constexpr the flags below prune, where a stand-in
+        # tensor cost host time on every launch (specialized, and its pointer looked up)
+        a, w, b_desc, out, m_sizes, load_idx, store_idx, scale, bias, dot_with, dot_idx, row_dot, source_ends,
+        arrival.landing.flag if arrival is not None else None,
         _int32_bits(arrival.landing.base) if arrival is not None else 0,
         first_source, end_source,
         num_experts, num_rows, n_out, k_red,
@@ -568,7 +561,7 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
     and ``x`` [M, K] (gather or weight them first with :func:`ep_moe.kernels.permute.launch_gather_rows`).
     ``accumulate``: add the product to what ``dw`` holds instead of overwriting it."""
     num_experts, n, k = dw.shape
-    m_starts = torch.cumsum(m_sizes, 0, dtype=torch.int32) - m_sizes
+    m_ends = torch.cumsum(m_sizes, 0, dtype=torch.int32)  # each segment's start is its end - m_sizes
     c = config
     max_tiles = num_experts * cdiv(n, c.BLOCK_N) * cdiv(k, c.BLOCK_K)
     use_tma = c.use_tma and tma_usable(dy, x)
@@ -576,7 +569,7 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
     x_desc = TensorDescriptor.from_tensor(x, [c.BLOCK_M, c.BLOCK_K]) if use_tma else None
     grid, stride = launch_grid(x.device, max_tiles)
     _grouped_dw_kernel[grid](
-        dy, x, dy_desc, x_desc, dw, m_sizes, m_starts,
+        dy, x, dy_desc, x_desc, dw, m_sizes, m_ends,
         num_experts, x.shape[0], n, k,
         dy.stride(0), dy.stride(1),
         x.stride(0), x.stride(1),

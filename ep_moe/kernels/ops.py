@@ -68,6 +68,10 @@ def _as_int32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.contiguous()
+
+
 def _fwd_impl(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -97,6 +101,29 @@ def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weigh
     return x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
 
 
+def _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows,
+           need_dx, need_dw, need_drw, bias, need_db):
+    """(dx, dw, d row_weights, d bias), None for a gradient not asked for (the eager backward's;
+    the custom op's, :func:`_bwd_impl`, returns empty tensors instead)."""
+    configs = _configs_from_ints(tuple(config))
+    dx = dw = drw = db = None
+    if need_dx or need_drw:
+        dx, drw_f32 = _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
+                                  configs.dx, dx_mode, need_drw, bounded_rows, bias if need_drw else None)
+        if need_drw:
+            drw = drw_f32.to(row_weights.dtype)
+    if need_dw or need_db:
+        grads = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, configs.dw,
+                             bounded_rows=bounded_rows, bias=bias if need_db else None, need_dw=need_dw)
+        if not need_db:
+            dw = grads
+        elif need_dw:
+            dw, db = grads
+        else:
+            db = grads[1]
+    return dx, dw, drw, db
+
+
 def _bwd_impl(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -115,23 +142,9 @@ def _bwd_impl(
     need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, d row_weights, d bias); a gradient not asked for comes back as an empty tensor."""
-    configs = _configs_from_ints(tuple(config))
-    dx, dw, drw, db = x.new_empty(0), x.new_empty(0), x.new_empty(0), x.new_empty(0)
-    if need_dx or need_drw:
-        dx, drw_f32 = _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                  configs.dx, dx_mode, need_drw, bounded_rows, bias if need_drw else None)
-        if need_drw:
-            drw = drw_f32.to(row_weights.dtype)
-    if need_dw or need_db:
-        grads = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, configs.dw,
-                             bounded_rows=bounded_rows, bias=bias if need_db else None, need_dw=need_dw)
-        if not need_db:
-            dw = grads
-        elif need_dw:
-            dw, db = grads
-        else:
-            db = grads[1]
-    return dx, dw, drw, db
+    grads = _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows,
+                   need_dx, need_dw, need_drw, bias, need_db)
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
 _grouped_gemm_bwd = torch.library.custom_op("ep_moe::grouped_gemm_bwd", mutates_args=())(_bwd_impl)
@@ -229,7 +242,7 @@ def _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, p
         position = torch.empty_like(order)
         position[order] = torch.arange(num_rows, device=order.device, dtype=order.dtype)
         rows_by_dest = x.new_empty((num_rows, x.shape[1]))
-        drw = launch_rows(dy, w, rows_by_dest, m_sizes, config, store_idx=_as_int32(position), **common)
+        drw = launch_rows(dy, w, rows_by_dest, m_sizes, config, store_idx=position, **common)
         offsets = torch.searchsorted(sorted_dest, torch.arange(x.shape[0] + 1, device=x.device,
                                                                dtype=sorted_dest.dtype))
         dx = torch.empty_like(x)
@@ -294,14 +307,14 @@ class _EagerGroupedGemm(torch.autograd.Function):
         with_bias = bias is not None and ctx.needs_input_grad[_BIAS_ARG]
         queue = _queue_for(w, bias if with_bias else None) if ctx.needs_input_grad[1] else None
         if queue is None:
-            return _backward_with(_bwd_impl, ctx, dy, saved=saved)
+            return _backward_with(_grads, ctx, dy, saved=saved)
         dy = dy.contiguous()
         config = _configs_from_ints(tuple(ctx.config)).dw
         bounded_rows, bias = ctx.bounded_rows, bias if with_bias else None
         queue.add((w, bias) if with_bias else w,
                   lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
                                               config, add_to, bounded_rows, bias))
-        return _backward_with(_bwd_impl, ctx, dy, defer_dw=True, saved=saved)
+        return _backward_with(_grads, ctx, dy, defer_dw=True, saved=saved)
 
 
 class _GemmSlotSum(torch.autograd.Function):
@@ -387,14 +400,37 @@ def grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tenso
     expert's rows are sorted by source, so many from sources <= w; required then)."""
     _validate_slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, bounded_rows)
     _check_bias(bias, w)
+    return _slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, configs, bounded_rows,
+                     source_ends, bias)
+
+
+@eager_or_graph_break  # eager only: its autograd.Function is not a custom op
+def layer_grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, row_weights: torch.Tensor,
+                                token_index: torch.Tensor, row_of_slot: torch.Tensor, top_k: int,
+                                configs: Optional[GemmConfigs] = None, bounded_rows: bool = False,
+                                source_ends: Optional[torch.Tensor] = None,
+                                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`grouped_gemm_slot_sum` on operands the layer built itself
+    (:func:`ep_moe.experts.expert_mlp`): checked only where the value checks run, as
+    :func:`layer_grouped_gemm`."""
+    if value_checks(a.device):
+        _validate_slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, bounded_rows)
+        _check_bias(bias, w)
+    return _slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, configs, bounded_rows,
+                     source_ends, bias)
+
+
+def _slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, configs, bounded_rows, source_ends, bias):
+    """:func:`grouped_gemm_slot_sum` on checked arguments (the kernels take int32 or int64
+    indices, m_sizes as int32, every tensor with stride 1)."""
     configs = configs or GemmConfigs.defaults(a.element_size(), smem_limit_for(a.device))
     departure = take_departure()
     if departure is not None and (source_ends is None or source_ends.shape[1] != departure.num_sources):
         raise ValueError("grouped_gemm_slot_sum: a departure needs source_ends with one column per source "
                          f"({departure.num_sources}), got {None if source_ends is None else tuple(source_ends.shape)}")
-    return _GemmSlotSum.apply(a, w, _as_int32(m_sizes), row_weights.contiguous(), _as_int32(token_index),
-                              _as_int32(row_of_slot), top_k, configs, bounded_rows,
-                              source_ends, departure, None if bias is None else bias.contiguous())
+    return _GemmSlotSum.apply(a, w, _as_int32(m_sizes), row_weights.contiguous(), token_index.contiguous(),
+                              row_of_slot.contiguous(), top_k, configs, bounded_rows,
+                              source_ends, departure, _contiguous(bias))
 
 
 class WeightGradQueue(Protocol):
@@ -451,12 +487,12 @@ def debug_enabled(debug: Optional[bool] = None) -> bool:
     return os.environ.get("EP_MOE_DEBUG", "0") not in ("", "0")
 
 
-def value_checks(debug: bool, device: torch.device) -> bool:
+def value_checks(device: torch.device, debug: Optional[bool] = None) -> bool:
     """Whether the checks of index and count values run: on the CPU, where they are free,
-    or in debug mode (on a GPU each costs a host sync); never while tracing, where the
-    values are data-dependent. ``benchmarks/host_proxy.py`` turns them off to count a CPU
-    call as a GPU call runs."""
-    return (debug or device.type == "cpu") and not torch.compiler.is_compiling()
+    or in debug mode (:func:`debug_enabled`; on a GPU each costs a host sync); never while
+    tracing, where the values are data-dependent. ``benchmarks/host_proxy.py`` turns them off
+    to count a CPU call as a GPU call runs."""
+    return (device.type == "cpu" or debug_enabled(debug)) and not torch.compiler.is_compiling()
 
 
 def _check_tensor(name: str, value) -> None:
@@ -557,7 +593,7 @@ def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bo
     if bounded_rows and scatter_index is not None:
         raise ValueError("bounded_rows=True does not take a scatter_index (a permutation of every row); "
                          "sum the rows with row_of_slot instead (ep_moe.kernels.permute.sum_slot_rows)")
-    if not value_checks(debug, x.device):
+    if not value_checks(x.device, debug):
         return
     _check_counts(m_sizes, rows, bounded_rows, "gather_index entries" if gather_index is not None else "rows of x")
     if gather_index is not None and rows and not bool(((gather_index >= 0) & (gather_index < x.shape[0])).all()):
@@ -585,7 +621,7 @@ def _validate_slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top
         raise ValueError(f"row_of_slot must be 1-D with top_k={top_k} entries per token (slot t*K + k), got "
                          f"shape {tuple(row_of_slot.shape)}")
     _check_index("row_of_slot", row_of_slot, row_of_slot.shape[0], a.device, "a")
-    if not value_checks(debug_enabled(), a.device):
+    if not value_checks(a.device):
         return
     _check_counts(m_sizes, rows, bounded_rows, "rows of a")
     if row_of_slot.numel() and not bool(((row_of_slot >= -1) & (row_of_slot < rows)).all()):
@@ -649,7 +685,7 @@ def grouped_gemm(
     """
     debug = debug_enabled(debug)
     _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug, bounded_rows, bias)
-    if unique_gather and gather_index is not None and value_checks(debug, x.device) \
+    if unique_gather and gather_index is not None and value_checks(x.device, debug) \
             and torch.unique(gather_index).numel() != gather_index.numel():
         raise ValueError("unique_gather=True but gather_index reads some rows of x more than once; "
                          "pass unique_gather=False")
@@ -664,13 +700,41 @@ def grouped_gemm(
     if not use_triton:
         return grouped_gemm_reference(x, w, m_sizes, gather_index=gather_index,
                                       scatter_index=scatter_index, row_weights=row_weights, bias=bias)
-    op = torch.ops.ep_moe.grouped_gemm_fwd if torch.compiler.is_compiling() else _EagerGroupedGemm.apply
+    return _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights, bias, configs,
+                                "unique" if unique_gather else ("sort" if deterministic else "atomic"), bounded_rows)
+
+
+def _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights, bias,
+                         configs: Optional[GemmConfigs], dx_mode: str, bounded_rows: bool) -> torch.Tensor:
+    """:func:`grouped_gemm`'s Triton path, on arguments already checked: the custom op under
+    ``torch.compile``, else the autograd function, or under ``no_grad`` the forward alone
+    (the autograd function's per-call setup is host time for nothing there)."""
     if x.stride(-1) != 1:  # the row gathers of the backward (dW, sorted dX) read rows as contiguous
         x = x.contiguous()
-    return op(
-        x, w, _as_int32(m_sizes), _as_int32(gather_index), _as_int32(scatter_index),
-        None if row_weights is None else row_weights.contiguous(),  # the kernels index it with stride 1
-        _configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
-        "unique" if unique_gather else ("sort" if deterministic else "atomic"), bounded_rows,
-        None if bias is None else bias.contiguous(),  # the kernels index it with stride 1
-    )
+    # the kernels index every tensor below with stride 1; they take int32 or int64 indices
+    # (no conversion per call), m_sizes as int32
+    inputs = (x, w, _as_int32(m_sizes), _contiguous(gather_index), _contiguous(scatter_index),
+              _contiguous(row_weights),
+              _configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
+              dx_mode, bounded_rows, _contiguous(bias))
+    if torch.compiler.is_compiling():
+        return torch.ops.ep_moe.grouped_gemm_fwd(*inputs)
+    if not torch.is_grad_enabled():
+        return _fwd_impl(*inputs)
+    return _EagerGroupedGemm.apply(*inputs)
+
+
+def layer_grouped_gemm(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, *,
+                       gather_index: Optional[torch.Tensor] = None, scatter_index: Optional[torch.Tensor] = None,
+                       row_weights: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                       configs: Optional[GemmConfigs] = None, backend: str, bounded_rows: bool = False) -> torch.Tensor:
+    """:func:`grouped_gemm` (deterministic) on operands the layer built itself
+    (:func:`ep_moe.experts.expert_mlp`), ``backend`` ``"triton"`` or ``"torch"``: the
+    argument checks run only where the value checks do (the CPU, ``EP_MOE_DEBUG``), so a
+    GPU call goes straight to the kernels."""
+    if backend != "triton" or value_checks(x.device):
+        return grouped_gemm(x, w, m_sizes, gather_index=gather_index, scatter_index=scatter_index,
+                            row_weights=row_weights, bias=bias, configs=configs, backend=backend,
+                            bounded_rows=bounded_rows)
+    return _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights, bias, configs, "sort",
+                                bounded_rows)

@@ -99,7 +99,7 @@ def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
     col_blocks = cdiv(cols, block_c)
     row_programs = row_block_programs(cdiv(num_rows, block_r), col_blocks, src.device, limit is not None)
     _gather_rows_kernel[(row_programs, col_blocks)](
-        src, idx, scale if scale is not None else idx, limit if limit is not None else idx, out, num_rows, cols,
+        src, idx, scale, limit, out, num_rows, cols,  # None (a constexpr the flags prune) when absent
         src.stride(0), out.stride(0), SCALE=scale is not None, SCALE_BY_OUT_ROW=scale_by_out_row,
         LIMIT=limit is not None,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
