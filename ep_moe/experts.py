@@ -113,6 +113,7 @@ class GroupedExperts(_LocalExperts):
             param = None if shape is None else mark_expert_param(nn.Parameter(torch.empty(
                 num_local_experts, *shape, device=device, dtype=dtype)))
             self.register_parameter(name, param)
+        self._problems: dict[torch.dtype, list["GemmProblem"]] = {}  # kernel_configs' cache of problems()
 
     def tensor_names(self) -> tuple[str, ...]:
         """Names of the stacked tensors there are (of :data:`EXPERT_TENSORS`), in order."""
@@ -168,8 +169,11 @@ class GroupedExperts(_LocalExperts):
         is not."""
         if backend != "triton":
             return (None, None)
-        configs = {p.projection: _kernel_configs(p, num_rows, like.device) for p in self.problems(like.dtype)}
-        return configs.get("gate_up"), configs["down"]
+        problems = self._problems.get(like.dtype)
+        if problems is None:  # built once per dtype, not on every call
+            problems = self._problems[like.dtype] = self.problems(like.dtype)
+        configs = [_kernel_configs(p, num_rows, like.device) for p in problems]
+        return (None, configs[0]) if len(configs) == 1 else (configs[0], configs[1])
 
     def on_routed_rows(self, rows_SH: torch.Tensor, weights_SK: torch.Tensor, local: RoutingMetadata,
                        *tensors: torch.Tensor, backend: str,
