@@ -27,6 +27,10 @@ One checkpoint is a directory ``{dir}/step_{step:08d}/``, in one of two formats
     meta.json                 rank 0: format, step, world and EP sizes, config
     COMPLETE                  written last, by rank 0: the checkpoint is complete
 
+A model sharded with FSDP (``parallel.fsdp``) saves in DCP only: each rank writes its
+shards, and the checkpoint loads sharded or replicated, at any (EP, DP) layout. Native
+checkpoints neither save nor load under FSDP (an error says so).
+
 Replicas hold identical values (dense weights on every rank, experts on every rank of an
 expert-data-parallel group), so only one copy is written. Expert tensors are stored per
 global expert id, in the layout of ``MoELayer.state_dict()`` (``...experts.gate_up.{g}``),
@@ -69,6 +73,7 @@ from typing import Any, Literal, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from errors import CheckpointError
 
@@ -192,6 +197,9 @@ def save_checkpoint(root: Path, step: int, layout: Layout, model: nn.Module, opt
     """
     if format not in FORMATS:
         raise ValueError(f"format={format!r}: use {' or '.join(map(repr, FORMATS))}")
+    if format == "native" and _sharded(model):
+        raise ValueError("format='native' saves replicated dense weights, but the model is sharded (FSDP: its "
+                         "parameters are DTensors); save it with format='dcp'")
     final = root / f"step_{step:08d}"
     partial = final.with_name(final.name + ".partial")
     meta = {"format": format, "step": step, "world_size": layout.world_size, "ep_size": layout.ep_size,
@@ -264,15 +272,27 @@ def _discard(path: Path) -> None:
         logger.warning("could not delete all of %s; remove it by hand", trash)
 
 
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are DTensors (sharded with FSDP)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP's weights and AdamW state); a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _check_finite(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Raise, on every rank alike, when a weight, buffer or optimizer state tensor of any
     rank holds NaN or inf: such a checkpoint is never written (nor does pruning then delete
-    an older, good one). Collective: one all-reduce of a flag over all ranks."""
-    named = [(n, t) for n, t in model.state_dict().items() if t.is_floating_point()]
-    named += [(f"optimizer state {k} of {n}", v) for n, p in model.named_parameters()
+    an older, good one). Each rank checks what it holds (of a DTensor, under FSDP, its
+    shard: every element is on some rank); one all-reduce of a count over all ranks makes
+    the verdict common, and each rank names its own bad tensors (else "on other ranks")."""
+    named = [(n, _local(t)) for n, t in model.state_dict().items() if t.is_floating_point()]
+    named += [(f"optimizer state {k} of {n}", _local(v)) for n, p in model.named_parameters()
               for k, v in optimizer.state.get(p, {}).items()
               if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    device = next(model.parameters()).device
+    device = _local(next(model.parameters())).device
     finite = [torch.isfinite(t).all().to(device) for _, t in named]
     bad = torch.logical_not(torch.stack(finite)) if finite else torch.zeros(0, dtype=torch.bool, device=device)
     count = bad.sum(dtype=torch.float32).reshape(1)
@@ -460,6 +480,12 @@ def load_checkpoint(path: Path, layout: Layout, model: nn.Module, optimizer: tor
     model and optimizer partly loaded: load another checkpoint, or stop.
     """
     meta = _read_meta(path)
+    if meta["format"] == "native" and _sharded(model):
+        raise CheckpointError(f"cannot resume from checkpoint {path}: it is in the native format (its meta.json), "
+                              "whose replicated dense weights do not load into a model sharded with FSDP "
+                              "(parallel.fsdp=true). Resume it with parallel.fsdp=false and save it again with "
+                              "checkpoint.format='dcp', which then loads under FSDP; or start fresh in another "
+                              "checkpoint.dir")
     if meta["format"] == "dcp":
         extra = _load_dcp(path, meta, layout, model, optimizer, config)
     else:

@@ -87,7 +87,9 @@ class TrainingConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: ``bfloat16`` autocasts attention and projections (weights and optimizer
     stay fp32); the MoE layers' experts compute in the autocast dtype too, their routers in
-    fp32. On CUDA, fp32 matmuls, the Triton expert GEMMs included, use TF32 tensor cores."""
+    fp32. Under ``parallel.fsdp`` FSDP's mixed precision takes autocast's place (bf16
+    weights in the forward and backward, fp32 gradient reduction, weights and AdamW state).
+    On CUDA, fp32 matmuls, the Triton expert GEMMs included, use TF32 tensor cores."""
     activation_checkpointing: bool = False
     """Recompute each transformer block in the backward instead of keeping its activations
     (``torch.utils.checkpoint``, non-reentrant; the MoE layer's all-to-alls run again: it
@@ -100,8 +102,8 @@ class TrainingConfig:
     (``launch/graphs.py``): the host stops setting the pace of small models. ``auto``: on
     where it can work (CUDA; EP=1 or a dispatch without host syncs, ``moe.dispatch=
     'all_gather'`` or ``'all_gather_copy_engine'``; neither ``compile`` nor
-    ``activation_checkpointing``), else off with the reason logged; ``on``: an error where
-    it cannot work."""
+    ``activation_checkpointing`` nor ``parallel.fsdp``), else off with the reason logged;
+    ``on``: an error where it cannot work."""
 
     def __post_init__(self) -> None:
         for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "betas"):
@@ -126,12 +128,21 @@ class TrainingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How the ranks are split. Dense weights are replicated on every rank (data parallel);
-    experts are sharded over EP groups of ``ep_size`` consecutive ranks and replicated over
-    the ``world_size / ep_size`` expert-data-parallel groups."""
+    """How the ranks are split. Every rank is a data-parallel rank; experts are split over
+    EP groups of ``ep_size`` consecutive ranks and held alike by the ``world_size / ep_size``
+    ranks at the same place of every EP group (expert data parallel, ``edp``). Dense
+    weights are replicated on every rank, or sharded with ``fsdp``."""
 
     ep_size: int = 0
     """Expert-parallel degree; 0 means every rank (EP = world size)."""
+    fsdp: bool = False
+    """Shard weights, gradients and AdamW state with FSDP2 (``ep_moe.parallel.apply_fsdp``,
+    torchtitan's layout): dense weights over all ranks, each rank's experts over its
+    ``edp`` ranks, gradients reduce-scattered in the backward. With ``training.dtype =
+    'bfloat16'`` FSDP's mixed precision replaces autocast: bf16 weights in the forward and
+    backward, gradients reduced and AdamW in fp32. Needs ``checkpoint.format = 'dcp'``;
+    CUDA graphs are off (``training.cuda_graphs = 'on'`` is an error). false: dense weights
+    replicated, gradients all-reduced after the backward (``sync_gradients``)."""
     autotune_timeout_s: float = 900.0
     """How long the ranks wait for rank 0's kernel tuning before all fall back to defaults."""
 
@@ -387,7 +398,24 @@ def build_job_config(raw: dict[str, Any], source: Union[Origins, str] = "config"
                                                                     table, origins)
     job = JobConfig(**kwargs)
     _check_moe(job.moe, job.model.dim, origins)  # now, not after process-group setup
+    _check_combined(job, origins)
     return job
+
+
+def _check_combined(job: JobConfig, origins: Origins) -> None:
+    """Values that are each valid but do not work together, named with who set them."""
+    if job.parallel.fsdp:
+        fsdp = f"parallel.fsdp=true ({origins.of('parallel.fsdp')})"
+        if job.checkpoint.format == "native":
+            raise ConfigError(f"{origins.of('checkpoint.format')}: checkpoint.format='native' cannot save the "
+                              f"sharded weights of {fsdp}: its files hold replicated dense weights. Use "
+                              "checkpoint.format='dcp' (the default), which loads with or without FSDP at any "
+                              "(EP, DP) layout, or set parallel.fsdp=false")
+        if job.training.cuda_graphs == "on":
+            raise ConfigError(f"{origins.of('training.cuda_graphs')}: training.cuda_graphs='on' does not work with "
+                              f"{fsdp}: FSDP gathers each block's weights before it runs and frees them after, "
+                              "outside what a CUDA graph can capture; set training.cuda_graphs='auto' (off under "
+                              "FSDP) or 'off', or set parallel.fsdp=false")
 
 
 def _parse_value(text: str) -> Any:

@@ -33,11 +33,15 @@ from torch import nn
 
 
 def graphs_unsupported(dispatch: str, device: torch.device, *, compile: bool,
-                       activation_checkpointing: bool) -> Optional[str]:
+                       activation_checkpointing: bool, fsdp: bool = False) -> Optional[str]:
     """Why the blocks cannot be captured in CUDA graphs, or None: ``dispatch`` is what the
-    MoE layers run (``MoELayer.dispatch``: ``"local"`` at EP=1)."""
+    MoE layers run (``MoELayer.dispatch``: ``"local"`` at EP=1); ``fsdp``: the model is
+    sharded with FSDP (``parallel.fsdp``)."""
     if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
+    if fsdp:
+        return ("parallel.fsdp=true: FSDP gathers each block's weights before it runs and frees them after, "
+                "outside what a CUDA graph can capture")
     if dispatch == "all_to_all":
         return ("the MoE layers run dispatch='all_to_all', which syncs with the host in every layer (its "
                 "split sizes); set moe.dispatch='all_gather' (or 'auto' where it picks the all-gather)")

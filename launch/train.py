@@ -31,7 +31,9 @@ logged step as JSON; ``--tensorboard runs/tiny`` writes the same to TensorBoard 
 install tensorboard``, then ``tensorboard --logdir runs``).
 ``--set training.activation_checkpointing=true`` recomputes each block in the backward
 (less activation memory), ``--set training.compile=true`` compiles each block with
-``torch.compile``. Every option is described in ``launch/config.py`` and
+``torch.compile``; ``--set parallel.fsdp=true`` shards the dense weights, the experts'
+replicas, gradients and AdamW state with FSDP2 (DCP checkpoints, which resume with or
+without it). Every option is described in ``launch/config.py`` and
 ``configs/train/tiny.toml``.
 
 A bad config value, data file or checkpoint stops the run before training with one line

@@ -1,12 +1,22 @@
 """The training loop behind ``launch/train.py``: set up ranks, build, train, log, checkpoint.
 
-Parallelism: every rank is a data-parallel rank with its own batches. Dense weights are
-replicated everywhere; the experts of each MoE layer are sharded over EP groups of
-``ep_size`` consecutive ranks (``ep_moe.parallel.build_ep_groups``). After ``backward``,
-``ep_moe.parallel.sync_gradients`` averages dense gradients over all ranks and expert
-gradients over the expert-data-parallel group. Every rank seeds alike before building the
-model, so replicas start equal (the layer draws experts per global id, so the weights do
-not depend on the EP size either).
+Parallelism: every rank is a data-parallel rank with its own batches; the experts of each
+MoE layer are split over EP groups of ``ep_size`` consecutive ranks. Two ways to hold the
+rest (``parallel.fsdp``):
+
+- replicated (the default): dense weights on every rank (``ep_moe.parallel.build_ep_groups``
+  gives the groups); after ``backward``, ``ep_moe.parallel.sync_gradients`` sums dense
+  gradients over all ranks and expert gradients over the expert-data-parallel group, and
+  the clip's multiply divides them by the number of ranks;
+- FSDP2: one mesh (``ep_moe.parallel.init_parallel_mesh``) gives every group (EP for the
+  layers, ``edp``, ``dp_shard``); ``ep_moe.parallel.apply_fsdp`` shards dense weights over
+  all ranks and each rank's experts over its ``edp`` ranks, before the optimizer is built,
+  and the backward's reduce-scatters leave the gradients averaged (no ``sync_gradients``).
+  Under ``training.dtype = 'bfloat16'`` FSDP's ``MixedPrecisionPolicy`` (bf16 weights in
+  compute, fp32 reduction) replaces autocast, as in torchtitan.
+
+Every rank seeds alike before building the model, so replicas start equal (the layer draws
+experts per global id, so the weights do not depend on the EP size or on FSDP either).
 
 Exact resume: batches are a pure function of (seed, step, rank), and checkpoints hold
 weights, AdamW state, the data position and RNG states, so a resumed run logs the same
@@ -30,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -41,7 +52,14 @@ from graphs import GraphedBlocks, graphs_unsupported
 from model import MoETransformer
 
 from ep_moe.layer import expert_load, moe_aux_loss, moe_layers, update_expert_biases
-from ep_moe.parallel import build_ep_groups, is_expert_param, sync_gradients
+from ep_moe.parallel import (
+    ParallelMesh,
+    apply_fsdp,
+    build_ep_groups,
+    init_parallel_mesh,
+    is_expert_param,
+    sync_gradients,
+)
 
 logger = logging.getLogger("ep_moe.train")
 
@@ -59,6 +77,13 @@ class Ranks:
     """The layer's all-to-all group; None at EP=1."""
     edp_group: Optional[ProcessGroup]
     """Replicas of this rank's experts; None when there are none."""
+    mesh: Optional[ParallelMesh] = None
+    """Under ``parallel.fsdp``: the one mesh every group above comes from; None when replicated."""
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the model is sharded with FSDP2."""
+        return self.mesh is not None
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -84,7 +109,8 @@ def check_parallel(job: JobConfig, world_size: int) -> int:
 
 
 def init_distributed(job: JobConfig) -> Ranks:
-    """Start torch.distributed (NCCL on CUDA, gloo on CPU) and build the EP groups.
+    """Start torch.distributed (NCCL on CUDA, gloo on CPU) and build the EP groups (under
+    ``parallel.fsdp``: the ``ParallelMesh`` they come from).
 
     Under torchrun the rendezvous comes from its environment; run as a plain script, the
     process forms a group of one, so the same code path serves both. The config is checked
@@ -105,10 +131,29 @@ def init_distributed(job: JobConfig) -> Ranks:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = build_ep_groups(ep_size)
+    mesh = None
+    if job.parallel.fsdp:
+        mesh = init_parallel_mesh(ep_size, num_experts=job.moe_config().num_experts, device_type=device.type)
+        groups = mesh.groups()
+    else:
+        groups = build_ep_groups(ep_size)
     return Ranks(rank=rank, world_size=world, device=device, ep_size=ep_size, ep_rank=rank % ep_size,
                  ep_group=groups.ep_group if ep_size > 1 else None,
-                 edp_group=groups.edp_group if groups.edp_size > 1 else None)
+                 edp_group=groups.edp_group if groups.edp_size > 1 else None, mesh=mesh)
+
+
+def mixed_precision_policy(dtype: str):
+    """FSDP's ``MixedPrecisionPolicy`` for ``training.dtype``: bf16 weights in the forward
+    and backward with gradients reduced in fp32 (torchtitan's), or None (fp32 throughout).
+    Forward inputs are not cast: the blocks' activations are bf16 already (from the bf16
+    embedding), and the rotary tables stay fp32, as under autocast."""
+    if dtype != "bfloat16":
+        return None
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def build_optimizer(model: torch.nn.Module, tcfg: TrainingConfig, device: torch.device) -> torch.optim.AdamW:
@@ -139,8 +184,16 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, ep_group: Optional[P
     already, and this rank's ``loss`` (a 0-dim tensor) is folded in through one
     one-element all-reduce over all ranks, so every rank reaches the same verdict (a NaN
     on one rank stops or skips the step everywhere, no rank is left waiting). One host
-    read per step; gradients are left unscaled and unclipped when the step is not finite."""
+    read per step; gradients are left unscaled and unclipped when the step is not finite.
+
+    A model sharded with FSDP (DTensor gradients, ``ep_moe.parallel.apply_fsdp``): every
+    element of every gradient lives on exactly one rank (dense ones sharded over all ranks,
+    experts over ``edp`` within disjoint EP shards), so the squared norms of the local shards
+    summed over all ranks are the global squared norm, each gradient counted once; that sum
+    and the loss check are one two-element all-reduce. ``ep_group`` is not used then."""
     params = [p for p in model.parameters() if p.grad is not None]
+    if any(isinstance(p.grad, DTensor) for p in params):
+        return _clip_sharded_gradients(params, max_norm, loss, grad_scale)
     dense = torch.nn.utils.get_total_norm([p.grad for p in params if not is_expert_param(p)])
     expert_sq = torch.nn.utils.get_total_norm([p.grad for p in params if is_expert_param(p)]).square()
     if ep_group is not None:
@@ -155,6 +208,31 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, ep_group: Optional[P
         if max_norm > 0:  # as torch.nn.utils.clip_grads_with_norm_
             factor = factor * (max_norm / (total + 1e-6)).clamp(max=1.0)
         _scale_gradients([p.grad for p in params], factor)
+    return total, finite
+
+
+def _clip_sharded_gradients(params: list[torch.nn.Parameter], max_norm: float, loss: torch.Tensor,
+                            grad_scale: float) -> tuple[torch.Tensor, bool]:
+    """:func:`clip_gradients` of a model sharded with FSDP: the local shards' squared norms and
+    this rank's loss verdict summed over all ranks in one all-reduce, then the clip applied
+    to the local shards."""
+    plain = sum(not isinstance(p.grad, DTensor) for p in params)
+    if plain:
+        raise ValueError(f"clip_gradients: {plain} of {len(params)} gradients are plain tensors in a model "
+                         "sharded with FSDP (DTensor gradients); shard every parameter (apply_fsdp shards the "
+                         "whole model) so that each is counted once")
+    local = [p.grad.to_local() for p in params]
+    sq = torch.nn.utils.get_total_norm(local).square().float()
+    bad = torch.logical_not(torch.isfinite(loss.detach().float())).to(sq.dtype).to(sq.device)
+    both = torch.stack([sq, bad])
+    dist.all_reduce(both)  # [global squared norm, ranks with a non-finite loss]
+    total = both[0].sqrt() * grad_scale
+    finite = bool(torch.isfinite(total) & (both[1] == 0))  # the one host read
+    if finite and (max_norm > 0 or grad_scale != 1.0):
+        factor = torch.full_like(total, grad_scale)
+        if max_norm > 0:
+            factor = factor * (max_norm / (total + 1e-6)).clamp(max=1.0)
+        _scale_gradients(local, factor)
     return total, finite
 
 
@@ -211,6 +289,8 @@ class Trainer:
         if tcfg.compile:
             for block in self.model.layers:
                 block.compile()  # in place: parameter names and checkpoints stay as they are
+        if self.ranks.fsdp:  # sharded before the optimizer sees the parameters (it takes FSDP's DTensors)
+            apply_fsdp(self.model, self.ranks.mesh, mp_policy=mixed_precision_policy(tcfg.dtype))
         self.optimizer = build_optimizer(self.model, tcfg, self.ranks.device)
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * self.ranks.world_size
         self.layout = Layout(rank=self.ranks.rank, world_size=self.ranks.world_size,
@@ -260,7 +340,11 @@ class Trainer:
 
         tcfg = self.job.training
         start = time.perf_counter()
-        with self._autocast():  # the problems carry the dtype the experts compute in
+        # the problems carry the dtype the experts compute in: autocast's, or under FSDP its
+        # mixed precision's (whose bf16 weights exist only while a block runs)
+        compute = (torch.autocast(self.ranks.device.type, dtype=torch.bfloat16)
+                   if self.ranks.fsdp and tcfg.dtype == "bfloat16" else self._autocast())
+        with compute:
             resolved = warmup(self.model, timeout=self.job.parallel.autotune_timeout_s,
                               num_tokens=tcfg.batch_size * tcfg.seq_len, device=self.ranks.device)
         if self.ranks.rank == 0:
@@ -275,7 +359,7 @@ class Trainer:
         if tcfg.cuda_graphs == "off":
             return "training.cuda_graphs='off'"
         reason = graphs_unsupported(moe_layers(self.model)[0].dispatch, self.ranks.device, compile=tcfg.compile,
-                                    activation_checkpointing=tcfg.activation_checkpointing)
+                                    activation_checkpointing=tcfg.activation_checkpointing, fsdp=self.ranks.fsdp)
         if reason is not None and tcfg.cuda_graphs == "on":
             raise ConfigError(f"training.cuda_graphs='on': {reason} (or set training.cuda_graphs='auto')")
         return reason
@@ -335,7 +419,9 @@ class Trainer:
         return tcfg.lr * (tcfg.min_lr_ratio + (1 - tcfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def _autocast(self):
-        if self.job.training.dtype == "bfloat16":
+        """The forward's autocast: bf16 under ``training.dtype='bfloat16'``, unless FSDP's
+        mixed precision casts the weights instead (``parallel.fsdp``)."""
+        if self.job.training.dtype == "bfloat16" and not self.ranks.fsdp:
             # graph capture needs autocast without its weight-cast cache (the graphs replay the casts)
             return torch.autocast(self.ranks.device.type, dtype=torch.bfloat16,
                                   cache_enabled=self.graphs_off is not None)
@@ -352,7 +438,8 @@ class Trainer:
     def _clip_gradients(self, loss: torch.Tensor, grad_divisor: int) -> tuple[torch.Tensor, bool]:
         """:func:`clip_gradients` of this run: the global grad norm, clipped to
         ``training.grad_clip``, and whether the step is finite on every rank; the gradients
-        come summed over ``grad_divisor`` replicas, and leave averaged."""
+        come summed over ``grad_divisor`` replicas (1 under FSDP: averaged by its
+        reduce-scatters), and leave averaged."""
         return clip_gradients(self.model, self.job.training.grad_clip, self.ranks.ep_group, loss,
                               grad_scale=1.0 / grad_divisor)
 
@@ -364,8 +451,10 @@ class Trainer:
             group["lr"] = lr
         ce, aux = self._loss(inputs_BL, targets_BL)
         (ce + aux).backward()
-        # summed, not averaged: the clip's multiply divides (one pass over the gradients less)
-        divisor = sync_gradients(self.model, self.ranks.ep_group, self.ranks.edp_group, average=False)
+        if self.ranks.fsdp:  # the backward's reduce-scatters averaged them
+            divisor = 1
+        else:  # summed, not averaged: the clip's multiply divides (one pass over the gradients less)
+            divisor = sync_gradients(self.model, self.ranks.ep_group, self.ranks.edp_group, average=False)
         grad_norm, finite = self._clip_gradients(ce + aux, divisor)
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
@@ -405,8 +494,10 @@ class Trainer:
         if rank0:
             n_params = sum(p.numel() for p in self.model.parameters())
             logger.info("rank 0: %.2fM parameters (its expert shard included); world %d, EP %d, "
-                        "%d tokens per step, device %s", n_params / 1e6, self.ranks.world_size,
-                        self.ranks.ep_size, self.tokens_per_step, self.ranks.device)
+                        "%d tokens per step, device %s%s", n_params / 1e6, self.ranks.world_size,
+                        self.ranks.ep_size, self.tokens_per_step, self.ranks.device,
+                        f"; FSDP: dense weights sharded over {self.ranks.world_size} ranks, experts over "
+                        f"edp={self.ranks.world_size // self.ranks.ep_size}" if self.ranks.fsdp else "")
         self.model.train()
         # disable=None: tqdm turns itself off when stderr is not a terminal (logs to a file).
         bar = tqdm(total=tcfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
