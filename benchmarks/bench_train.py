@@ -6,6 +6,8 @@ training step, for ONE parallel configuration per run (a driver runs the matrix:
     torchrun --nproc-per-node 4 benchmarks/bench_train.py --config configs/train/qwen3_ep.toml --ep-size 1  # DP=4
     torchrun --nproc-per-node 4 benchmarks/bench_train.py --config configs/train/qwen3_ep.toml --ep-size 2  # EP=2 x DP=2
     torchrun --nproc-per-node 4 benchmarks/bench_train.py --config configs/train/qwen3_ep.toml --ep-size 4  # EP=4
+    torchrun --nproc-per-node 4 benchmarks/bench_train.py --config configs/train/qwen3_ep.toml --ep-size 4 \
+        --set parallel.fsdp=true                                                   # EP=4, FSDP2
     python benchmarks/bench_train.py --plot benchmarks/results/train_*.json   # the scaling plot
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --device cpu --steps 2   # CPU smoke run (tiny.toml)
 
@@ -113,10 +115,22 @@ The profiled step is slower than the timed one (profiler overhead); the fraction
 what to compare. ``top_kernels`` lists the largest kernels with the category given to
 each, to check the classification on a new device or PyTorch version.
 
-Output: one JSON (rank 0; ``--out``, default ``benchmarks/results/train_<device>_<model>_w<world>_ep<ep>.json``)
-with the environment, world / EP / DP sizes, tokens/s (global and per GPU), step times of
-every rank, FLOPs and parameter counts, peak and MFU, the breakdown (rank 0's, and a
-summary of every rank's); and one line on stdout starting ``train ``.
+Under ``--set parallel.fsdp=true`` (FSDP2: ``launch/trainer.py``) the gradients are
+reduce-scattered inside the backward, so the ``grad_sync`` phase is empty (the backward
+ends where the clip starts) and that time shows up in the backward's ``exchange`` (NCCL,
+with FSDP's all-gathers) and idle time.
+
+Memory: ``max_memory_gb`` is the largest ``torch.cuda.max_memory_allocated`` of any rank
+over the whole run (building included: the model is built whole on each GPU before FSDP
+shards it); ``max_memory_steps_gb`` the same over the training steps alone (peak stats
+reset after the setup), the number to compare between replicated and FSDP runs.
+
+Output: one JSON (rank 0; ``--out``, default
+``benchmarks/results/train_<device>_<model>_w<world>_ep<ep>[_fsdp].json``) with the
+environment, world / EP / DP sizes, whether FSDP shards the model (``fsdp``), tokens/s
+(global and per GPU), step times of every rank, memory, FLOPs and parameter counts, peak
+and MFU, the breakdown (rank 0's, and a summary of every rank's); and one line on stdout
+starting ``train ``.
 """
 
 from __future__ import annotations
@@ -243,13 +257,22 @@ def exclusive_times(intervals: Iterable[tuple[float, float, str]], priority: Seq
 
 # --- the trace --------------------------------------------------------------------------
 
+def _sync_range(step: dict[str, tuple[float, float]]) -> Optional[tuple[float, float]]:
+    """The gradient sync's range of one step; under FSDP (no ``sync_gradients`` call: the
+    backward reduce-scatters) an empty one where the clip starts, which ends the backward."""
+    if "grad_sync" in step:
+        return step["grad_sync"]
+    clip = step.get("clip")
+    return (clip[0], clip[0]) if clip else None
+
+
 def _phase_of(t: float, step: dict[str, tuple[float, float]]) -> str:
     """The phase of host time ``t`` inside one step's annotated ranges."""
     for name in ("forward", "grad_sync", "clip"):
         rng = step.get(name)
         if rng and rng[0] <= t <= rng[1]:
             return name
-    fwd, sync = step.get("forward"), step.get("grad_sync")
+    fwd, sync = step.get("forward"), _sync_range(step)
     if fwd and t < fwd[0]:
         return "data"
     if sync and t > sync[1]:
@@ -262,7 +285,7 @@ def _phase_of(t: float, step: dict[str, tuple[float, float]]) -> str:
 def _host_phases(step: dict[str, tuple[float, float]]) -> dict[str, float]:
     """Host time (us) of each phase of one step, from its annotated ranges."""
     s0, s1 = step["step"]
-    fwd, sync, clip = step.get("forward"), step.get("grad_sync"), step.get("clip")
+    fwd, sync, clip = step.get("forward"), _sync_range(step), step.get("clip")
     out = {"step": s1 - s0}
     if fwd:
         out.update(data=fwd[0] - s0, forward=fwd[1] - fwd[0])
@@ -647,6 +670,10 @@ def run(args: argparse.Namespace) -> Optional[dict]:
         ranks, device = trainer.ranks, trainer.ranks.device
         cuda = device.type == "cuda"
         measured_peak, peak_dtype, peak_n = measure_peak_tflops(device)
+        setup_memory = None
+        if cuda:  # the setup's peak (the whole model before FSDP shards it, the peak matmul) apart
+            setup_memory = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
         step = 1
         for _ in range(args.warmup):
             trainer.train_step(step)
@@ -663,7 +690,8 @@ def run(args: argparse.Namespace) -> Optional[dict]:
         dense, experts = _count_params(trainer.model)
         mine = {"rank": ranks.rank, "median_ms": timing["median_ms"], "wall_mean_ms": timing["wall_mean_ms"],
                 "step_ms": timing["step_ms"], "losses": timing["losses"], "measured_peak_tflops": measured_peak,
-                "max_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                "max_memory_steps_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                "max_memory_setup_gb": setup_memory,
                 "breakdown": breakdown, "params": (dense, experts)}
         every = [None] * ranks.world_size
         dist.all_gather_object(every, mine)
@@ -704,7 +732,7 @@ def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: s
         "environment": env,
         "device": env["device"], "torch": env["torch"], "triton": env["triton"],
         "model": args.label or Path(args.config).stem, "config": str(args.config), "overrides": args.overrides,
-        "configuration": configuration_name(world, ep),
+        "configuration": configuration_name(world, ep), "fsdp": job.parallel.fsdp,
         "world_size": world, "ep_size": ep, "dp_size": world, "edp_size": world // ep,
         "dispatch": _dispatch_run(trainer), "dispatch_config": job.moe_config().dispatch,
         "cuda_graphs": "on" if trainer.graphs_off is None else f"off: {trainer.graphs_off}", "dtype": tcfg.dtype,
@@ -723,7 +751,9 @@ def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: s
         "model_tflops_per_gpu": per_gpu * flops["flops_per_token"] / 1e12,
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         "losses_finite": all(math.isfinite(r_loss) for r in every for r_loss in r["losses"]),
-        "max_memory_gb": max((r["max_memory_gb"] or 0.0) for r in every) if ranks.device.type == "cuda" else None,
+        "max_memory_gb": max(max(r["max_memory_steps_gb"], r["max_memory_setup_gb"]) for r in every)
+        if ranks.device.type == "cuda" else None,
+        "max_memory_steps_gb": max(r["max_memory_steps_gb"] for r in every) if ranks.device.type == "cuda" else None,
         "setup_s": build_s, "kernel_configs": kernel_log,
         "breakdown": breakdown,
         "breakdown_per_rank": [{"rank": r["rank"], **{k: (r["breakdown"] or {}).get(k) for k in
@@ -734,11 +764,14 @@ def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: s
 
 def summary_line(result: dict) -> str:
     """The one-line stdout summary of a result."""
-    line = (f"train {result['model']} {result['configuration']} (world {result['world_size']}, EP {result['ep_size']}) "
+    fsdp = ", FSDP" if result.get("fsdp") else ""
+    line = (f"train {result['model']} {result['configuration']} (world {result['world_size']}, EP {result['ep_size']}{fsdp}) "
             f"on {result['device']}: {result['step_ms']:.1f} ms/step | {result['tokens_per_s']:,.0f} tok/s | "
             f"{result['tokens_per_s_per_gpu']:,.0f} tok/s/GPU | MFU {100 * result['mfu']:.1f}% of "
             f"{result['peak_tflops']:.4g} TFLOP/s ({result['peak_source']}; "
             f"{100 * result['mfu_vs_measured_peak']:.1f}% of measured {result['measured_peak_tflops']:.4g})")
+    if result.get("max_memory_steps_gb") is not None:
+        line += f" | max memory {result['max_memory_steps_gb']:.1f} GB in steps ({result['max_memory_gb']:.1f} GB in all)"
     b = result.get("breakdown") or {}
     if b.get("available"):
         line += " | " + " ".join(f"{k} {100 * v:.0f}%" for k, v in b["fractions"].items())
@@ -819,7 +852,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         result = run(args)
         if result is not None:
             out = args.out or RESULTS / (f"train_{device_tag(result['device'])}_{result['model']}_"
-                                         f"w{result['world_size']}_ep{result['ep_size']}.json")
+                                         f"w{result['world_size']}_ep{result['ep_size']}"
+                                         f"{'_fsdp' if result['fsdp'] else ''}.json")
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1) + "\n")
             print(summary_line(result), flush=True)
