@@ -24,8 +24,9 @@ In process: the config's checks (``parallel.fsdp`` typed; ``checkpoint.format='n
 and ``training.cuda_graphs='on'`` refused with it), why CUDA graphs are off, a native
 checkpoint refused by a sharded model (a gloo group of one).
 
-About 45 s on 2 cores without the compiled run, most of it the two launches (9 runs at
-world 2, 3 at world 4); the compiled run adds 20 s (Inductor's cache warm) to 45 s.
+About 25-30 s on 2 cores without the compiled run (``-m "not slow"``), nearly all of it the
+two launches (9 runs at world 2, 3 at world 4); the compiled run adds 13-20 s with
+Inductor's cache warm, about 35 s cold.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def test_resume_across_fsdp_and_ep(request, world, name, source):
 def test_compiled_blocks_under_fsdp(world2, tmp_path):
     """Blocks compiled in place (``training.compile``, before ``apply_fsdp``: Dynamo breaks
     the graph at FSDP's hooks and the MoE layer's exchange) continue the FSDP EP 2 run from
-    step 2 with its losses, to the rounding of fused kernels (Inductor: 10-35 s of the test)."""
+    step 2 with its losses, to the rounding of fused kernels."""
     resumed = ["--ep-size", "2", *FSDP, "--set", "training.compile=true", "--set", "logging.eval_interval=0",
                "--set", "checkpoint.interval=-1", "--resume", str(world2["fsdp_ep2"].ckpt / f"step_{SAVED:08d}")]
     got = _launch(tmp_path, 2, [("compiled", resumed, None)])["compiled"]
