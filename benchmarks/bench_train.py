@@ -765,13 +765,14 @@ def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: s
 def summary_line(result: dict) -> str:
     """The one-line stdout summary of a result."""
     fsdp = ", FSDP" if result.get("fsdp") else ""
-    line = (f"train {result['model']} {result['configuration']} (world {result['world_size']}, EP {result['ep_size']}{fsdp}) "
-            f"on {result['device']}: {result['step_ms']:.1f} ms/step | {result['tokens_per_s']:,.0f} tok/s | "
+    line = (f"train {result['model']} {result['configuration']} (world {result['world_size']}, "
+            f"EP {result['ep_size']}{fsdp}) on {result['device']}: {result['step_ms']:.1f} ms/step | {result['tokens_per_s']:,.0f} tok/s | "
             f"{result['tokens_per_s_per_gpu']:,.0f} tok/s/GPU | MFU {100 * result['mfu']:.1f}% of "
             f"{result['peak_tflops']:.4g} TFLOP/s ({result['peak_source']}; "
             f"{100 * result['mfu_vs_measured_peak']:.1f}% of measured {result['measured_peak_tflops']:.4g})")
     if result.get("max_memory_steps_gb") is not None:
-        line += f" | max memory {result['max_memory_steps_gb']:.1f} GB in steps ({result['max_memory_gb']:.1f} GB in all)"
+        line += (f" | max memory {result['max_memory_steps_gb']:.1f} GB in steps "
+                 f"({result['max_memory_gb']:.1f} GB in all)")
     b = result.get("breakdown") or {}
     if b.get("available"):
         line += " | " + " ".join(f"{k} {100 * v:.0f}%" for k, v in b["fractions"].items())
