@@ -23,9 +23,9 @@ tuning at start) and NVLink multicast too (``NCCL_NVLS_ENABLE=0``,
 ``EP_MOE_TEST_DISPATCHES`` (comma-separated names of ``DISPATCHES``) runs only some
 dispatches, as in ``tests/gpu/test_ep_nccl.py``; the other cases skip.
 
-Time, estimated (not yet run on GPUs): a torchrun start plus 30 steps of this model is
-about 30-40 s, 9 runs (2 references, 7 cases) about 4.5-6 minutes on 4x H100, plus the
-first run's Triton compiles when the cache is cold.
+Time, measured on 4x H100: the bf16 reference and three EP=2 cases took 266 s (about 60 s
+a run, with CUDA graph capture and the first run's Triton compiles), so all 9 runs (2
+references, 7 cases) take about 9 minutes; ``-k bfloat16-ep2`` and the like run a part.
 
 Tolerances: every step of the first ``EARLY_STEPS`` within ``RTOL``, and the mean loss of the
 last 10 steps within ``LATE_RTOL``. Later steps are not compared one by one: on GPUs two runs
@@ -69,10 +69,11 @@ CASES = [pytest.param("bfloat16", ep, d, id=f"bfloat16-ep{ep}-{d}") for ep in (2
 """(training.dtype, EP size, dispatch); EP size 0: all W GPUs (the trainer's convention)."""
 FIELDS = ("loss", "grad_norm")
 EARLY_STEPS = 5
-RTOL = {"loss": 5e-3, "grad_norm": 2e-2}
+RTOL = {"loss": 2e-3, "grad_norm": 1e-2}
 """Largest relative difference to the EP=1 run allowed in each of the first ``EARLY_STEPS``
 steps, before the runs' nondeterministic kernels (attention's backward, atomics) have
-diverged them (module docstring)."""
+diverged them (module docstring). Measured on 4x H100 at EP=2, every dispatch: at most
+2.2e-4 in the loss and 2.3e-3 in the grad norm."""
 LATE_RTOL = 3e-2
 """Largest relative difference of the mean loss over the last 10 steps: two eager runs of
 one configuration on one GPU differ by up to 2.3e-3 in the loss and 14% in the grad norm
