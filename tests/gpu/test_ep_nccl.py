@@ -9,7 +9,7 @@ reference: for each EP group, one EP=1 layer with the same global weights runs e
 member's tokens one rank at a time (same shapes, so the router picks the same experts)
 and accumulates the parameter gradients the group computes together. Every output, input
 gradient, router gradient and expert gradient must be within a relative (Frobenius)
-error of 2e-2. Every scenario runs on every dispatch (``DISPATCHES``); some also run with
+error of ``MAX_REL_ERR``. Every scenario runs on every dispatch (``DISPATCHES``); some also run with
 fp32 parameters under bf16 autocast (``AUTOCAST``, against an EP=1 reference built the same
 way), two under ``torch.compile`` at the largest EP size, and two under a non-reentrant
 activation checkpoint. The shared fixture runs them all (111 s on a fresh 4x H200, the
@@ -38,7 +38,9 @@ pytestmark = pytest.mark.gpu
 
 NUM_GPUS = torch.cuda.device_count()
 WORLD = 4 if NUM_GPUS >= 4 else 2
-MAX_REL_ERR = 2e-2
+MAX_REL_ERR = 8e-3
+"""The worst of every check on 4x H200 (torch 2.11, Triton 3.6) was 4.4e-3 (an input gradient);
+bf16 outputs of a matmul chain differ by a few 1e-3 with the order of the sums."""
 # Dims that are multiples of no block size; 8 experts divide over EP 1, 2 and 4.
 H, I, E, T = 360, 200, 8, 301
 
