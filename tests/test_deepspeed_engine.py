@@ -24,7 +24,11 @@ draws, followed by the drop-in), Linear. Its global experts have the same values
   resumes exactly (the next step equals the step of the engine that saved it); the weights
   load exactly at ep_size 1 (world 1 and 2), 2 (world 2 and 4) and 4 (world 4), from the
   drop-in's checkpoints and from DeepSpeed's layer's, and the drop-in's into DeepSpeed's
-  layer; and a step at lr=0 keeps them (the optimizer's master weights took them too).
+  layer; and a step at lr=0 keeps them (the optimizer's master weights took them too). A
+  full load whose optimizer states do not fit (the drop-in's checkpoint at ep_size 1, every
+  stage and dtype; DeepSpeed's layer's at ep_size 2) raises on every rank, before anything
+  is loaded where ep_moe refuses it, and the same engine then loads the weights with
+  ``load_module_only=True``.
 - ``benchmarks/bench_deepspeed_train.py`` (the GPU comparison of both layers training a
   GPT-style model): its agreement check, and a CPU smoke run (2 gloo ranks, its tiny
   preset, 2 steps, ZeRO 2 in bf16 as on the GPUs).
@@ -43,9 +47,10 @@ match"). Load the weights there with ``load_optimizer_states=False`` or
 ``load_module_only=True``; in bf16 at stage 0 only the latter: with the former DeepSpeed's
 ``FP16_UnfusedOptimizer`` keeps its old fp32 master weights and the next step overwrites the
 loaded ones (its own layer alike). The drop-in keeps all of this, except that its stacked
-expert tensors keep the parameter count alike at every ``ep_size``: a full load at another
-``ep_size`` fails at the first step (stage 0) or at the same world size is not refused by
-ZeRO 1/2 (whose states then do not fit): pass one of the flags above.
+expert tensors keep the parameter count alike at every ``ep_size``, so DeepSpeed would not
+refuse a full load at another ``ep_size`` (ZeRO 1/2 at the same world size load states that
+do not fit; stage 0 fails at the first step): ep_moe refuses it instead
+(``CheckpointLayoutError``).
 
 Skips without deepspeed (``DS_BUILD_OPS=0 pip install deepspeed==0.19.8``).
 """
@@ -227,10 +232,33 @@ def _load(deepspeed, path: str, impl: str, ep_size: int, stage: int, dtype: str,
     return dict(loaded=state, loss=loss, after=_global_state(model))
 
 
+def _refused(deepspeed, path: str, ep_size: int, stage: int, dtype: str) -> dict:
+    """A full load of ``path`` into a fresh drop-in model at ``ep_size``: the error it raised
+    (type name, message) and whether the weights and step count were left as they were; then
+    the same engine loads the weights with ``load_module_only=True`` (state, and after a step
+    at lr=0, as :func:`_load`)."""
+    model = _model("ours", ep_size, seed=7)
+    engine = _engine(deepspeed, model, stage, dtype, lr=0.0)
+    before = _global_state(model)
+    error = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            engine.load_checkpoint(path)
+        except Exception as err:  # reported to the test, which checks which
+            error = (type(err).__name__, str(err))
+        untouched = all(torch.equal(value, before[key]) for key, value in _global_state(model).items())
+        steps = engine.global_steps
+        engine.load_checkpoint(path, load_module_only=True)
+    state = _global_state(model)
+    _step(engine, dtype, 2)
+    return dict(error=error, untouched=untouched, global_steps=steps, loaded=state, after=_global_state(model))
+
+
 def _world2_worker(rank, world_size, root):
     """World 2, ep_size 2: both layers train and save in every combination; then the loads."""
     deepspeed = _init_deepspeed()
-    out = dict(train={}, resume={}, loads={})
+    out = dict(train={}, resume={}, loads={}, refused={})
     for stage, dtype in COMBOS:
         for impl in ("ds", "ours"):
             model = _model(impl, 2)
@@ -248,6 +276,9 @@ def _world2_worker(rank, world_size, root):
             module_only = src == "ds" or (stage, dtype) == (0, "bf16")
             out["loads"][stage, dtype, src, dst, ep_size] = _load(
                 deepspeed, f"{root}/{src}-{stage}-{dtype}", dst, ep_size, stage, dtype, module_only=module_only)
+        for src, ep_size in (("ours", 1), ("ds", 2)):  # full loads whose optimizer states do not fit
+            out["refused"][stage, dtype, src, ep_size] = _refused(deepspeed, f"{root}/{src}-{stage}-{dtype}", ep_size,
+                                                                  stage, dtype)
     # the Triton kernels (interpreter) under the engine: ZeRO 2, float32
     model = _model("ours", 2, backend="triton")
     engine = _engine(deepspeed, model, 2, "fp32")
@@ -416,6 +447,32 @@ def test_checkpoints_load_across_ep_size_at_world2(world2):
     """Saved at ep_size 2 (world 2) by either layer: into the drop-in at ep_size 2 and 1, and
     the drop-in's into DeepSpeed's layer at ep_size 1."""
     _assert_loads([res["loads"] for res in world2], _saved(world2))
+
+
+@pytest.mark.distributed
+def test_full_load_of_optimizer_states_that_do_not_fit_is_refused(world2):
+    """A full load_checkpoint (optimizer state included) into the drop-in of a checkpoint saved
+    at ep_size 2 whose optimizer states do not fit raises on every rank: the drop-in's
+    checkpoint at ep_size 1 (every stage; ZeRO 1/2 would load them silently otherwise), and
+    DeepSpeed's layer's at ep_size 2 (ZeRO 1/2: refused by ep_moe; ZeRO 0: torch refuses the
+    optimizer's parameter groups of another size). ep_moe refuses before anything is loaded;
+    the same engine then loads the weights with load_module_only=True."""
+    for rank, res in enumerate(world2):
+        for (stage, dtype, src, ep_size), got in res["refused"].items():
+            where = (rank, stage, dtype, src, ep_size)
+            assert got["error"] is not None, where
+            kind, message = got["error"]
+            if src == "ds" and stage == 0:
+                assert kind == "ValueError" and "parameter group" in message, where
+                continue
+            assert kind == "CheckpointLayoutError", (where, got["error"])
+            assert got["untouched"] and got["global_steps"] == 0, where
+            assert "load_module_only=True" in message and "nothing loaded" in message, where
+            if src == "ours":
+                assert re.search(r"ep_size=2\b.*ep_size=1\b", message) and "resume at ep_size=2" in message, message
+            else:
+                assert "DeepSpeed's own MoE layer" in message, message
+    _assert_loads([res["refused"] for res in world2], _saved(world2))
 
 
 @pytest.mark.distributed

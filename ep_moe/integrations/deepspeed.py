@@ -113,12 +113,22 @@ float32 and bf16, saved at world 2 with ``ep_size=2``):
   its next step overwrites the loaded ones.
 - Optimizer states do not carry across ``ep_size``: ZeRO 0 keeps them per expert-parallel
   rank, ZeRO 1/2 as flat partitions per data-parallel rank (and DeepSpeed refuses another
-  world size). For its own layer DeepSpeed refuses another ``ep_size`` as well (its
-  parameter groups change size). The drop-in's stacked expert tensors keep the parameter
-  count alike at every ``ep_size``, so there the load itself is not refused: at ZeRO 0 a
-  missing file or the first step's shapes fail, at ZeRO 1/2 and the same world size it
-  goes through with states that do not fit. Pass one of the two flags above when
-  ``ep_size`` changes.
+  world size). For its own layer DeepSpeed refuses another ``ep_size`` too (its parameter
+  groups change size); the drop-in's stacked expert tensors keep the parameter count alike
+  at every ``ep_size``, so there ZeRO 1/2 would load states (and fp32 master weights) that
+  do not fit, silently. The drop-in therefore checks every full load (optimizer states
+  loaded, no ``load_module_only``) into an engine that holds it (:func:`check_checkpoint`):
+  a checkpoint saved at another ``ep_size``, or under ZeRO 1/2 by DeepSpeed's layer, raises
+  :class:`CheckpointLayoutError` on every rank before anything is loaded, naming both
+  ``ep_size`` values and the fix (``load_module_only=True``, or resume at the saved
+  ``ep_size``). It reads what DeepSpeed wrote, so checkpoints of either layer and of
+  earlier versions are checked: under ZeRO 1/2 each layer's saved expert shapes
+  (``param_shapes`` of the model-states file: [experts a rank, ...] for the drop-in, one
+  entry per local expert for DeepSpeed's layer), at ZeRO 0 the largest saved ``ep_size``
+  (one ``expp_rank_R_..._optim_states.pt`` per expert-parallel rank); DeepSpeed's layer's
+  ZeRO 0 checkpoints torch refuses itself (parameter groups of other sizes).
+  ``DeepSpeedEngine.load_checkpoint`` runs the check: :meth:`MoE.set_deepspeed_parallelism`
+  wraps it once per process, and engines without the drop-in are unaffected.
 
 One difference: ``save_checkpoint(exclude_frozen_parameters=True)`` still saves a frozen router
 (the engine leaves out frozen weights by parameter name, and the router's key is renamed).
@@ -133,6 +143,10 @@ either.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
+import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union, get_args
@@ -665,6 +679,7 @@ class MoE(nn.Module):
                              "MoE.from_deepspeed / replace_deepspeed_moe)")
         from deepspeed.utils import groups
 
+        _check_engine_loads()
         self._check_expert_tensor_parallelism(groups.mpu)
         name = self.expert_group_name
         if name not in groups._get_expert_parallel_group_dict():
@@ -799,6 +814,120 @@ def _ep_moe_keys_hook(module: MoE, state_dict, prefix, local_metadata, strict, m
                 state_dict[f"{prefix}layer.experts.{name}.{g}"] = _stacked([state_dict.pop(k) for k in keys])
 
 
+class CheckpointLayoutError(ValueError):
+    """A full ``engine.load_checkpoint`` (optimizer state included) of a checkpoint whose
+    optimizer state does not fit the engine's drop-in layers: saved at another ``ep_size``,
+    or by DeepSpeed's own MoE layer (:func:`check_checkpoint`)."""
+
+
+def check_checkpoint(engine, load_dir: str, tag=None, *, load_optimizer_states: bool = True,
+                     load_module_only: bool = False) -> None:
+    """Raise :class:`CheckpointLayoutError` where ``engine.load_checkpoint(load_dir, tag,
+    load_optimizer_states=..., load_module_only=...)`` would load optimizer state that does
+    not fit the drop-in layers of ``engine.module`` (see the module docstring); return
+    otherwise, and where it cannot tell (no drop-in layer, no optimizer state loaded, no
+    such checkpoint, a universal checkpoint). ``engine.load_checkpoint`` calls it before
+    reading anything else; every rank reads the same files and decides alike, so all raise."""
+    if load_module_only or not load_optimizer_states or engine.optimizer is None:
+        return
+    layers = [(name, m) for name, m in engine.module.named_modules() if isinstance(m, MoE)]
+    if not layers or engine.load_universal_checkpoint():
+        return
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return  # DeepSpeed warns and loads nothing
+        with open(latest) as f:
+            tag = f.read().strip()
+    if engine.zero_optimization():
+        problems, saved_ep = _zero_layout_mismatch(engine, load_dir, tag, layers)
+        kept = (f"ZeRO stage {engine.zero_optimization_stage()} keeps optimizer states and fp32 master weights as "
+                "flat partitions of the saved parameters, which would load into other experts' places")
+    else:
+        problems, saved_ep = _stage0_layout_mismatch(engine, load_dir, tag)
+        kept = ("ZeRO stage 0 keeps optimizer states per expert-parallel rank, of that rank's experts at the saved "
+                "ep_size, and each rank would load those of other experts")
+    if problems:
+        resume = f"resume at ep_size={saved_ep}" if saved_ep else "resume with the layer and ep_size that saved it"
+        raise CheckpointLayoutError(
+            f"engine.load_checkpoint({load_dir!r}, tag={tag!r}) with optimizer states refused, nothing loaded: "
+            f"{'; '.join(problems)}. {kept}. Pass load_module_only=True to load the weights (at any ep_size) "
+            f"with a fresh optimizer state, or {resume}")
+
+
+def _zero_layout_mismatch(engine, load_dir: str, tag, layers: list[tuple[str, MoE]]
+                          ) -> tuple[list[str], Optional[int]]:
+    """ZeRO 1/2: the saved shape of each optimizer parameter (``param_shapes`` of the
+    model-states file) against the drop-in's stacked experts ([num_local_experts, ...]);
+    DeepSpeed's layer saved one parameter per local expert instead."""
+    path = engine._get_ckpt_name(load_dir, tag)
+    if not os.path.isfile(path):
+        return [], None  # DeepSpeed reports it
+    try:  # memory-mapped: only the metadata is read
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # not torch's zip format: read it as the engine does
+        checkpoint = engine.checkpoint_engine.load(path, map_location="cpu")
+    saved = {name: tuple(shape) for group in checkpoint.get("param_shapes") or [] for name, shape in group.items()}
+    problems, saved_eps = [], set()
+    for name, layer in layers:
+        prefix = f"{name}." if name else ""
+        if any(key.startswith(prefix + _DS_EXPERT_PREFIX) for key in saved):
+            problems.append(f"layer {name!r} was saved by DeepSpeed's own MoE layer, whose optimizer holds one "
+                            "parameter per local expert where the drop-in stacks them")
+            continue
+        for key, param in layer.named_parameters():
+            shape = saved.get(prefix + key)
+            if is_expert_param(param) and shape is not None and shape != tuple(param.shape):
+                local = shape[0]
+                saved_ep = layer.num_experts // local if local and layer.num_experts % local == 0 else None
+                saved_eps.add(saved_ep)
+                at = f"ep_size={saved_ep}" if saved_ep else "another ep_size"
+                problems.append(f"layer {name!r} was saved at {at} ({local} of its {layer.num_experts} experts a "
+                                f"rank) and runs at ep_size={layer.ep_size} here ({layer.num_local_experts} a rank)")
+                break
+    return problems, next(iter(saved_eps)) if len(saved_eps) == 1 else None
+
+
+def _stage0_layout_mismatch(engine, load_dir: str, tag) -> tuple[list[str], Optional[int]]:
+    """ZeRO 0: DeepSpeed writes one optimizer file per rank of the largest expert-parallel
+    group (``expp_rank_R_mp_rank_00_optim_states.pt``) and each rank reads that of its own
+    expert-parallel rank: their count is the saved largest ``ep_size``."""
+    folder = os.path.join(load_dir, str(tag))
+    pattern = re.compile(rf"expp_rank_(\d+)_mp_rank_{engine.checkpoint_mp_rank:02d}_optim_states\.pt")
+    ranks = [int(m.group(1)) for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+             if (m := pattern.fullmatch(f))]
+    ds_cls = _deepspeed_moe_class()
+    current = max((m.ep_size for m in engine.module.modules() if isinstance(m, ds_cls)), default=1)
+    if not ranks or max(ranks) + 1 == current:  # no such files (DeepSpeed reports it), or the same ep_size
+        return [], None
+    saved = max(ranks) + 1
+    return [f"the checkpoint holds the optimizer states of {saved} expert-parallel ranks, saved at ep_size={saved} "
+            f"(its largest), and this model runs at ep_size={current} (its largest)"], saved
+
+
+def _check_engine_loads() -> None:
+    """Make ``DeepSpeedEngine.load_checkpoint`` call :func:`check_checkpoint` first, once
+    per process (engines without drop-in layers are unaffected)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    load = DeepSpeedEngine.load_checkpoint
+    if getattr(load, "_ep_moe_checked", False):
+        return
+    signature = inspect.signature(load)
+
+    @functools.wraps(load)
+    def load_checkpoint(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arg = bound.arguments
+        check_checkpoint(self, arg["load_dir"], arg["tag"], load_optimizer_states=arg["load_optimizer_states"],
+                         load_module_only=arg["load_module_only"])
+        return load(self, *args, **kwargs)
+
+    load_checkpoint._ep_moe_checked = True
+    DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
 def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
     """Swap every ``deepspeed.moe.layer.MoE`` inside ``model`` for :class:`MoE` in place,
     with the same arguments and weights (:meth:`MoE.from_deepspeed`); returns how many
@@ -822,5 +951,5 @@ def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
     return len(found)
 
 
-__all__ = ["ExpertLayout", "MoE", "UnreadableExpertError", "deepspeed_moe_config", "infer_expert_layout",
-           "replace_deepspeed_moe"]
+__all__ = ["CheckpointLayoutError", "ExpertLayout", "MoE", "UnreadableExpertError", "check_checkpoint",
+           "deepspeed_moe_config", "infer_expert_layout", "replace_deepspeed_moe"]
