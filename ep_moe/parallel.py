@@ -71,12 +71,14 @@ def ep_layout(world_size: int, ep_size: int) -> tuple[list[list[int]], list[list
 
 def build_ep_groups(ep_size: int, *, world_size: Optional[int] = None,
                     num_experts: Optional[int] = None) -> ExpertParallelGroups:
-    """Create the EP and EDP groups of this rank (call on every rank, same arguments).
+    """Create the EP and EDP groups of this rank (call on every rank, same arguments): the
+    axes of :func:`init_ep_mesh`'s DeviceMesh, on the default group's device type (CUDA
+    under NCCL, else CPU).
 
     ``world_size`` defaults to the default group's size and must equal it (the groups
     cover every rank). ``num_experts``: the model's expert count, checked to be divisible
-    by ``ep_size`` before any group is created. Every rank takes part in the creation of
-    every group, as ``torch.distributed.new_group`` requires.
+    by ``ep_size`` before any group is created. Code that also shards with FSDP builds
+    :func:`init_parallel_mesh` instead and takes :meth:`ParallelMesh.groups` from it.
     """
     _check_num_experts(num_experts, ep_size)
     if not dist.is_initialized():
@@ -85,20 +87,8 @@ def build_ep_groups(ep_size: int, *, world_size: Optional[int] = None,
     if world_size is not None and world_size != dist.get_world_size():
         raise ValueError(f"build_ep_groups(world_size={world_size}) but the default group has "
                          f"{dist.get_world_size()} ranks; the EP and EDP groups cover every rank: drop world_size=")
-    world_size = dist.get_world_size()
-    rank = dist.get_rank()
-    ep_ranks, edp_ranks = ep_layout(world_size, ep_size)
-    ep_group = edp_group = None
-    for ranks in ep_ranks:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            ep_group = group
-    for ranks in edp_ranks:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            edp_group = group
-    return ExpertParallelGroups(ep_group=ep_group, edp_group=edp_group,
-                                ep_size=ep_size, edp_size=world_size // ep_size)
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu"
+    return groups_from_mesh(init_ep_mesh(ep_size, device_type=device_type))
 
 
 def init_ep_mesh(ep_size: int, *, device_type: str = "cuda", num_experts: Optional[int] = None) -> DeviceMesh:

@@ -1,17 +1,18 @@
 """The training loop behind ``launch/train.py``: set up ranks, build, train, log, checkpoint.
 
 Parallelism: every rank is a data-parallel rank with its own batches; the experts of each
-MoE layer are split over EP groups of ``ep_size`` consecutive ranks. Two ways to hold the
+MoE layer are split over EP groups of ``ep_size`` consecutive ranks. One mesh
+(``ep_moe.parallel.init_parallel_mesh``, built once) gives every group: EP for the layers,
+``edp`` (the replicas of a rank's experts) and ``dp_shard`` (all ranks). Two ways to hold the
 rest (``parallel.fsdp``):
 
-- replicated (the default): dense weights on every rank (``ep_moe.parallel.build_ep_groups``
-  gives the groups); after ``backward``, ``ep_moe.parallel.sync_gradients`` sums dense
-  gradients over all ranks and expert gradients over the expert-data-parallel group, and
-  the clip's multiply divides them by the number of ranks;
-- FSDP2: one mesh (``ep_moe.parallel.init_parallel_mesh``) gives every group (EP for the
-  layers, ``edp``, ``dp_shard``); ``ep_moe.parallel.apply_fsdp`` shards dense weights over
-  all ranks and each rank's experts over its ``edp`` ranks, before the optimizer is built,
-  and the backward's reduce-scatters leave the gradients averaged (no ``sync_gradients``).
+- replicated (the default): dense weights on every rank; after ``backward``,
+  ``ep_moe.parallel.sync_gradients`` sums dense gradients over all ranks and expert gradients
+  over the expert-data-parallel group, and the clip's multiply divides them by the number of
+  ranks;
+- FSDP2: ``ep_moe.parallel.apply_fsdp`` shards dense weights over all ranks and each rank's
+  experts over its ``edp`` ranks, before the optimizer is built, and the backward's
+  reduce-scatters leave the gradients averaged (no ``sync_gradients``).
   Under ``training.dtype = 'bfloat16'`` FSDP's ``MixedPrecisionPolicy`` (bf16 weights in
   compute, fp32 reduction) replaces autocast, as in torchtitan.
 
@@ -55,7 +56,6 @@ from ep_moe.layer import expert_load, moe_aux_loss, moe_layers, update_expert_bi
 from ep_moe.parallel import (
     ParallelMesh,
     apply_fsdp,
-    build_ep_groups,
     init_parallel_mesh,
     is_expert_param,
     sync_gradients,
@@ -77,13 +77,10 @@ class Ranks:
     """The layer's all-to-all group; None at EP=1."""
     edp_group: Optional[ProcessGroup]
     """Replicas of this rank's experts; None when there are none."""
-    mesh: Optional[ParallelMesh] = None
-    """Under ``parallel.fsdp``: the one mesh every group above comes from; None when replicated."""
-
-    @property
-    def fsdp(self) -> bool:
-        """Whether the model is sharded with FSDP2."""
-        return self.mesh is not None
+    mesh: ParallelMesh
+    """The one mesh every group above comes from (and FSDP's axes under ``parallel.fsdp``)."""
+    fsdp: bool = False
+    """Whether the model is sharded with FSDP2 (``parallel.fsdp``)."""
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -131,15 +128,11 @@ def init_distributed(job: JobConfig) -> Ranks:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = None
-    if job.parallel.fsdp:
-        mesh = init_parallel_mesh(ep_size, num_experts=job.moe_config().num_experts, device_type=device.type)
-        groups = mesh.groups()
-    else:
-        groups = build_ep_groups(ep_size)
+    mesh = init_parallel_mesh(ep_size, num_experts=job.moe_config().num_experts, device_type=device.type)
+    groups = mesh.groups()
     return Ranks(rank=rank, world_size=world, device=device, ep_size=ep_size, ep_rank=rank % ep_size,
                  ep_group=groups.ep_group if ep_size > 1 else None,
-                 edp_group=groups.edp_group if groups.edp_size > 1 else None, mesh=mesh)
+                 edp_group=groups.edp_group if groups.edp_size > 1 else None, mesh=mesh, fsdp=job.parallel.fsdp)
 
 
 def mixed_precision_policy(dtype: str):

@@ -469,7 +469,7 @@ def _bias_under_ddp_worker(rank, world_size):
     """EP=2 x EDP=2, the layer under DDP (experts ignored, buffers broadcast as by default):
     two training steps, then the bias update with its default group."""
     groups = build_ep_groups(2)
-    out = {}
+    out = {"ranks": (dist.get_process_group_ranks(groups.ep_group), dist.get_process_group_ranks(groups.edp_group))}
     try:
         build_ep_groups(2, world_size=2)
     except ValueError as err:
@@ -494,8 +494,12 @@ def _bias_under_ddp_worker(rank, world_size):
 def test_expert_bias_under_ddp_and_expert_data_parallelism():
     """The load counts are this rank's own under DDP (not rank 0's broadcast buffers), and the
     default update all-reduces them over every rank, so the bias is equal on all four and
-    follows the global load; build_ep_groups refuses a world_size short of the world."""
+    follows the global load; build_ep_groups refuses a world_size short of the world, and its
+    groups are the expert-then-data layout's (the axes of its DeviceMesh)."""
     results = run_distributed(_bias_under_ddp_worker, 4, timeout_s=120)
+    ep_ranks, edp_ranks = ep_layout(4, 2)
+    for rank, res in enumerate(results):
+        assert res["ranks"] == (ep_ranks[rank // 2], edp_ranks[rank % 2])
     for res in results:
         assert torch.equal(res["load"], res["own_counts"])
         assert re.search(r"build_ep_groups\(world_size=2\) but the default group has 4 ranks; .* drop world_size=",
