@@ -93,16 +93,20 @@ def cases(layer: torch.nn.Module, x: torch.Tensor):
 
 
 def build(shape: MoEShape, dispatch: str, group, device, dtype) -> dict[str, torch.nn.Module]:
-    """ep_moe's layer with ``dispatch`` (and the all-to-all too at EP>1) and the plain layer."""
+    """ep_moe's layer with ``dispatch`` (and the all-to-all too at EP>1) and the plain layer,
+    doing the same work: no aux loss, as the plain layer computes none (``bench_ep.py`` too);
+    and ep_moe with its default aux loss (``+aux``), what a training call costs."""
     cfg = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_experts=shape.num_experts,
-                    top_k=shape.top_k, dispatch=dispatch)
+                    top_k=shape.top_k, dispatch=dispatch, aux_loss_coef=0.0)
     torch.manual_seed(0)
     ours = MoELayer(cfg, group, device=device, dtype=dtype)
     layers = {f"ep_moe[{ours.dispatch}]": ours}
+    variants = {f"ep_moe[{ours.dispatch}]+aux": dataclasses.replace(cfg, aux_loss_coef=MoEConfig.aux_loss_coef)}
     if group is not None and ours.dispatch != "all_to_all":
-        a2a = MoELayer(dataclasses.replace(cfg, dispatch="all_to_all"), group, device=device, dtype=dtype)
-        a2a.load_state_dict(ours.state_dict())
-        layers["ep_moe[all_to_all]"] = a2a
+        variants["ep_moe[all_to_all]"] = dataclasses.replace(cfg, dispatch="all_to_all")
+    for name, variant_cfg in variants.items():
+        layers[name] = MoELayer(variant_cfg, group, device=device, dtype=dtype)
+        layers[name].load_state_dict(ours.state_dict())
     layers["plain"] = PlainEPMoE.like(ours)
     return layers
 

@@ -138,8 +138,7 @@ def route(
     """
     _check_route_args(x_TH, weight_EH, top_k, expert_bias_E, router_dtype)
     num_tokens, num_experts = x_TH.shape[0], weight_EH.shape[0]
-    with torch.autocast(x_TH.device.type, enabled=False):  # the router stays in router_dtype
-        logits_TE = F.linear(x_TH.to(router_dtype), weight_EH.to(router_dtype))
+    logits_TE = _router_logits(x_TH, weight_EH, router_dtype)
     if score_func == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
     elif score_func == "sigmoid":
@@ -169,6 +168,15 @@ def route(
         topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK, topk_scores_TK=topk_scores_TK,
         counts_E=counts_E, aux_loss=aux_loss, z_loss=z_loss,
     )
+
+
+def _router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor, router_dtype: torch.dtype) -> torch.Tensor:
+    """``x_TH @ weight_EH^T`` in ``router_dtype``, autocast or not (entering an autocast
+    context costs host time on every call: only done when autocast is on)."""
+    if not torch.is_autocast_enabled(x_TH.device.type):
+        return F.linear(x_TH.to(router_dtype), weight_EH.to(router_dtype))
+    with torch.autocast(x_TH.device.type, enabled=False):  # the router stays in router_dtype
+        return F.linear(x_TH.to(router_dtype), weight_EH.to(router_dtype))
 
 
 def _check_route_args(x_TH: torch.Tensor, weight_EH: torch.Tensor, top_k: int,

@@ -138,6 +138,12 @@ def smem_limit_for(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_block_optin", 99 * 1024)
 
 
+@functools.lru_cache(maxsize=None)
+def _tma_capable(device: torch.device) -> bool:
+    """Whether ``device`` (CUDA) is Hopper or newer; asked once per device, not per launch."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def tma_usable(*tensors: torch.Tensor) -> bool:
     """Whether tiles of every tensor can be loaded through TMA tensor descriptors.
 
@@ -147,7 +153,7 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
     if TensorDescriptor is None or interpreter_active():
         return False
     for t in tensors:
-        if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] < 9:
+        if t.device.type != "cuda" or not _tma_capable(t.device):
             return False
         if t.numel() == 0:  # a descriptor needs every dim positive
             return False
