@@ -7,8 +7,13 @@ Two numbers per case:
 - ``wall_us``: calls back to back, one sync per round of ``--calls``, divided by the calls
   (the median round): what an eager user waits per call at this size;
 - ``host_us``: the same calls while the GPU is kept busy (``torch.cuda._sleep`` queued first),
-  so no launch waits for the GPU: the host's own cost per call. A layer that syncs with the
-  host (the all-to-all's split sizes) waits for the sleep: reported as ``syncs``.
+  so no launch waits for the GPU: the host's own cost per call (the median round, and
+  ``host_min_us`` the least disturbed one). A layer that syncs with the host (the
+  all-to-all's split sizes) waits for the sleep: reported as ``syncs``.
+
+The layers take turns round by round in a rotated order (:func:`measure`), and every
+round's numbers are kept in the results: neighbouring runs of one layer on one machine have
+differed by up to 2x, so compare layers measured in one run, over many rounds.
 
 At EP=1 (``--ep-size 1``, every rank a replica) and EP = world (the dispatch of
 ``--dispatch``, default ``auto``, and the all-to-all)::
@@ -75,6 +80,32 @@ def per_call_us(fn, calls: int, rounds: int, device: torch.device, sleep_cycles:
         wall = time.perf_counter() - start
         times.append(1e6 * (host if sleep_cycles else wall) / calls)
     return times
+
+
+def _sleep_s(wall_us: float, calls: int) -> float:
+    """The GPU sleep ahead of a busy round: three times what the round takes when the GPU is
+    free. Few calls a round (``BUSY_CALLS``): a sleeping GPU takes about a thousand queued
+    launches before the host blocks, and a call launches up to about a hundred."""
+    return max(3 * wall_us * min(calls, BUSY_CALLS) / 1e6, 0.02)
+
+
+def measure(fns: list, calls: int, rounds: int, device: torch.device,
+            cycles_per_s: float) -> tuple[list[list[float]], list[list[float]]]:
+    """Per function, the microseconds per call of each round: wall (``calls`` calls, then a
+    sync) and, on CUDA, host (``BUSY_CALLS`` calls behind a GPU sleep; empty lists on the CPU).
+    The functions take turns round by round, in an order rotated every round, so a drift of
+    the machine (clocks, other processes) spreads over all of them instead of favouring the
+    one measured first. Every rank runs the same order (the layers' collectives match)."""
+    walls = [per_call_us(fn, calls, 1, device) for fn in fns]  # a first round sizes the sleeps
+    hosts: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        for i in [(r + j) % len(fns) for j in range(len(fns))]:
+            if r:
+                walls[i] += per_call_us(fns[i], calls, 1, device)
+            if device.type == "cuda":
+                sleep = int(_sleep_s(statistics.median(walls[i]), calls) * cycles_per_s)
+                hosts[i] += per_call_us(fns[i], min(calls, BUSY_CALLS), 1, device, sleep)
+    return walls, hosts
 
 
 def cases(layer: torch.nn.Module, x: torch.Tensor):
@@ -149,8 +180,8 @@ def main() -> None:
     parser.add_argument("--dispatch", default="auto", help="ep_moe's MoEConfig.dispatch at EP>1")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument("--calls", type=int, default=50, help="calls per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=20, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", type=int, default=0, metavar="TOKENS",
                         help="instead of timing: where the host time of each layer's calls at TOKENS goes "
@@ -180,26 +211,23 @@ def main() -> None:
     cycles_per_s = sleep_cycles_per_s(device) if device.type == "cuda" else 0.0
     for tokens in TOKENS:
         x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
-        for name, layer in layers.items():
-            for what, fn in cases(layer, x):
-                fn()  # compile, tune, allocate
-                wall = statistics.median(per_call_us(fn, args.calls, args.rounds, device))
-                host, syncs = None, False
-                if device.type == "cuda":
-                    # A sleep three times as long as a round: a layer that syncs with the host
-                    # waits for it (its round lasts the sleep), one that does not is done well before.
-                    # Few calls a round: a sleeping GPU takes about a thousand queued launches
-                    # before the host blocks, and a call launches up to about a hundred.
-                    calls = min(args.calls, BUSY_CALLS)
-                    sleep_s = max(3 * wall * calls / 1e6, 0.02)
-                    host = statistics.median(per_call_us(fn, calls, args.rounds, device, int(sleep_s * cycles_per_s)))
-                    syncs = host * calls / 1e6 > sleep_s / 2
-                rows.append(dict(layer=name, tokens=tokens, call=what, wall_us=wall,
-                                 host_us=None if syncs else host, syncs=syncs))
-                if rank0:
-                    shown = "syncs" if syncs else ("-" if host is None else f"{host:8.1f}")
-                    print(f"{shape.name:14s} EP={ep_size} T={tokens:4d} {name:22s} {what:8s} "
-                          f"wall {wall:8.1f} us  host {shown}", flush=True)
+        timed = [(name, what, fn) for name, layer in layers.items() for what, fn in cases(layer, x)]
+        for _, _, fn in timed:
+            fn()  # compile, tune, allocate
+        walls, hosts = measure([fn for _, _, fn in timed], args.calls, args.rounds, device, cycles_per_s)
+        for (name, what, _), wall_rounds, host_rounds in zip(timed, walls, hosts):
+            wall = statistics.median(wall_rounds)
+            host = statistics.median(host_rounds) if host_rounds else None
+            # a layer that syncs waits for the sleep (its round lasts it); one that does not is done well before
+            syncs = host is not None and host * min(args.calls, BUSY_CALLS) / 1e6 > _sleep_s(wall, args.calls) / 2
+            rows.append(dict(layer=name, tokens=tokens, call=what, wall_us=wall,
+                             host_us=None if syncs else host, syncs=syncs,
+                             host_min_us=None if syncs or not host_rounds else min(host_rounds),
+                             wall_rounds_us=wall_rounds, host_rounds_us=host_rounds))
+            if rank0:
+                shown = "syncs" if syncs else ("-" if host is None else f"{host:8.1f} (min {min(host_rounds):8.1f})")
+                print(f"{shape.name:14s} EP={ep_size} T={tokens:4d} {name:22s} {what:8s} "
+                      f"wall {wall:8.1f} us  host {shown}", flush=True)
     if rank0:
         env = environment()
         out = args.out or REPO / "benchmarks" / "results" / (

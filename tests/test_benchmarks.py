@@ -70,11 +70,12 @@ def test_bench_host_smoke_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_host.py"), "--device", "cpu", "--dtype", "float32",
-           "--shape", "tiny", "--calls", "2", "--rounds", "1", "--out", str(out)]
+           "--shape", "tiny", "--calls", "2", "--rounds", "2", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
-    assert {(r["layer"], r["call"]) for r in rows} == {(layer, call) for layer in ("ep_moe[local]", "plain")
-                                                       for call in ("fwd", "fwd+bwd")}
+    assert {(r["layer"], r["call"]) for r in rows} == {
+        (layer, call) for layer in ("ep_moe[local]", "ep_moe[local]+aux", "plain") for call in ("fwd", "fwd+bwd")}
     assert sorted({r["tokens"] for r in rows}) == [1, 4, 16, 64, 256]
     assert all(r["wall_us"] > 0 and r["host_us"] is None and not r["syncs"] for r in rows)
+    assert all(len(r["wall_rounds_us"]) == 2 and r["host_rounds_us"] == [] for r in rows)
