@@ -144,8 +144,8 @@ def build(shape: MoEShape, dispatch: str, group, device, dtype) -> dict[str, tor
 
 def profile_host(layers: dict[str, torch.nn.Module], tokens: int, hidden: int, device: torch.device,
                  dtype: torch.dtype, calls: int, show: bool) -> None:
-    """Print, per layer and call, cProfile's top functions by own time and the torch ops
-    per call (``--profile``)."""
+    """Print, per layer and call, cProfile's top functions by own time, the torch ops per
+    call, and the profiler's table of host time by op, CUDA launches included (``--profile``)."""
     import cProfile
     import pstats
 
@@ -171,6 +171,8 @@ def profile_host(layers: dict[str, torch.nn.Module], tokens: int, hidden: int, d
                 rows = sorted(ops.key_averages(), key=lambda e: -e.count)
                 print(f"torch ops per call ({sum(e.count for e in rows) / calls:.0f} in all): " + ", ".join(
                     f"{e.key} {e.count / calls:g}" for e in rows[:30]))
+                print("host time by op (self CPU, all calls):")
+                print(ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def main() -> None:
