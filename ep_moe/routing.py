@@ -146,14 +146,17 @@ def route(
     else:
         raise ValueError(f"score_func={score_func!r}: use 'softmax' or 'sigmoid'")
 
-    select_TE = scores_TE.detach()
-    if expert_bias_E is not None:
-        select_TE = select_TE + expert_bias_E.to(router_dtype)
-    topk_ids_TK = torch.topk(select_TE, top_k, dim=-1).indices
-    topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
+    if expert_bias_E is None:  # the top-k values are the scores: no gather
+        topk_weights_TK, topk_ids_TK = torch.topk(scores_TE, top_k, dim=-1)
+    else:
+        select_TE = scores_TE.detach() + expert_bias_E.to(router_dtype)
+        topk_ids_TK = torch.topk(select_TE, top_k, dim=-1).indices
+        topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
     topk_scores_TK = topk_weights_TK.detach()
     if norm_topk_prob:
-        topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        sum_T1 = topk_weights_TK.sum(dim=-1, keepdim=True)
+        # softmax top-k scores sum to at least 1/E; sigmoid ones can all underflow to 0
+        topk_weights_TK = topk_weights_TK / (sum_T1 if score_func == "softmax" else sum_T1 + 1e-20)
     counts_E = count_ids(topk_ids_TK.flatten(), num_experts)
 
     zero = logits_TE.new_zeros(())
