@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 
 from ep_moe.layer import MoELayer
-from ep_moe.parallel import is_expert_param
+from ep_moe.parallel import gathered_expert_rows, is_expert_param
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,7 @@ def _split_per_expert(optim_state: dict[str, Any], experts: dict[str, _StackedEx
             if _per_expert(value) and value.shape[0] != rows:
                 raise ValueError(f"optimizer state {name!r} of {key} has shape {tuple(value.shape)}, not one row per "
                                  f"local expert ({rows}): it cannot be split per expert for the checkpoint")
+        stacked = {name: gathered_expert_rows(value) if _per_expert(value) else value for name, value in stacked.items()}
         for j, g in enumerate(info.global_ids):
             state[f"{key}.{g}"] = {name: value[j] if _per_expert(value) else value for name, value in stacked.items()}
     return {**optim_state, "state": state}

@@ -23,7 +23,7 @@ from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.kernels.ops import layer_grouped_gemm, layer_grouped_gemm_slot_sum
 from ep_moe.kernels.permute import sum_slot_rows
-from ep_moe.parallel import mark_expert_param
+from ep_moe.parallel import gathered_expert_rows, mark_expert_param
 from ep_moe.routing import RoutingMetadata
 
 if TYPE_CHECKING:
@@ -421,7 +421,7 @@ def _split_experts_hook(module: nn.Module, state_dict, prefix, local_metadata) -
     (torch.distributed.checkpoint.state_dict) requires of every key: the stacked tensor
     gets an attribute per global id, its row (``getattr(module.down, "5") == 1``)."""
     for name, key in _stacked_state(module):
-        stacked = state_dict.pop(prefix + key)
+        stacked = gathered_expert_rows(state_dict.pop(prefix + key))
         for j, g in enumerate(module.global_ids()):
             state_dict[f"{prefix}{name}.{g}"] = stacked[j]
             if name == key:

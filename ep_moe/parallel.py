@@ -262,6 +262,19 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return getattr(param, EXPERT_PARAM_ATTR, False)
 
 
+def gathered_expert_rows(stacked: torch.Tensor) -> torch.Tensor:
+    """A stacked expert tensor [e, ...] (a parameter or its optimizer state) ready to be split
+    row by row into per-expert tensors: gathered in one collective when FSDP shards it by
+    whole experts (a DTensor on ``Shard(0)``), else as it is. Indexing a ``Shard(0)`` DTensor
+    by row gathers the whole tensor for every row, and each row's view keeps its copy alive:
+    e collectives and e copies where one does. Call on every rank of its mesh alike."""
+    if isinstance(stacked, DTensor) and any(p.is_shard(0) for p in stacked.placements):
+        from torch.distributed.tensor import Replicate
+
+        return stacked.redistribute(stacked.device_mesh, [Replicate()] * stacked.device_mesh.ndim)
+    return stacked
+
+
 def expert_param_names(model: nn.Module) -> list[str]:
     """Names of the expert parameters of ``model``, e.g. for DDP's ignore list:
     ``DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))``."""

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.checkpoint import checkpoint
 
 from torch.distributed.checkpoint.state_dict import (
@@ -187,6 +188,10 @@ def _checkpoints(rank, world_size, root):
     optimizer = _optimizer(model)
     _train(model, rank, optimizer=optimizer, steps=2)
     out = {"saved": _view(model, optimizer), "loaded": {}}
+    with CommDebugMode() as comm:
+        model.state_dict()
+    out["state_dict_collectives"] = comm.get_total_counts()
+    out["stacked_tensors"] = sum(len(m.experts.tensor_names()) for m in model.modules() if isinstance(m, MoELayer))
     model_state, optim_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
     other, other_optimizer = _fresh(2)
     _train(other, rank, optimizer=other_optimizer, steps=1)  # state to overwrite
@@ -322,6 +327,10 @@ def test_checkpoints_under_fsdp(world4):
     saved = [r["checkpoints"]["saved"] for r in world4]
     for layout in ("torch_apis", (4, True), (1, True), (2, False)):
         _assert_equal_views([r["checkpoints"]["loaded"][layout] for r in world4], saved)
+    # the state dict of experts sharded by whole experts (4 a rank over 2 edp ranks): one gather
+    # per stacked tensor (gate_up and down of each MoE layer), not one per expert
+    counts = [(r["checkpoints"]["state_dict_collectives"], r["checkpoints"]["stacked_tensors"]) for r in world4]
+    assert all(collectives == stacked > 0 for collectives, stacked in counts), counts
 
 
 @pytest.mark.distributed
