@@ -78,7 +78,9 @@ def build_ep_groups(ep_size: int, *, world_size: Optional[int] = None,
     ``world_size`` defaults to the default group's size and must equal it (the groups
     cover every rank). ``num_experts``: the model's expert count, checked to be divisible
     by ``ep_size`` before any group is created. Code that also shards with FSDP builds
-    :func:`init_parallel_mesh` instead and takes :meth:`ParallelMesh.groups` from it.
+    :func:`init_parallel_mesh` instead and takes :meth:`ParallelMesh.groups` from it. As any
+    CUDA DeviceMesh, it selects the GPU of ``LOCAL_RANK`` when the process has not chosen one
+    yet: call ``torch.cuda.set_device`` first to pick another.
     """
     _check_num_experts(num_experts, ep_size)
     if not dist.is_initialized():
