@@ -861,7 +861,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"result: {out}", flush=True)
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            _, trainer_module = _import_launch()
+            trainer_module.destroy_distributed()
 
 
 if __name__ == "__main__":

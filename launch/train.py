@@ -41,16 +41,13 @@ naming it and the fix (``train.py: error: ...``, exit status 2; under torchrun p
 rank 0, followed by torchrun's own summary of the failed processes).
 """
 
-import gc
 import logging
 import os
 import sys
 
-import torch.distributed as dist
-
 from config import parse_args
 from errors import UserError
-from trainer import Trainer
+from trainer import Trainer, destroy_distributed
 
 
 def main(argv=None) -> None:
@@ -76,13 +73,8 @@ def main(argv=None) -> None:
     finally:
         if trainer is not None:
             trainer.close()
-            # Free the model, the mesh and any collective handle it keeps before the group goes:
-            # left to interpreter exit, a gloo group could be destroyed after its threads' runtime,
-            # which aborts the process ("terminate called without an active exception").
             trainer = None
-            gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -135,6 +135,16 @@ def init_distributed(job: JobConfig) -> Ranks:
                  edp_group=groups.edp_group if groups.edp_size > 1 else None, mesh=mesh, fsdp=job.parallel.fsdp)
 
 
+def destroy_distributed() -> None:
+    """Destroy the process group once nothing built on it is left: call after dropping the
+    trainer. Its model, mesh and groups sit in reference cycles, which only the collector
+    frees; a gloo group that outlives ``destroy_process_group`` is torn down at interpreter
+    exit, which can abort the process ("terminate called without an active exception")."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def mixed_precision_policy(dtype: str):
     """FSDP's ``MixedPrecisionPolicy`` for ``training.dtype``: bf16 weights in the forward
     and backward with gradients reduced in fp32 (torchtitan's), or None (fp32 throughout).
