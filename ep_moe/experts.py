@@ -202,17 +202,20 @@ class GroupedExperts(_LocalExperts):
         row_weights: Optional[torch.Tensor] = None,
         backend: str = "torch",
         configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None),
+        gather_slots: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """GEMM1 (gather on load), activation, GEMM2 (scatter and row weights on store);
         one GEMM doing all of that with ``num_linears=1``.
 
         Rows are in expert order (``m_sizes_e`` rows per local expert); row r reads
-        ``x[gather_index[r]]`` and its output lands at ``scatter_index[r]``.
+        ``x[gather_index[r]]`` and its output lands at ``scatter_index[r]``. ``gather_slots``:
+        a dropless top-K routing's slot of each row (``gather_index == gather_slots // K``),
+        which spares the backward a sort (:func:`~ep_moe.kernels.ops.layer_grouped_gemm`).
         """
         return expert_mlp(x, self.gate_up, self.down, m_sizes_e, activation=self.activation,
                           gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
                           gather_index=gather_index, scatter_index=scatter_index, row_weights=row_weights,
-                          backend=backend, configs=configs)
+                          backend=backend, configs=configs, gather_slots=gather_slots)
 
 
 def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Tensor, m_sizes_e: torch.Tensor, *,
@@ -221,7 +224,8 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
                scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
                backend: str = "torch",
                configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None),
-               slot_sum: Optional[RoutingMetadata] = None, bounded_rows: bool = False) -> torch.Tensor:
+               slot_sum: Optional[RoutingMetadata] = None, bounded_rows: bool = False,
+               gather_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The math of :meth:`GroupedExperts.forward` with the weights passed in (``gate_up``
     None: one Linear, ``down``, which then gathers, weights and scatters the rows itself;
     biases added in the GEMMs' epilogue). ``slot_sum``: the output rows summed per token
@@ -229,7 +233,8 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     fused with the down projection on the Triton backend of two Linears
     (:func:`~ep_moe.kernels.ops.grouped_gemm_slot_sum`; no scatter then).
     ``bounded_rows``: the rows are a bound, ``m_sizes`` counts fewer (see
-    :func:`~ep_moe.kernels.ops.grouped_gemm`)."""
+    :func:`~ep_moe.kernels.ops.grouped_gemm`). ``gather_slots``: as for
+    :func:`~ep_moe.kernels.ops.layer_grouped_gemm`, for the first GEMM."""
     # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
     down, down_bias = down.to(x.dtype), None if down_bias is None else down_bias.to(x.dtype)
     if backend == "triton":
@@ -237,11 +242,12 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     if gate_up is None:
         y_RH = layer_grouped_gemm(x, down, m_sizes_e, gather_index=gather_index, scatter_index=scatter_index,
                                   row_weights=row_weights, bias=down_bias, configs=configs[1], backend=backend,
-                                  bounded_rows=bounded_rows)
+                                  bounded_rows=bounded_rows, gather_slots=gather_slots)
         return y_RH if slot_sum is None else sum_slot_rows(y_RH, slot_sum, backend)
     h_RF = layer_grouped_gemm(x, gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
                               bias=None if gate_up_bias is None else gate_up_bias.to(x.dtype),
-                              configs=configs[0], backend=backend, bounded_rows=bounded_rows)
+                              configs=configs[0], backend=backend, bounded_rows=bounded_rows,
+                              gather_slots=gather_slots)
     a_RI = activate(h_RF, activation, backend, m_sizes_e.sum() if bounded_rows else None)
     if slot_sum is not None and backend == "triton":
         return layer_grouped_gemm_slot_sum(a_RI, down, m_sizes_e, row_weights, slot_sum.token_index_R,
@@ -365,8 +371,8 @@ class ModuleExperts(_LocalExperts):
 
     def forward(self, x: torch.Tensor, m_sizes_e: torch.Tensor, *, gather_index: Optional[torch.Tensor] = None,
                 scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
-                backend: str = "torch", configs=None) -> torch.Tensor:
-        """As :meth:`GroupedExperts.forward`."""
+                backend: str = "torch", configs=None, gather_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As :meth:`GroupedExperts.forward` (``gather_slots`` unused: no Triton backward here)."""
         return self._run(x, m_sizes_e, self.expert_tensors(), gather_index, scatter_index, row_weights)
 
     def _run(self, x: torch.Tensor, m_sizes_e: torch.Tensor, params: tuple[torch.Tensor, ...],

@@ -29,6 +29,7 @@ from typing import Any, Literal
 from ep_moe.kernels.config import (
     DEFAULT_CONFIGS,
     PASSES,
+    TMA_MIN_ROWS,
     GemmConfigs,
     KernelConfig,
     Pass,
@@ -266,12 +267,14 @@ def block_m_limit(problem: GemmProblem, num_rows: int) -> int:
     return max(MIN_BLOCK_M, 1 << max(0, math.ceil(math.log2(max(2.0 * mean_rows, 1.0)))))
 
 
-def tma_allowed(problem: GemmProblem, which: Pass, dev: DeviceLimits) -> bool:
+def tma_allowed(problem: GemmProblem, which: Pass, dev: DeviceLimits, num_rows: int) -> bool:
     """TMA needs Hopper or newer and 16-byte aligned rows of what it loads: the weight
-    [E, n, k] for forward and dX; the dy [M, n] and x [M, k] rows for dW."""
+    [E, n, k] for forward and dX; the dy [M, n] and x [M, k] rows for dW. Launches of fewer
+    than ``TMA_MIN_ROWS`` rows never use it (the kernels load through pointers there)."""
     elem = element_bytes(problem.dtype)
     dims = (problem.n, problem.k) if which == "dw" else (problem.k,)
-    return dev.capability >= (9, 0) and all(d * elem % 16 == 0 for d in dims)
+    return (num_rows >= TMA_MIN_ROWS and dev.capability >= (9, 0)
+            and all(d * elem % 16 == 0 for d in dims))
 
 
 def prune(cands: list[KernelConfig], problem: GemmProblem, which: Pass, num_rows: int,
@@ -280,7 +283,7 @@ def prune(cands: list[KernelConfig], problem: GemmProblem, which: Pass, num_rows
     only where allowed. Order kept, duplicates dropped. (The kernels mask every edge, so no
     dimension needs to be a multiple of a block.)"""
     limit_m = block_m_limit(problem, num_rows)
-    tma_ok = tma_allowed(problem, which, dev)
+    tma_ok = tma_allowed(problem, which, dev, num_rows)
     kept: list[KernelConfig] = []
     for c in cands:
         if (config_smem(c, which, problem) <= dev.smem_per_block
@@ -336,7 +339,7 @@ def initial_candidates(problem: GemmProblem, which: Pass, num_rows: int,
     """
     tiles = _DW_TILES if which == "dw" else _ROWS_TILES
     default = default_config(problem, which, dev)
-    use_tma = default.use_tma and tma_allowed(problem, which, dev)
+    use_tma = default.use_tma and tma_allowed(problem, which, dev, num_rows)
     cands = []
     for bm, bn, bk, warps in tiles:
         tile = _fit(KernelConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, use_tma=use_tma),
@@ -368,7 +371,7 @@ def heuristic_config(problem: GemmProblem, which: Pass, num_rows: int,
     default = default_config(problem, which, dev)
     tile = _fit(default, problem, which)
     tile = dataclasses.replace(tile, BLOCK_M=min(tile.BLOCK_M, block_m_limit(problem, num_rows)),
-                               use_tma=tile.use_tma and tma_allowed(problem, which, dev))
+                               use_tma=tile.use_tma and tma_allowed(problem, which, dev, num_rows))
     area = tile.BLOCK_N * (tile.BLOCK_K if which == "dw" else tile.BLOCK_M)
     tile = dataclasses.replace(tile, num_warps=min(tile.num_warps, 8 if area >= 128 * 128 else 4))
     return dataclasses.replace(tile, num_stages=_deepest_stages(tile, which, problem, dev, default.num_stages))

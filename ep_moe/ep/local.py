@@ -51,7 +51,7 @@ class LocalDispatcher(Dispatcher):
         if meta.dropless:
             return experts(routed.x_TH, meta.counts_E, gather_index=meta.token_index_R,
                            scatter_index=meta.slot_index_R, row_weights=routed.weights_N,
-                           backend=routed.backend, configs=configs)
+                           backend=routed.backend, configs=configs, gather_slots=meta.slot_index_R)
         return experts(routed.x_TH, meta.counts_E, gather_index=meta.token_index_R,
                        row_weights=routed.weights_N[meta.slot_index_R], backend=routed.backend, configs=configs)
 

@@ -86,6 +86,13 @@ class KernelConfig:
         )
 
 
+TMA_MIN_ROWS = 4096
+"""Launches over fewer rows load through pointers even where the config asks for TMA: there
+the launcher's host-side encoding of each descriptor (about 40 us a launch on an H200's host)
+costs more than TMA saves, and the loads themselves were no faster (qwen3-30b-a3b's dX and dW
+on H200 at 64-2048 rows: ``benchmarks/PERFORMANCE_LOG.md``)."""
+
+
 # Defaults for Hopper-class GPUs and bf16, from the sweep in benchmarks/bench_grouped_gemm.py
 # (H200, results under benchmarks/results/): 128x256 output tiles keep two warpgroups' MMAs
 # busy and halve the A re-reads of 128x128; the dW kernel reduces over rows, so its long

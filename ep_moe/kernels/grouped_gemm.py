@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ep_moe.kernels.arrival import arrival_of
-from ep_moe.kernels.config import KernelConfig
+from ep_moe.kernels.config import TMA_MIN_ROWS, KernelConfig
 
 KERNEL_VERSION = 1
 """Version of these kernels, part of every autotune cache key. Bump it whenever a change
@@ -161,6 +161,13 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * elem) % 16 for st in t.stride()[:-1]):
             return False
     return True
+
+
+def use_tma_for(config: KernelConfig, num_rows: int, *tensors: torch.Tensor) -> bool:
+    """Whether a launch over ``num_rows`` rows with ``config`` loads ``tensors`` through TMA:
+    the config asks for it, the launch has :data:`TMA_MIN_ROWS` rows or more, and
+    :func:`tma_usable` allows it."""
+    return config.use_tma and num_rows >= TMA_MIN_ROWS and tma_usable(*tensors)
 
 
 def _rows_metadata(grid, kernel, args):
@@ -505,7 +512,7 @@ def launch_rows(
         n_out, k_red = w_k, w_n
         stride_bk, stride_bn = w.stride(1), w.stride(2)
     c = config
-    use_tma = c.use_tma and tma_usable(w)
+    use_tma = use_tma_for(c, num_rows, w)
     b_desc = None
     if use_tma:
         block = [1, c.BLOCK_N, c.BLOCK_K] if transpose_w else [1, c.BLOCK_K, c.BLOCK_N]
@@ -570,7 +577,7 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
     m_ends = torch.cumsum(m_sizes, 0, dtype=torch.int32)  # each segment's start is its end - m_sizes
     c = config
     max_tiles = num_experts * cdiv(n, c.BLOCK_N) * cdiv(k, c.BLOCK_K)
-    use_tma = c.use_tma and tma_usable(dy, x)
+    use_tma = use_tma_for(c, x.shape[0], dy, x)
     dy_desc = TensorDescriptor.from_tensor(dy, [c.BLOCK_M, c.BLOCK_N]) if use_tma else None
     x_desc = TensorDescriptor.from_tensor(x, [c.BLOCK_M, c.BLOCK_K]) if use_tma else None
     grid, stride = launch_grid(x.device, max_tiles)

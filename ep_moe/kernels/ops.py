@@ -83,6 +83,7 @@ def _fwd_impl(
     dx_mode: str,
     bounded_rows: bool,
     bias: Optional[torch.Tensor],
+    dx_slots: Optional[torch.Tensor],
 ) -> torch.Tensor:
     out = x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
     launch_rows(
@@ -97,19 +98,19 @@ _grouped_gemm_fwd = torch.library.custom_op("ep_moe::grouped_gemm_fwd", mutates_
 
 @_grouped_gemm_fwd.register_fake
 def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows,
-                           bias):
+                           bias, dx_slots):
     return x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
 
 
 def _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows,
-           need_dx, need_dw, need_drw, bias, need_db):
+           need_dx, need_dw, need_drw, bias, need_db, dx_slots):
     """(dx, dw, d row_weights, d bias), None for a gradient not asked for (the eager backward's;
     the custom op's, :func:`_bwd_impl`, returns empty tensors instead)."""
     configs = _configs_from_ints(tuple(config))
     dx = dw = drw = db = None
     if need_dx or need_drw:
         dx, drw_f32 = _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                  configs.dx, dx_mode, need_drw, bounded_rows, bias if need_drw else None)
+                                  configs.dx, dx_mode, need_drw, bounded_rows, bias if need_drw else None, dx_slots)
         if need_drw:
             drw = drw_f32.to(row_weights.dtype)
     if need_dw or need_db:
@@ -140,10 +141,11 @@ def _bwd_impl(
     need_drw: bool,
     bias: Optional[torch.Tensor],
     need_db: bool,
+    dx_slots: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, d row_weights, d bias); a gradient not asked for comes back as an empty tensor."""
     grads = _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows,
-                   need_dx, need_dw, need_drw, bias, need_db)
+                   need_dx, need_dw, need_drw, bias, need_db, dx_slots)
     return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
@@ -152,7 +154,7 @@ _grouped_gemm_bwd = torch.library.custom_op("ep_moe::grouped_gemm_bwd", mutates_
 
 @_grouped_gemm_bwd.register_fake
 def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
-                           dx_mode, bounded_rows, need_dx, need_dw, need_drw, bias, need_db):
+                           dx_mode, bounded_rows, need_dx, need_dw, need_drw, bias, need_db, dx_slots):
     dx = x.new_empty(x.shape) if (need_dx or need_drw) else x.new_empty(0)
     dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
     drw = row_weights.new_empty(row_weights.shape) if need_drw else x.new_empty(0)
@@ -203,10 +205,13 @@ def _bias_grad(dy_rows: torch.Tensor, m_sizes: torch.Tensor, bias: torch.Tensor)
 
 
 def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
-                dx_mode, need_drw, bounded_rows=False, bias=None):
+                dx_mode, need_drw, bounded_rows=False, bias=None, dx_slots=None):
     """dX through the row kernel. Rows of a gathered x: ``dx_mode`` "unique" (each row read
     at most once) stores straight through the index; "sort" sums repeated rows without
-    float atomics (sorted by destination, then a segment sum); "atomic" adds in fp32.
+    float atomics (sorted by destination, then a segment sum); "slots" (every row of x read
+    exactly K times, routed row r being slot ``dx_slots[r]`` of row ``dx_slots[r] // K``)
+    stores each row at its slot and sums each row's K slots, in slot order; "atomic" adds
+    in fp32.
     ``bounded_rows``: rows past ``m_sizes.sum()`` (not computed) add nothing, and their
     row-weight gradients are 0. ``bias`` (with ``need_drw``): the forward's bias, whose
     share of the row-weight gradient the kernel adds."""
@@ -214,13 +219,13 @@ def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, con
                   scale_by_load_row=True, dot_with=x if need_drw else None, dot_idx=gather_index, bias=bias)
     num_rows = _routed_rows(x, gather_index)
     past = (torch.arange(num_rows, device=x.device) >= m_sizes.sum()) if bounded_rows else None
-    dx, drw = _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, past)
+    dx, drw = _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, past, dx_slots)
     if past is not None and drw is not None:
         drw.masked_fill_(past, 0.0)
     return dx, drw
 
 
-def _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, past):
+def _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, past, dx_slots):
     """:func:`_grad_input`'s dX and fp32 row-weight gradient (rows ``past`` the counts,
     when given, left out of dX)."""
     if gather_index is None:
@@ -233,7 +238,13 @@ def _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, p
         dx = torch.empty_like(x) if covered else torch.zeros_like(x)
         drw = launch_rows(dy, w, dx, m_sizes, config, store_idx=gather_index, **common)
         return dx, drw
-    if dx_mode == "sort":
+    if dx_mode == "slots" and past is None and num_rows:
+        # no sort: the slots are token-major, each row of x owns K consecutive ones
+        rows_by_slot = x.new_empty((num_rows, x.shape[1]))
+        drw = launch_rows(dy, w, rows_by_slot, m_sizes, config, store_idx=dx_slots, **common)
+        slots = rows_by_slot.view(x.shape[0], num_rows // x.shape[0], x.shape[1])
+        return slots.sum(dim=1, dtype=torch.float32).to(x.dtype), drw
+    if dx_mode in ("sort", "slots"):
         # Rows sorted by destination (stable), and each destination's first row: no host
         # sync (bincount would read the max index), so this also runs in a CUDA graph.
         # Rows past the counts sort after every destination, outside every segment.
@@ -262,8 +273,8 @@ _BIAS_ARG = 9
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows, bias = inputs
-    ctx.save_for_backward(x, w, m_sizes, gather_index, scatter_index, row_weights, bias)
+    x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows, bias, dx_slots = inputs
+    ctx.save_for_backward(x, w, m_sizes, gather_index, scatter_index, row_weights, bias, dx_slots)
     ctx.config = config
     ctx.dx_mode = dx_mode
     ctx.bounded_rows = bounded_rows
@@ -271,16 +282,17 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_with(bwd, ctx, dy, defer_dw: bool = False, saved=None):
     """The op's gradients through ``bwd``; ``defer_dw``: dW and db are queued elsewhere."""
-    x, w, m_sizes, gather_index, scatter_index, row_weights, bias = ctx.saved_tensors if saved is None else saved
+    x, w, m_sizes, gather_index, scatter_index, row_weights, bias, dx_slots = \
+        ctx.saved_tensors if saved is None else saved
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and not defer_dw
     need_drw = row_weights is not None and ctx.needs_input_grad[5]
     need_db = bias is not None and ctx.needs_input_grad[_BIAS_ARG] and not defer_dw
     dx, dw, drw, db = bwd(
         dy.contiguous(), x, w, m_sizes, gather_index, scatter_index, row_weights,
-        ctx.config, ctx.dx_mode, ctx.bounded_rows, need_dx, need_dw, need_drw, bias, need_db,
+        ctx.config, ctx.dx_mode, ctx.bounded_rows, need_dx, need_dw, need_drw, bias, need_db, dx_slots,
     )
     return (dx if need_dx else None, dw if need_dw else None, None, None, None,
-            drw if need_drw else None, None, None, None, db if need_db else None)
+            drw if need_drw else None, None, None, None, db if need_db else None, None)
 
 
 def _backward(ctx, dy):
@@ -303,7 +315,7 @@ class _EagerGroupedGemm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
-        x, w, m_sizes, gather_index, scatter_index, row_weights, bias = saved
+        x, w, m_sizes, gather_index, scatter_index, row_weights, bias, _ = saved
         with_bias = bias is not None and ctx.needs_input_grad[_BIAS_ARG]
         queue = _queue_for(w, bias if with_bias else None) if ctx.needs_input_grad[1] else None
         if queue is None:
@@ -705,7 +717,8 @@ def grouped_gemm(
 
 
 def _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights, bias,
-                         configs: Optional[GemmConfigs], dx_mode: str, bounded_rows: bool) -> torch.Tensor:
+                         configs: Optional[GemmConfigs], dx_mode: str, bounded_rows: bool,
+                         dx_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`grouped_gemm`'s Triton path, on arguments already checked: the custom op under
     ``torch.compile``, else the autograd function, or under ``no_grad`` the forward alone
     (the autograd function's per-call setup is host time for nothing there)."""
@@ -716,7 +729,7 @@ def _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights
     inputs = (x, w, _as_int32(m_sizes), _contiguous(gather_index), _contiguous(scatter_index),
               _contiguous(row_weights),
               _configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
-              dx_mode, bounded_rows, _contiguous(bias))
+              dx_mode, bounded_rows, _contiguous(bias), _contiguous(dx_slots))
     if torch.compiler.is_compiling():
         return torch.ops.ep_moe.grouped_gemm_fwd(*inputs)
     if not torch.is_grad_enabled():
@@ -727,14 +740,43 @@ def _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights
 def layer_grouped_gemm(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, *,
                        gather_index: Optional[torch.Tensor] = None, scatter_index: Optional[torch.Tensor] = None,
                        row_weights: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-                       configs: Optional[GemmConfigs] = None, backend: str, bounded_rows: bool = False) -> torch.Tensor:
+                       configs: Optional[GemmConfigs] = None, backend: str, bounded_rows: bool = False,
+                       gather_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`grouped_gemm` (deterministic) on operands the layer built itself
     (:func:`ep_moe.experts.expert_mlp`), ``backend`` ``"triton"`` or ``"torch"``: the
     argument checks run only where the value checks do (the CPU, ``EP_MOE_DEBUG``), so a
-    GPU call goes straight to the kernels."""
-    if backend != "triton" or value_checks(x.device):
+    GPU call goes straight to the kernels.
+
+    ``gather_slots`` (Triton, with ``gather_index``, not ``bounded_rows``): [M] routed row r's
+    slot in token-major order, a permutation of the M = T * K slots of the T rows of x, with
+    ``gather_index[r] == gather_slots[r] // K`` (a dropless top-K routing). The backward then
+    stores each row's dX at its slot and sums each row's K slots, where it would otherwise
+    sort the rows by destination."""
+    if backend != "triton":
         return grouped_gemm(x, w, m_sizes, gather_index=gather_index, scatter_index=scatter_index,
                             row_weights=row_weights, bias=bias, configs=configs, backend=backend,
                             bounded_rows=bounded_rows)
-    return _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights, bias, configs, "sort",
-                                bounded_rows)
+    if value_checks(x.device):
+        _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, True, bounded_rows, bias)
+        _check_gather_slots(gather_slots, gather_index, x.shape[0], bounded_rows)
+    return _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights, bias, configs,
+                                "sort" if gather_slots is None else "slots", bounded_rows, gather_slots)
+
+
+def _check_gather_slots(gather_slots: Optional[torch.Tensor], gather_index: Optional[torch.Tensor], rows: int,
+                        bounded_rows: bool) -> None:
+    """:func:`layer_grouped_gemm`'s ``gather_slots`` against its ``gather_index`` (values: a host sync)."""
+    if gather_slots is None:
+        return
+    if gather_index is None or bounded_rows:
+        raise ValueError("gather_slots needs a gather_index and every row counted (bounded_rows=False)")
+    slots = gather_slots.shape[0]
+    if slots == 0 and gather_index.shape[0] == 0:
+        return
+    if gather_slots.shape != gather_index.shape or rows == 0 or slots % rows:
+        raise ValueError(f"gather_slots of shape {tuple(gather_slots.shape)} must match gather_index "
+                         f"{tuple(gather_index.shape)}, K slots for each of the {rows} rows of x")
+    if torch.unique(gather_slots).numel() != slots or \
+            not bool((torch.div(gather_slots, slots // rows, rounding_mode="floor") == gather_index).all()):
+        raise ValueError(f"gather_slots must be a permutation of the {slots} slots, slot s belonging to row "
+                         f"s // {slots // rows} of x as gather_index says")

@@ -24,7 +24,7 @@ from ep_moe.autotune.space import (
     prune,
     refinements,
 )
-from ep_moe.kernels.config import DEFAULT_CONFIGS, PASSES, KernelConfig
+from ep_moe.kernels.config import DEFAULT_CONFIGS, PASSES, TMA_MIN_ROWS, KernelConfig
 
 H100 = DeviceLimits(name="NVIDIA H100 80GB HBM3", smem_per_block=232448, num_sms=132, capability=(9, 0))
 A100 = DeviceLimits(name="NVIDIA A100-SXM4-80GB", smem_per_block=166912, num_sms=108, capability=(8, 0))
@@ -83,6 +83,7 @@ def test_tma_only_on_hopper_with_aligned_rows():
     tma = KernelConfig(use_tma=True)
     assert prune([tma], MIXTRAL_UP, "forward", 65536, H100) == [tma]
     assert prune([tma], MIXTRAL_UP, "dw", 65536, H100) == [tma]
+    assert prune([tma], MIXTRAL_UP, "dw", TMA_MIN_ROWS - 1, H100) == []  # the kernels use pointers there
     assert prune([tma], MIXTRAL_UP, "forward", 65536, A100) == []
     assert prune([tma], ODD_K, "forward", 4096, H100) == []  # weight rows of 45 halves
     odd_n = GemmProblem(projection="down", num_local_experts=4, n=45, k=64, top_k=2, dtype="float16")
@@ -113,7 +114,7 @@ def test_heuristic_fits_and_tracks_rows(dev, problem):
             assert config_smem(c, which, problem) <= dev.smem_per_block
             assert c.BLOCK_M <= block_m_limit(problem, rows)
             assert c.use_tma == (default_config(problem, which, dev).use_tma and dev.capability >= (9, 0)
-                                 and problem is not ODD_K)
+                                 and problem is not ODD_K and rows >= TMA_MIN_ROWS)
     assert heuristic_config(QWEN_DOWN, "forward", 1024, dev).BLOCK_M == 32  # 8 rows per expert
     assert heuristic_config(QWEN_DOWN, "forward", 65536, dev).BLOCK_M == 128
     assert set(heuristic_table(problem, dev)) == set(HEURISTIC_BUCKETS)

@@ -59,6 +59,7 @@ def _configs(use_tma: bool) -> GemmConfigs:
                           for p in ("forward", "dx", "dw")})
 
 
+@pytest.mark.usefixtures("tma_from_any_rows")
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_grouped_gemm_bias_bf16(case, use_tma):
@@ -94,6 +95,7 @@ def test_grouped_gemm_bias_bf16(case, use_tma):
     assert not grads[3][empty].any() and not grads[1][empty].any()
 
 
+@pytest.mark.usefixtures("tma_from_any_rows")
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
 def test_slot_sum_bias_bf16(use_tma):
     num_tokens, top_k, num_experts, n, k = 1500, 4, 8, 1024, 768

@@ -22,7 +22,8 @@ from ep_moe.kernels.grouped_gemm import (
     smem_limit_for,
 )
 from ep_moe.ep.pipeline import DeferredWeightGrads
-from ep_moe.kernels.ops import defer_weight_grads
+from ep_moe.kernels.config import TMA_MIN_ROWS
+from ep_moe.kernels.ops import defer_weight_grads, layer_grouped_gemm
 from ep_moe.kernels.permute import launch_gather_rows
 from ep_moe.kernels.reference import grouped_gemm_reference
 
@@ -131,6 +132,7 @@ def test_every_permutation_mode(gather, scatter, weights):
     check_op("ragged", torch.float32, gather, scatter, weights)
 
 
+@pytest.mark.usefixtures("tma_from_any_rows")
 @pytest.mark.parametrize("variant", list(TMA_VARIANTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", list(CASES))
@@ -316,6 +318,7 @@ def test_empty_experts_get_zero_dw():
     assert torch.equal(dw[0], torch.zeros_like(dw[0])) and torch.equal(dw[2], torch.zeros_like(dw[2]))
 
 
+@pytest.mark.usefixtures("tma_from_any_rows")
 @pytest.mark.parametrize("variant", list(TMA_VARIANTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dw_accumulates_into_what_it_holds(dtype, variant):
@@ -572,3 +575,75 @@ def test_gathered_x_with_strided_columns_gets_right_gradients(layout):
     assert rel_err(y, ref) < TOL[torch.float32]
     for got, want in zip(grads, refs):
         assert rel_err(got, want) < TOL[torch.float32]
+
+
+def _dropless_routing(tokens: int, top_k: int, num_experts: int, on_one: bool = False):
+    """(m_sizes, token_index, slot_index) of a dropless top-k routing of ``tokens`` tokens:
+    each token's k distinct experts (expert 1 for all with ``on_one``, top_k 1), its (token,
+    slot) pairs sorted by expert, slot t*k + j."""
+    if on_one:
+        ids = torch.ones(tokens, top_k, dtype=torch.long, device=DEVICE)
+    else:
+        ids = torch.rand(tokens, num_experts, device=DEVICE).argsort(dim=1)[:, :top_k]
+    slot_index = torch.argsort(ids.flatten(), stable=True)
+    m_sizes = torch.bincount(ids.flatten(), minlength=num_experts).to(torch.int32)
+    return m_sizes, slot_index // top_k, slot_index
+
+
+# (tokens, top_k, experts, on_one): ragged with empty experts, one token, all on one expert,
+# no tokens
+SLOT_CASES = {"ragged": (13, 3, 7, False), "one_token": (1, 2, 4, False), "all_on_one": (9, 1, 3, True),
+              "no_tokens": (0, 2, 3, False)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(SLOT_CASES))
+def test_gather_slots_dx_matches_reference(case, dtype):
+    """layer_grouped_gemm's gather_slots (the dX rows stored at their slots and summed K per
+    token, no sort) gives the reference's gradients, and the sorted path's."""
+    tokens, top_k, num_experts, on_one = SLOT_CASES[case]
+    m_sizes, token_index, slot_index = _dropless_routing(tokens, top_k, num_experts, on_one)
+    x = torch.randn(tokens, 45, device=DEVICE).to(dtype).requires_grad_()
+    w = (torch.randn(num_experts, 37, 45, device=DEVICE) / 45 ** 0.5).to(dtype).requires_grad_()
+    dy = torch.randn(tokens * top_k, 37, device=DEVICE).to(dtype)
+    grads = {}
+    for path, slots in (("slots", slot_index), ("sort", None)):
+        y = layer_grouped_gemm(x, w, m_sizes, gather_index=token_index, configs=CONFIGS, backend="triton",
+                               gather_slots=slots)
+        grads[path] = torch.autograd.grad(y, (x, w), dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = torch.autograd.grad(grouped_gemm_reference(x64, w64, m_sizes, gather_index=token_index), (x64, w64),
+                              dy.double())
+    for name, got, want, other in zip(("dx", "dw"), grads["slots"], ref, grads["sort"]):
+        assert torch.isfinite(got).all(), name
+        if tokens:
+            assert rel_err(got, want) < TOL[dtype], name
+            assert rel_err(got, other) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda s: s.flip(0), "permutation of the 39 slots"),
+    (lambda s: s[:-3], "must match gather_index"),
+])
+def test_gather_slots_that_disagree_with_the_gather_are_rejected(corrupt, match):
+    m_sizes, token_index, slot_index = _dropless_routing(13, 3, 7)
+    x = torch.randn(13, 45, device=DEVICE)
+    w = torch.randn(7, 37, 45, device=DEVICE)
+    if DEVICE.type == "cuda":
+        pytest.skip("the value checks run on the CPU (or with EP_MOE_DEBUG)")
+    with pytest.raises(ValueError, match=match):
+        layer_grouped_gemm(x, w, m_sizes, gather_index=token_index, backend="triton",
+                           gather_slots=corrupt(slot_index))
+
+
+def test_tma_only_from_tma_min_rows(monkeypatch):
+    """Launches under TMA_MIN_ROWS rows load through pointers even where the config asks for
+    TMA (its descriptors cost host time there and the loads were no faster)."""
+    import ep_moe.kernels.grouped_gemm as grouped_gemm_module
+
+    monkeypatch.setattr(grouped_gemm_module, "tma_usable", lambda *tensors: True)
+    with_tma, without = KernelConfig(use_tma=True), KernelConfig(use_tma=False)
+    w = torch.empty(2, 16, 16)
+    assert not grouped_gemm_module.use_tma_for(with_tma, TMA_MIN_ROWS - 1, w)
+    assert grouped_gemm_module.use_tma_for(with_tma, TMA_MIN_ROWS, w)
+    assert not grouped_gemm_module.use_tma_for(without, TMA_MIN_ROWS, w)
