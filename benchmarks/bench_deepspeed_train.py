@@ -2,7 +2,7 @@
 and seeds: once with DeepSpeed's MoE layer (``deepspeed.moe.layer.MoE``) and once with
 ep_moe's drop-in (``ep_moe.integrations.deepspeed.MoE``, swapped in by
 ``replace_deepspeed_moe``), dropless and with ``drop_tokens`` (DeepSpeed's capacity
-factor); loss curves and step times side by side::
+factor); loss curves and step times side by side (``--dispatch`` picks the drop-in's)::
 
     torchrun --nproc-per-node 4 benchmarks/bench_deepspeed_train.py \\
         --out benchmarks/results/deepspeed_train_<GPU>_x4.json          # 4 GPUs, ZeRO-2, bf16
@@ -88,6 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ep-size", type=int, default=0, help="default: the world size")
     p.add_argument("--modes", default="dropless,drop", help="comma-separated: dropless, drop (drop_tokens=True)")
     p.add_argument("--impls", default="deepspeed,ep_moe", help="comma-separated: deepspeed, ep_moe")
+    p.add_argument("--dispatch", default="auto", help="the drop-in's dispatch (ep_moe.MoEConfig.dispatch)")
     p.add_argument("--capacity-factor", type=float, default=1.0, help="drop mode: DeepSpeed's capacity_factor")
     p.add_argument("--min-capacity", type=int, default=4)
     p.add_argument("--second-expert-sampling", action="store_true",
@@ -206,7 +207,7 @@ def build_model(args, layer: str, drop: bool, ep_size: int) -> GPT:
                 for name, p in expert.named_parameters():
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.dim() > 1 else torch.zeros_like(p))
     if layer == "ep_moe":
-        assert replace_deepspeed_moe(model) == args.layers
+        assert replace_deepspeed_moe(model, dispatch=args.dispatch) == args.layers
     return model
 
 

@@ -331,7 +331,8 @@ def test_expert_tensor_parallelism(deepspeed, flag):
 
 def _ep2_worker(rank, world_size):
     """DeepSpeed's PR-MoE model against its replacement on each rank's tokens (experts
-    differ per rank at ep_size=2), in training and eval mode."""
+    differ per rank at ep_size=2), in training and eval mode; the replacement once with the
+    default dispatch (the all-to-all on gloo) and once with the all-gather."""
     import deepspeed
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
@@ -342,19 +343,23 @@ def _ep2_worker(rank, world_size):
               dict(num_experts=4, ep_size=2, drop_tokens=False, noisy_gate_policy="RSample"),
               dict(num_experts=8, ep_size=2, k=3, capacity_factor=0.5, min_capacity=1)]
     models = []
-    for _ in range(2):
+    for _ in range(3):
         model = PRMoE(DeepSpeedMoE, layers)
         for moe in model.moes:
             moe.set_deepspeed_parallelism()
             _init_(moe.deepspeed_moe.experts, seed=10 + rank * moe.ep_size // 2)
         models.append(model)
-    ds_model, ours = models
+    ds_model, ours, gathered = models
     replace_deepspeed_moe(ours)
+    replace_deepspeed_moe(gathered, dispatch="all_gather")
     x = torch.randn(12, H, generator=torch.Generator().manual_seed(rank))
-    out = {"ds": _step(ds_model, x, seed=20 + rank), "ours": _step(ours, x, seed=20 + rank)}
+    out = {"ds": _step(ds_model, x, seed=20 + rank), "ours": _step(ours, x, seed=20 + rank),
+           "gathered": _step(gathered, x, seed=20 + rank)}
     out["ds_grads"], out["ours_grads"] = _model_grads(ds_model), _model_grads(ours)
+    out["gathered_grads"] = _model_grads(gathered)
     out["dropped"] = [int(m.layer.last_stats.num_dropped) for m in ours.moes]
-    for key, model in (("ds_eval", ds_model), ("ours_eval", ours)):
+    out["dispatch"] = [(m.layer.dispatch, g.layer.dispatch) for m, g in zip(ours.moes, gathered.moes)]
+    for key, model in (("ds_eval", ds_model), ("ours_eval", ours), ("gathered_eval", gathered)):
         torch.manual_seed(30)
         with torch.no_grad():
             out[key] = model.eval()(x)
@@ -366,12 +371,17 @@ def test_ep2_pyramid_matches_deepspeed(deepspeed):
     results = run_distributed(_ep2_worker, 2, timeout_s=120)
     assert results[0]["ds"]["counts"].shape == (2 + 4 + 4 + 8,)
     for res in results:
-        ref, got = res["ds"], res["ours"]
-        assert torch.equal(got["counts"], ref["counts"]) and torch.equal(got["rng_after"], ref["rng_after"])
-        for key in ("out", "l_aux", "dx"):
-            torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=1e-5, msg=lambda m: f"{key}: {m}")
-        for key, want in res["ds_grads"].items():
-            torch.testing.assert_close(res["ours_grads"][key], want, atol=1e-5, rtol=1e-5)
+        assert res["dispatch"][1:] == [("all_to_all", "all_gather")] * 3  # the ep_size=2 layers
+        ref = res["ds"]
+        for ours in ("ours", "gathered"):
+            got = res[ours]
+            assert torch.equal(got["counts"], ref["counts"]) and torch.equal(got["rng_after"], ref["rng_after"])
+            for key in ("out", "l_aux", "dx"):
+                torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"{ours} {key}: {m}")
+            for key, want in res["ds_grads"].items():
+                torch.testing.assert_close(res[f"{ours}_grads"][key], want, atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"{ours} {key}: {m}")
+            for got_eval, ref_eval in zip(res[f"{ours}_eval"], res["ds_eval"]):
+                torch.testing.assert_close(got_eval, ref_eval, atol=1e-5, rtol=1e-5)
         assert res["dropped"][1] > 0 and res["dropped"][3] > 0 and res["dropped"][2] == 0
-        for got_eval, ref_eval in zip(res["ours_eval"], res["ds_eval"]):
-            torch.testing.assert_close(got_eval, ref_eval, atol=1e-5, rtol=1e-5)

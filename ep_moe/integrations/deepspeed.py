@@ -412,6 +412,7 @@ def deepspeed_moe_config(
     ep_size: int = 1,
     k: int = 1,
     backend: str = "auto",
+    dispatch: str = "auto",
     num_linears: int = 2,
     mlp_bias: bool = False,
 ) -> MoEConfig:
@@ -425,8 +426,8 @@ def deepspeed_moe_config(
     return MoEConfig(
         hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts, top_k=k,
         activation=activation, score_func="softmax", norm_topk_prob=k > 1, aux_loss_coef=1.0,
-        z_loss_coef=0.0, capacity_factor=None, router_dtype=torch.float32, backend=backend, ep_size=ep_size,
-        num_linears=num_linears, mlp_bias=mlp_bias,
+        z_loss_coef=0.0, capacity_factor=None, router_dtype=torch.float32, backend=backend, dispatch=dispatch,
+        ep_size=ep_size, num_linears=num_linears, mlp_bias=mlp_bias,
     )
 
 
@@ -495,6 +496,8 @@ class MoE(nn.Module):
         ep_group: a ProcessGroup or 1-D DeviceMesh of ``ep_size`` ranks instead of the one
             built from ``ep_size``.
         backend: the grouped GEMM backend of :class:`ep_moe.MoEConfig`.
+        dispatch: how tokens travel at ``ep_size`` > 1, :class:`ep_moe.MoEConfig`'s choice
+            (default ``"auto"``; with ``drop_tokens`` the all-gather needs no host sync).
         device, dtype: of the parameters; default those of ``expert``.
 
     The layer is ``self.layer``; its weights are initialised by ep_moe (the expert module
@@ -532,6 +535,7 @@ class MoE(nn.Module):
         activation: Optional[Activation] = None,
         ep_group: Union[None, ProcessGroup, DeviceMesh] = None,
         backend: str = "auto",
+        dispatch: str = "auto",
         device=None,
         dtype=None,
     ) -> None:
@@ -541,7 +545,7 @@ class MoE(nn.Module):
         self.gate = DeepSpeedGate(num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                                   noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
         config = deepspeed_moe_config(hidden_size, num_experts=num_experts, ep_size=ep_size, k=k, backend=backend,
-                                      **expert_fields)
+                                      dispatch=dispatch, **expert_fields)
         param = _first_param(expert)
         self.layer = MoELayer(config, ep_group if ep_group is not None else _ep_group(ep_size),
                               device=device if device is not None or param is None else param.device,
@@ -617,10 +621,10 @@ class MoE(nn.Module):
             self.layer.experts.tensor(name).copy_(value)  # the same values for every local expert
 
     @classmethod
-    def from_deepspeed(cls, ds_moe: nn.Module, *, backend: str = "auto") -> "MoE":
+    def from_deepspeed(cls, ds_moe: nn.Module, *, backend: str = "auto", dispatch: str = "auto") -> "MoE":
         """Our layer with the arguments and weights of a ``deepspeed.moe.layer.MoE``
         (this rank's experts; its EP group must match ep_moe's layout), and a copy of its
-        residual MLP (``use_residual``)."""
+        residual MLP (``use_residual``); ``backend`` and ``dispatch`` as :class:`ep_moe.MoEConfig`'s."""
         gate, experts = ds_moe.deepspeed_moe.gate, ds_moe.deepspeed_moe.experts.deepspeed_experts
         expert = copy.deepcopy(ds_moe.mlp) if ds_moe.use_residual else experts[0]  # the residual MLP is ours
         ours = cls(
@@ -628,6 +632,7 @@ class MoE(nn.Module):
             gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, ds_moe.use_residual,
             gate.noisy_gate_policy, gate.drop_tokens, gate.use_rts, ds_moe.deepspeed_moe.use_tutel,
             ds_moe.enable_expert_tensor_parallelism, gate.top2_2nd_expert_sampling, backend=backend,
+            dispatch=dispatch,
         )
         ours.load_deepspeed(ds_moe)
         return ours.train(ds_moe.training)
@@ -928,11 +933,11 @@ def _check_engine_loads() -> None:
     DeepSpeedEngine.load_checkpoint = load_checkpoint
 
 
-def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
+def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto", dispatch: str = "auto") -> int:
     """Swap every ``deepspeed.moe.layer.MoE`` inside ``model`` for :class:`MoE` in place,
-    with the same arguments and weights (:meth:`MoE.from_deepspeed`); returns how many
-    were swapped. Call on every rank, in the same order (EP groups are built
-    collectively)."""
+    with the same arguments and weights (:meth:`MoE.from_deepspeed`, ``backend`` and
+    ``dispatch`` as :class:`ep_moe.MoEConfig`'s); returns how many were swapped. Call on
+    every rank, in the same order (EP groups are built collectively)."""
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     if isinstance(model, MoE):
@@ -944,7 +949,7 @@ def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto") -> int:
              if isinstance(m, DeepSpeedMoE) and not isinstance(m, MoE)]  # ours are DeepSpeedMoE too
     for name, ds_moe in found:
         parent_name, _, attr = name.rpartition(".")
-        ours = MoE.from_deepspeed(ds_moe, backend=backend)
+        ours = MoE.from_deepspeed(ds_moe, backend=backend, dispatch=dispatch)
         if ds_moe.use_residual:
             ours.mlp = ds_moe.mlp  # the model's own module: layers that shared a residual MLP still do
         setattr(model.get_submodule(parent_name), attr, ours)
