@@ -30,7 +30,9 @@ Timing: ``--warmup`` steps, then ``--steps`` - ``--warmup`` timed steps back to 
 host sync between them beyond the layers' own); on CUDA an event is recorded before the
 first step and after each, each step's time being the stream's time from one boundary to
 the next; on a CPU ``perf_counter`` around each step. Per rank the median step; a run's
-step time is the slowest rank's median. The losses are the mean over ranks, gathered after
+step time is the slowest rank's median. ``--profile-steps N``: N more steps under the
+profiler, rank 0's top ops by self device time and its host syncs per step (printed and in
+the results), which do not count in the times or the curves. The losses are the mean over ranks, gathered after
 the run.
 
 Agreement: per mode, the relative difference of the drop-in's task loss (cross entropy) to
@@ -52,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -89,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="dropless,drop", help="comma-separated: dropless, drop (drop_tokens=True)")
     p.add_argument("--impls", default="deepspeed,ep_moe", help="comma-separated: deepspeed, ep_moe")
     p.add_argument("--dispatch", default="auto", help="the drop-in's dispatch (ep_moe.MoEConfig.dispatch)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="steps profiled after the timed ones: top ops and host syncs per step (rank 0's)")
     p.add_argument("--capacity-factor", type=float, default=1.0, help="drop mode: DeepSpeed's capacity_factor")
     p.add_argument("--min-capacity", type=int, default=4)
     p.add_argument("--second-expert-sampling", action="store_true",
@@ -265,6 +270,16 @@ def run_one(args, deepspeed, layer: str, mode: str, ep_size: int, batches: torch
     cuda = device.type == "cuda"
     torch.manual_seed(args.seed + 1)  # the gates' random draws (if any) start alike for both layers
     losses, aux_losses, marks, walls = [], [], [], []
+
+    def train_step(step: int) -> None:
+        tokens = batches[step % len(batches)].to(device, non_blocking=True)
+        logits, l_aux = engine(tokens[:, :-1])
+        task = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        engine.backward(task + args.aux_coef * l_aux)
+        engine.step()
+        losses.append(task.detach())
+        aux_losses.append(l_aux.detach().float())
+
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
@@ -272,13 +287,7 @@ def run_one(args, deepspeed, layer: str, mode: str, ep_size: int, batches: torch
         if step == args.warmup and cuda:
             marks.append(_event())
         start = time.perf_counter()
-        tokens = batches[step].to(device, non_blocking=True)
-        logits, l_aux = engine(tokens[:, :-1])
-        task = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        engine.backward(task + args.aux_coef * l_aux)
-        engine.step()
-        losses.append(task.detach())
-        aux_losses.append(l_aux.detach().float())
+        train_step(step)
         if step >= args.warmup:
             if cuda:
                 marks.append(_event())
@@ -289,12 +298,14 @@ def run_one(args, deepspeed, layer: str, mode: str, ep_size: int, batches: torch
         step_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
     else:
         step_ms = [w * 1e3 for w in walls]
+    profile = profile_steps(args, train_step, cuda)
+    del losses[args.steps:], aux_losses[args.steps:]  # the profiled steps are not part of the curve
     moes = [block.moe for block in model.blocks]
     result = dict(losses=torch.stack(losses).float().cpu(), aux_losses=torch.stack(aux_losses).cpu(),
                   step_ms=step_ms, median_step_ms=statistics.median(step_ms),
                   peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                   optimizer=type(engine.optimizer).__name__,
-                  dispatch=getattr(moes[0], "layer", None) and moes[0].layer.dispatch)
+                  dispatch=getattr(moes[0], "layer", None) and moes[0].layer.dispatch, profile=profile)
     del engine, optimizer, model, params, moes
     gc.collect()
     if cuda:
@@ -306,6 +317,34 @@ def _event() -> torch.cuda.Event:
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
+
+
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+            "cudaMemcpy", "cudaEventSynchronize")
+"""Profiler events that stop the host until the GPU catches up (or, on a CPU, would)."""
+
+
+def profile_steps(args, train_step, cuda: bool) -> Optional[dict]:
+    """``--profile-steps`` more steps under the profiler, after the timed ones: this rank's
+    top ops by self device time (self CPU time on a CPU) and its host syncs, per step."""
+    if not args.profile_steps:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for step in range(args.profile_steps):
+            train_step(args.steps + step)
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    time_of = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    top = sorted(events, key=time_of, reverse=True)[:25]
+    per_step = args.profile_steps
+    return dict(steps=per_step,
+                top_ops=[dict(name=e.key, calls=e.count / per_step, self_ms=time_of(e) / 1e3 / per_step,
+                              self_cpu_ms=e.self_cpu_time_total / 1e3 / per_step) for e in top],
+                syncs={e.key: e.count / per_step for e in events if e.key in SYNC_OPS})
 
 
 def gather_run(local: dict, world: int) -> dict:
@@ -324,7 +363,7 @@ def gather_run(local: dict, world: int) -> dict:
     return dict(losses=losses[0].tolist(), aux_losses=losses[1].tolist(), step_ms_rank0=local["step_ms"],
                 median_step_ms_per_rank=per_rank, step_ms=max(per_rank),
                 peak_mem_gb=float(peak.item()) if local["peak_mem_gb"] is not None else None,
-                optimizer=local["optimizer"], dispatch=local["dispatch"])
+                optimizer=local["optimizer"], dispatch=local["dispatch"], profile_rank0=local["profile"])
 
 
 def compare(ds: list[float], ours: list[float], args) -> dict:
@@ -399,6 +438,11 @@ def main(argv=None) -> int:
                       f"step {run['step_ms']:.2f} ms (slowest rank's median), "
                       f"{run['tokens_per_s_per_gpu'] / 1e3:.1f}k tokens/s per GPU, "
                       f"dispatch {run['dispatch']}, {run['wall_s']:.0f} s", flush=True)
+                if run["profile_rank0"] is not None:
+                    prof = run["profile_rank0"]
+                    print(f"  host syncs per step: {prof['syncs']}; top ops by self time per step:\n" + "\n".join(
+                        f"    {op['self_ms']:8.3f} ms {op['calls']:7.1f} calls  {op['name'][:80]}"
+                        for op in prof["top_ops"][:12]), flush=True)
     comparisons = []
     for mode in args.modes:
         by_layer = {r["layer"]: r for r in runs if r["mode"] == mode}

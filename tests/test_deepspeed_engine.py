@@ -521,7 +521,7 @@ def test_bench_deepspeed_train_cpu_smoke(deepspeed, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)  # the CPU path runs torch's grouped GEMM
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(BENCH),
-           "--preset", "tiny", "--steps", "2", "--warmup", "0", "--out", str(out)]
+           "--preset", "tiny", "--steps", "2", "--warmup", "0", "--profile-steps", "1", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("-> agree") == 2, proc.stdout
@@ -535,6 +535,8 @@ def test_bench_deepspeed_train_cpu_smoke(deepspeed, tmp_path):
         assert run["step_ms"] > 0 and len(run["median_step_ms_per_rank"]) == 2
         assert run["optimizer"] == "DeepSpeedZeroOptimizer"
         assert run["dispatch"] == (None if layer == "deepspeed" else "all_to_all")
+        profile = run["profile_rank0"]
+        assert profile["steps"] == 1 and profile["top_ops"][0]["self_ms"] > 0, (mode, layer)
         assert run["losses"][0] == pytest.approx(runs[mode, "deepspeed"]["losses"][0], rel=1e-2)
     for comparison in data["comparisons"]:
         assert comparison["agree"] and comparison["max_rel_diff_first5"] < 1e-3, comparison
