@@ -45,6 +45,7 @@ from baselines import PlainEPMoE  # noqa: E402
 from common import SHAPES, MoEShape, environment, save_results  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
+from ep_moe.grouped_mm_experts import GROUPED_MM_MAX_ROWS  # noqa: E402
 
 TOKENS = (1, 4, 16, 64, 256)
 TINY = MoEShape("tiny", 8, 64, 128, 2)
@@ -182,6 +183,7 @@ def main() -> None:
     parser.add_argument("--dispatch", default="auto", help="ep_moe's MoEConfig.dispatch at EP>1")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per rank")
     parser.add_argument("--calls", type=int, default=20, help="calls per round")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", type=Path, default=None)
@@ -211,7 +213,7 @@ def main() -> None:
         return
     rows = []
     cycles_per_s = sleep_cycles_per_s(device) if device.type == "cuda" else 0.0
-    for tokens in TOKENS:
+    for tokens in map(int, args.tokens.split(",")):
         x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
         timed = [(name, what, fn) for name, layer in layers.items() for what, fn in cases(layer, x)]
         for _, _, fn in timed:
@@ -234,7 +236,8 @@ def main() -> None:
         env = environment()
         out = args.out or REPO / "benchmarks" / "results" / (
             f"host_{env['device'].replace(' ', '_')}_{shape.name}_ep{ep_size}.json")
-        save_results(out, {"benchmark": "host", "shape": shape.name, "ep_size": ep_size, "world_size": world,
+        save_results(out, {"benchmark": "host", "shape": shape.name, "grouped_mm_max_rows": GROUPED_MM_MAX_ROWS,
+                           "ep_size": ep_size, "world_size": world,
                            "dtype": args.dtype, "calls": args.calls, "rounds": args.rounds, "results": rows})
         print(f"saved {out}")
     if torchrun:

@@ -10,6 +10,7 @@ Shape suffixes follow the legend in :mod:`ep_moe.routing`.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from typing import TYPE_CHECKING, Optional
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ep_moe.config import GATED_ACTIVATIONS, Activation, MoEConfig
+from ep_moe.grouped_mm_experts import grouped_mm_mlp, use_grouped_mm
 from ep_moe.kernels.activation import gated
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break
@@ -234,9 +236,25 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     (:func:`~ep_moe.kernels.ops.grouped_gemm_slot_sum`; no scatter then).
     ``bounded_rows``: the rows are a bound, ``m_sizes`` counts fewer (see
     :func:`~ep_moe.kernels.ops.grouped_gemm`). ``gather_slots``: as for
-    :func:`~ep_moe.kernels.ops.layer_grouped_gemm`, for the first GEMM."""
+    :func:`~ep_moe.kernels.ops.layer_grouped_gemm`, for the first GEMM.
+
+    On the Triton backend, a small eager call whose rows have slots (``gather_slots`` or
+    ``slot_sum``) runs as torch ops instead (:mod:`ep_moe.grouped_mm_experts`), where the
+    host's launches would set its pace."""
     # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
     down, down_bias = down.to(x.dtype), None if down_bias is None else down_bias.to(x.dtype)
+    gate_up = None if gate_up is None else gate_up.to(x.dtype)
+    gate_up_bias = None if gate_up_bias is None else gate_up_bias.to(x.dtype)
+    slot_index_R = None if gather_index is None else gather_slots if slot_sum is None else slot_sum.slot_index_R
+    num_rows = x.shape[0] if gather_index is None else gather_index.shape[0]
+    weights = (down,) if gate_up is None else (gate_up, down)
+    if backend == "triton" and use_grouped_mm(x, weights, num_rows, slot_index_R, bounded_rows):
+        top_k = num_rows // x.shape[0] if slot_sum is None else slot_sum.top_k  # dropless at EP=1: R = T * K
+        activation_fn = functools.partial(activate, activation=activation, backend="torch")
+        return grouped_mm_mlp(x, gate_up, down, m_sizes_e, activation_fn, slot_index_R=slot_index_R,
+                              token_index_R=gather_index, top_k=top_k, gate_up_bias=gate_up_bias,
+                              down_bias=down_bias, scatter_index=scatter_index, row_weights=row_weights,
+                              sum_slots=slot_sum is not None)
     if backend == "triton":
         m_sizes_e = m_sizes_e.to(torch.int32)  # as the kernels take it: converted once, not per GEMM
     if gate_up is None:
@@ -244,8 +262,7 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
                                   row_weights=row_weights, bias=down_bias, configs=configs[1], backend=backend,
                                   bounded_rows=bounded_rows, gather_slots=gather_slots)
         return y_RH if slot_sum is None else sum_slot_rows(y_RH, slot_sum, backend)
-    h_RF = layer_grouped_gemm(x, gate_up.to(x.dtype), m_sizes_e, gather_index=gather_index,
-                              bias=None if gate_up_bias is None else gate_up_bias.to(x.dtype),
+    h_RF = layer_grouped_gemm(x, gate_up, m_sizes_e, gather_index=gather_index, bias=gate_up_bias,
                               configs=configs[0], backend=backend, bounded_rows=bounded_rows,
                               gather_slots=gather_slots)
     a_RI = activate(h_RF, activation, backend, m_sizes_e.sum() if bounded_rows else None)

@@ -199,7 +199,7 @@ def _ep_worker(rank: int, world_size: int) -> dict:
                 results[(ep_size, name, f"{dispatch}+autocast")] = dict(run=run, grads=_param_grads(layer))
             if name in COMPILED and ep_size == world_size and "all_to_all" in SELECTED:
                 progress(f"EP={ep_size} {name} all_to_all+compile")
-                layer = _layer(kwargs, state, group)
+                layer = _layer({**kwargs, "dispatch": "all_to_all"}, state, group)  # "auto" may pick another
                 compiled = torch.compile(layer)
                 for _ in range(2):  # the second call runs what the first compiled
                     layer.zero_grad(set_to_none=True)

@@ -13,11 +13,19 @@ import gc
 import pytest
 import torch
 
-from ep_moe import MoEConfig, MoELayer
+from ep_moe import MoEConfig, MoELayer, grouped_mm_experts
 from ep_moe.ep.all_to_all import AllToAllDispatcher
 from tolerance import rel_err, within
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _fused_kernels(monkeypatch):
+    """Every call here runs the Triton kernels, small ones too (torch._grouped_mm's small-call
+    path: tests/gpu/test_grouped_mm_cuda.py)."""
+    monkeypatch.setattr(grouped_mm_experts, "GROUPED_MM_MAX_ROWS", 0)
+
 MAX_REL_ERR = 1e-3
 """Both sides run in bf16 on the same kernels and routing, so they differ only in summation
 order: the worst measured on H200 is 2.9e-5; a wrong gradient is off by 1e-2 and more."""

@@ -1,0 +1,118 @@
+"""The routed experts through ``torch._grouped_mm``, for small eager calls.
+
+An eager call over few routed rows is host-bound: the GPU finishes each kernel before the
+host has launched the next. There a Triton launch costs the host 40-80 us (Triton's Python
+launcher, one cost per argument), and a torch op about 10 (H200 host), so the expert MLP
+as torch ops (:func:`grouped_mm_mlp`: two ``torch._grouped_mm`` and a few index ops, with
+their autograd backward) finishes sooner than the fused kernels' 3 launches forward and 7
+backward. :func:`use_grouped_mm` picks it for calls of at most :data:`GROUPED_MM_MAX_ROWS`
+routed rows, in eager mode only: a CUDA graph replays launches for free and
+``torch.compile`` captures them, and there the fused kernels are faster.
+
+The math is :func:`ep_moe.experts.expert_mlp`'s, deterministic as its kernels are: each
+row reads its token through the token's slot (the backward sums each token's K slot
+gradients in a reduction, not with atomics), and the outputs are placed by index copies.
+
+Shape suffixes follow the legend in :mod:`ep_moe.routing`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ep_moe.kernels.arrival import arrival_of
+
+GROUPED_MM_MAX_ROWS = 4096
+"""Most routed rows (tokens x top-k, on this rank) an eager call runs through
+``torch._grouped_mm``; more go to the fused Triton kernels. On an H200 (qwen3-30b-a3b's
+experts, forward + backward) this path was faster up to 8192 rows and slower at 16384; the
+forward alone was no faster from 4096 rows on."""
+
+_WORKS_ON: dict[int, bool] = {}
+"""CUDA device index -> whether ``torch._grouped_mm`` runs there in bf16 (probed once)."""
+
+
+def _grouped_mm_works(device: torch.device) -> bool:
+    """``torch._grouped_mm`` exists and runs a bf16 problem with an empty group on ``device``
+    (Hopper or newer: the GPUs its CUTLASS kernels target). Probed once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _WORKS_ON:
+        works = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(index) >= (9, 0)
+        if works:
+            try:
+                a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+                offs = torch.tensor([8, 8, 16], device=device, dtype=torch.int32)
+                out = torch._grouped_mm(a, a.new_ones(3, 16, 16), offs=offs)
+                works = bool((out == 16).all())
+            except RuntimeError:
+                works = False
+        _WORKS_ON[index] = works
+    return _WORKS_ON[index]
+
+
+def use_grouped_mm(x: torch.Tensor, weights: tuple[torch.Tensor, ...], num_rows: int,
+                   slot_index_R: Optional[torch.Tensor], bounded_rows: bool) -> bool:
+    """Whether :func:`ep_moe.experts.expert_mlp` runs this call through
+    :func:`grouped_mm_mlp`: an eager (not compiled, not graph-captured) bf16 CUDA call of 1
+    to :data:`GROUPED_MM_MAX_ROWS` routed rows, each with its slot (dropless at EP=1, any
+    all-to-all), all of them counted (not ``bounded_rows``), on rows that have landed, with
+    16-byte rows (``torch._grouped_mm``'s alignment) in every weight."""
+    if not (x.is_cuda and 0 < num_rows <= GROUPED_MM_MAX_ROWS and slot_index_R is not None
+            and not bounded_rows and x.dtype == torch.bfloat16):
+        return False
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or arrival_of(x) is not None:
+        return False
+    if x.shape[1] % 8 or any(w.shape[1] % 8 or w.shape[2] % 8 for w in weights):
+        return False
+    return _grouped_mm_works(x.device)
+
+
+def _per_row(table_E: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor:
+    """Each routed row's entry of a per-expert table (a bias)."""
+    return table_E.index_select(0, expert_R)
+
+
+def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Tensor, m_sizes_e: torch.Tensor,
+                   activation_fn: Callable[[torch.Tensor], torch.Tensor], *, slot_index_R: torch.Tensor,
+                   token_index_R: torch.Tensor, top_k: int,
+                   gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None,
+                   scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
+                   sum_slots: bool = False) -> torch.Tensor:
+    """The expert MLP of :func:`ep_moe.experts.expert_mlp` as torch ops: routed row r
+    (expert order, ``m_sizes_e`` rows per expert) reads ``x[token_index_R[r]]``, which is
+    ``slot_index_R[r] // top_k``;
+    GEMM1 (``gate_up`` [e, F, H], absent for one Linear), ``activation_fn``, GEMM2
+    (``down`` [e, H, I]), each with its bias per expert, then times ``row_weights`` (in
+    fp32; indexed by output row as in :func:`~ep_moe.kernels.ops.grouped_gemm`).
+
+    Returns the rows in expert order [R, H]; placed at ``scatter_index`` (a permutation);
+    or with ``sum_slots`` each row of x's K slots summed (fp32), [rows of x, H]."""
+    num_rows, top_k_rows = slot_index_R.shape[0], x.shape[0] * top_k
+    offsets_e = torch.cumsum(m_sizes_e, 0, dtype=torch.int32)
+    expert_R = None
+    if gate_up_bias is not None or down_bias is not None:
+        expert_R = torch.repeat_interleave(torch.arange(m_sizes_e.shape[0], device=x.device), m_sizes_e,
+                                           output_size=num_rows)
+    if torch.is_grad_enabled() and x.requires_grad:
+        # each slot's copy of its row, then the routed slots: the backward sums the K copies
+        rows_RH = x.unsqueeze(1).expand(-1, top_k, -1).reshape(top_k_rows, -1).index_select(0, slot_index_R)
+    else:
+        rows_RH = x.index_select(0, token_index_R)
+    if gate_up is not None:
+        h_RF = torch._grouped_mm(rows_RH, gate_up.transpose(-2, -1), offs=offsets_e)
+        if gate_up_bias is not None:
+            h_RF = h_RF + _per_row(gate_up_bias, expert_R)
+        rows_RH = activation_fn(h_RF)
+    y_RH = torch._grouped_mm(rows_RH, down.transpose(-2, -1), offs=offsets_e)
+    if down_bias is not None:
+        y_RH = y_RH + _per_row(down_bias, expert_R)
+    if scatter_index is not None:  # placed first: the row weights are indexed by output row
+        y_RH = torch.empty_like(y_RH).index_copy(0, scatter_index, y_RH)
+    if row_weights is not None:  # in fp32, rounded once: with the slot sum, after it
+        y_RH = y_RH * row_weights.to(torch.float32).unsqueeze(1)
+    if sum_slots:
+        y_NH = y_RH.new_zeros(top_k_rows, y_RH.shape[1]).index_copy(0, slot_index_R, y_RH)
+        return y_NH.view(x.shape[0], top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return y_RH.to(x.dtype)

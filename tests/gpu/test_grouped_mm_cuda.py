@@ -1,0 +1,110 @@
+"""The small-call path on one GPU in bfloat16: eager calls of few routed rows run the experts
+through torch._grouped_mm (:mod:`ep_moe.grouped_mm_experts`), and must match the Triton
+kernels, which run everything else: more rows, torch.compile, CUDA graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_moe import MoEConfig, MoELayer, grouped_mm_experts
+from ep_moe.ep.all_to_all import AllToAllDispatcher
+from tolerance import rel_err, within
+
+pytestmark = pytest.mark.gpu
+MAX_REL_ERR = 1e-2
+"""The two paths round differently in bf16 (the activation in two steps, the weighted rows
+before the slot sum at EP=1): a few bf16 ulps, about 4e-3 relative at most; a wrong
+gradient is off by far more."""
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """Counts the calls that take the small-call path."""
+    calls = []
+    original = grouped_mm_experts.grouped_mm_mlp
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    import ep_moe.experts as experts_mod
+    monkeypatch.setattr(experts_mod, "grouped_mm_mlp", counting)
+    return calls
+
+
+def _layer(dtype, **overrides) -> MoELayer:
+    torch.manual_seed(0)
+    config = MoEConfig(**{**dict(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2,
+                                 init_std=0.05, backend="triton"), **overrides})
+    return MoELayer(config, device="cuda", dtype=dtype)
+
+
+def _run(layer, x, dy, autocast):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        y = layer(x)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("path", ["ep1", "ep"])
+@pytest.mark.parametrize("overrides", [dict(), dict(top_k=4, activation="gelu"), dict(num_shared_experts=1)],
+                         ids=["top2", "top4_gelu", "shared"])
+@pytest.mark.parametrize("params", ["bf16", "fp32_autocast"])
+@pytest.mark.parametrize("tokens", [1, 37, 500])
+def test_small_calls_match_the_kernels(tokens, params, overrides, path, taken, monkeypatch):
+    """Output and every gradient of a small eager call against the same call on the Triton
+    kernels, at EP=1 and on the EP path (no group: no collective), with bf16 parameters and
+    with fp32 ones under bf16 autocast (the trainer's)."""
+    layer = _layer(torch.bfloat16 if params == "bf16" else torch.float32, **overrides)
+    if path == "ep":
+        layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)
+    x = torch.randn(tokens, 360, device="cuda", dtype=layer.experts.gate_up.dtype)
+    dy = torch.randn(tokens, 360, device="cuda", dtype=torch.bfloat16)
+    small = _run(layer, x, dy, params != "bf16")
+    assert len(taken) == 1, "the small call did not take the torch._grouped_mm path"
+    monkeypatch.setattr(grouped_mm_experts, "GROUPED_MM_MAX_ROWS", 0)
+    kernels = _run(layer, x, dy, params != "bf16")
+    assert len(taken) == 1, "a call over GROUPED_MM_MAX_ROWS took the small-call path"
+    for i, (got, want) in enumerate(zip(small, kernels)):
+        what = ["output", "dx"][i] if i < 2 else f"grad {i - 2}"
+        assert got.dtype == want.dtype, what
+        err = rel_err(got, want)
+        assert within(err, MAX_REL_ERR, what, __name__), f"{what}: relative error {err:.2e} >= {MAX_REL_ERR}"
+
+
+def test_compile_capture_and_large_calls_run_the_kernels(taken):
+    """torch.compile, CUDA graph capture and calls over the bound run the Triton kernels; a
+    layer whose small calls ran eagerly first is then captured with make_graphed_callables
+    (its warm-up calls take the small path, its capture the kernels) and replays to the
+    eager result."""
+    layer = _layer(torch.bfloat16)
+    rows_over = grouped_mm_experts.GROUPED_MM_MAX_ROWS // layer.config.top_k + 1
+    with torch.no_grad():
+        layer(torch.randn(rows_over, 360, device="cuda", dtype=torch.bfloat16))
+    assert not taken
+    x = torch.randn(64, 360, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    eager = _run(layer, x, dy, False)
+    assert len(taken) == 1
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)
+    with torch.no_grad():
+        compiled(x)
+    assert len(taken) == 1, "torch.compile took the small-call path"
+
+    layer.zero_grad(set_to_none=True)
+    graphed = torch.cuda.make_graphed_callables(layer, (x.detach().requires_grad_(),), num_warmup_iters=2)
+    warmups = len(taken)
+    assert warmups == 3, "the capture took the small-call path (or the warm-ups did not)"  # eager + 2 warm-ups
+    layer.zero_grad(set_to_none=True)
+    x_in = x.detach().requires_grad_()
+    y = graphed(x_in)
+    y.backward(dy)
+    assert len(taken) == warmups, "a graph replay ran the small-call path"
+    replayed = [y.detach(), x_in.grad] + [p.grad.clone() for p in layer.parameters()]
+    for i, (got, want) in enumerate(zip(replayed, eager)):
+        err = rel_err(got, want)
+        assert within(err, MAX_REL_ERR, f"graphed {i}", __name__), f"graphed {i}: {err:.2e}"
