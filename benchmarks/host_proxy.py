@@ -14,8 +14,11 @@ as on a GPU (``ep_moe.kernels.ops.value_checks``). Per call, for the forward (un
   still noisy on a loaded machine, where the counts are exact). The plain layer's includes
   its ``torch._grouped_mm`` computing on the CPU, which ep_moe's faked launches skip.
 
-for ep_moe's layer at EP=1 (``backend="triton"``) and the plain ``torch._grouped_mm`` layer
-(``benchmarks/baselines.py``: no Triton)::
+for ep_moe's layer at EP=1 (``backend="triton"``) on its fused kernels (``ep_moe[kernels]``:
+larger calls, CUDA graphs, compile), on its small-call path (``ep_moe[grouped_mm]``: what an
+eager bf16 call of few rows runs on a Hopper GPU, :mod:`ep_moe.grouped_mm_experts`, computing
+on the CPU here), and the plain ``torch._grouped_mm`` layer (``benchmarks/baselines.py``: no
+Triton)::
 
     python benchmarks/host_proxy.py                      # hidden 256, 128 experts, top 8, 16 tokens, bf16
     python benchmarks/host_proxy.py --tokens 64 --profile 25   # and cProfile's top 25 functions
@@ -58,6 +61,14 @@ class _OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def small_call_path() -> Iterator[None]:
+    """Inside the block, the layer's small calls take the ``torch._grouped_mm`` path on the CPU
+    too (as eager bf16 calls do on a Hopper GPU): its ops run for real."""
+    with mock.patch("ep_moe.grouped_mm_experts._eager_bf16_where_it_runs", lambda x: True):
+        yield
 
 
 @contextlib.contextmanager
@@ -129,13 +140,15 @@ def measure(fn: Callable[[], None], calls: int = 5, rounds: int = 5, profile: in
 
 
 def build(hidden: int, intermediate: int, num_experts: int, top_k: int,
-          dtype: torch.dtype) -> dict[str, torch.nn.Module]:
-    """ep_moe's layer at EP=1 on the Triton backend, and the plain layer with its weights."""
+          dtype: torch.dtype) -> dict[str, tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]]:
+    """{name: (layer, context to call it in)}: ep_moe's layer at EP=1 on the Triton backend,
+    on its kernels and on its small-call path, and the plain layer with its weights."""
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=hidden, intermediate_size=intermediate, num_experts=num_experts, top_k=top_k,
                     backend="triton")
     ours = MoELayer(cfg, dtype=dtype)
-    return {"ep_moe[local]": ours, "plain": PlainEPMoE.like(ours)}
+    return {"ep_moe[kernels]": (ours, contextlib.nullcontext), "ep_moe[grouped_mm]": (ours, small_call_path),
+            "plain": (PlainEPMoE.like(ours), contextlib.nullcontext)}
 
 
 def main() -> None:
@@ -155,12 +168,13 @@ def main() -> None:
     layers = build(args.hidden, args.intermediate, args.experts, args.top_k, getattr(torch, args.dtype))
     x = torch.randn(args.tokens, args.hidden, dtype=getattr(torch, args.dtype))
     print(f"T={args.tokens} H={args.hidden} I={args.intermediate} E={args.experts} K={args.top_k} {args.dtype}")
-    for name, layer in layers.items():
+    for name, (layer, context) in layers.items():
         for what, fn in cases(layer, x).items():
             if args.profile:
                 print(f"===== {name} {what}")
-            r = measure(fn, args.calls, args.rounds, args.profile)
-            print(f"{name:14s} {what:8s} py_calls {r['py_calls']:7.0f}  torch_ops {r['torch_ops']:5.0f}  "
+            with context():
+                r = measure(fn, args.calls, args.rounds, args.profile)
+            print(f"{name:18s} {what:8s} py_calls {r['py_calls']:7.0f}  torch_ops {r['torch_ops']:5.0f}  "
                   f"launches {r['launches']:3.0f}  wall {r['wall_us']:8.1f} us", flush=True)
 
 

@@ -58,15 +58,20 @@ def use_grouped_mm(x: torch.Tensor, weights: tuple[torch.Tensor, ...], num_rows:
     :func:`grouped_mm_mlp`: an eager (not compiled, not graph-captured) bf16 CUDA call of 1
     to :data:`GROUPED_MM_MAX_ROWS` routed rows, each with its slot (dropless at EP=1, any
     all-to-all), all of them counted (not ``bounded_rows``), on rows that have landed, with
-    16-byte rows (``torch._grouped_mm``'s alignment) in every weight."""
-    if not (x.is_cuda and 0 < num_rows <= GROUPED_MM_MAX_ROWS and slot_index_R is not None
-            and not bounded_rows and x.dtype == torch.bfloat16):
+    contiguous weights of 16-byte rows (``torch._grouped_mm``'s alignment)."""
+    if not (0 < num_rows <= GROUPED_MM_MAX_ROWS and slot_index_R is not None and not bounded_rows):
         return False
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or arrival_of(x) is not None:
+    if torch.compiler.is_compiling() or arrival_of(x) is not None:
         return False
-    if x.shape[1] % 8 or any(w.shape[1] % 8 or w.shape[2] % 8 for w in weights):
+    if x.shape[1] % 8 or any(w.shape[1] % 8 or w.shape[2] % 8 or not w.is_contiguous() for w in weights):
         return False
-    return _grouped_mm_works(x.device)
+    return _eager_bf16_where_it_runs(x)
+
+
+def _eager_bf16_where_it_runs(x: torch.Tensor) -> bool:
+    """bf16 on a CUDA device where ``torch._grouped_mm`` runs, no CUDA graph being captured."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and not torch.cuda.is_current_stream_capturing()
+            and _grouped_mm_works(x.device))
 
 
 def _per_row(table_E: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor:

@@ -144,6 +144,20 @@ def test_the_layer_uses_it_only_where_it_applies(monkeypatch):
     assert taken == [False]
 
 
+def test_the_path_takes_only_what_grouped_mm_can_run(monkeypatch):
+    """With the device test passed (as on a Hopper GPU), the predicate still refuses: more rows
+    than the bound, rows without slots, bounded rows, misaligned or non-contiguous weights."""
+    monkeypatch.setattr(small, "_eager_bf16_where_it_runs", lambda x: True)
+    x, w, slots = torch.randn(4, 16), torch.randn(2, 24, 16), torch.arange(8)
+    assert small.use_grouped_mm(x, (w,), 8, slots, False)
+    assert not small.use_grouped_mm(x, (w,), small.GROUPED_MM_MAX_ROWS + 1, slots, False)
+    assert not small.use_grouped_mm(x, (w,), 0, slots, False)
+    assert not small.use_grouped_mm(x, (w,), 8, None, False)
+    assert not small.use_grouped_mm(x, (w,), 8, slots, True)
+    assert not small.use_grouped_mm(x, (torch.randn(2, 20, 16),), 8, slots, False)  # 20 * 2 bytes: misaligned
+    assert not small.use_grouped_mm(x, (w.transpose(1, 2).contiguous().transpose(1, 2),), 8, slots, False)
+
+
 def test_threshold_and_probe():
     """The row bound is a whole number of rows; the probe answers once per device and says
     no where torch._grouped_mm is missing."""
