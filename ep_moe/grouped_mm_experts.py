@@ -9,9 +9,10 @@ backward. :func:`use_grouped_mm` picks it for calls of at most :data:`GROUPED_MM
 routed rows, in eager mode only: a CUDA graph replays launches for free and
 ``torch.compile`` captures them, and there the fused kernels are faster.
 
-The math is :func:`ep_moe.experts.expert_mlp`'s, deterministic as its kernels are: each
-row reads its token through the token's slot (the backward sums each token's K slot
-gradients in a reduction, not with atomics), and the outputs are placed by index copies.
+The math is :func:`ep_moe.experts.expert_mlp`'s, deterministic as its kernels are, with no
+atomics in the backward: each row reads its token through the token's slot (the backward
+sums each token's K slot gradients in a reduction), a bias comes through a one-hot matmul
+(whose backward sums each expert's rows), and the outputs are placed by index copies.
 
 Shape suffixes follow the legend in :mod:`ep_moe.routing`.
 """
@@ -74,9 +75,13 @@ def _eager_bf16_where_it_runs(x: torch.Tensor) -> bool:
             and _grouped_mm_works(x.device))
 
 
-def _per_row(table_E: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor:
-    """Each routed row's entry of a per-expert table (a bias)."""
-    return table_E.index_select(0, expert_R)
+def _expert_one_hot(m_sizes_e: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """[R, e] one-hot of each routed row's expert: ``one_hot @ bias_e`` gives each row its
+    expert's bias, and its backward sums each expert's rows in a matmul (fp32 accumulation,
+    deterministic), where a gather's backward would add them with atomics."""
+    experts_e = torch.arange(m_sizes_e.shape[0], device=m_sizes_e.device)
+    expert_R = torch.repeat_interleave(experts_e, m_sizes_e, output_size=num_rows)
+    return (expert_R.unsqueeze(1) == experts_e).to(dtype)
 
 
 def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Tensor, m_sizes_e: torch.Tensor,
@@ -96,10 +101,9 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
     or with ``sum_slots`` each row of x's K slots summed (fp32), [rows of x, H]."""
     num_rows, top_k_rows = slot_index_R.shape[0], x.shape[0] * top_k
     offsets_e = torch.cumsum(m_sizes_e, 0, dtype=torch.int32)
-    expert_R = None
+    one_hot_Re = None
     if gate_up_bias is not None or down_bias is not None:
-        expert_R = torch.repeat_interleave(torch.arange(m_sizes_e.shape[0], device=x.device), m_sizes_e,
-                                           output_size=num_rows)
+        one_hot_Re = _expert_one_hot(m_sizes_e, num_rows, x.dtype)
     if torch.is_grad_enabled() and x.requires_grad:
         # each slot's copy of its row, then the routed slots: the backward sums the K copies
         rows_RH = x.unsqueeze(1).expand(-1, top_k, -1).reshape(top_k_rows, -1).index_select(0, slot_index_R)
@@ -108,11 +112,11 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
     if gate_up is not None:
         h_RF = torch._grouped_mm(rows_RH, gate_up.transpose(-2, -1), offs=offsets_e)
         if gate_up_bias is not None:
-            h_RF = h_RF + _per_row(gate_up_bias, expert_R)
+            h_RF = h_RF + one_hot_Re @ gate_up_bias
         rows_RH = activation_fn(h_RF)
     y_RH = torch._grouped_mm(rows_RH, down.transpose(-2, -1), offs=offsets_e)
     if down_bias is not None:
-        y_RH = y_RH + _per_row(down_bias, expert_R)
+        y_RH = y_RH + one_hot_Re @ down_bias
     if scatter_index is not None:  # placed first: the row weights are indexed by output row
         y_RH = torch.empty_like(y_RH).index_copy(0, scatter_index, y_RH)
     if row_weights is not None:  # in fp32, rounded once: with the slot sum, after it

@@ -20,13 +20,20 @@ import pytest
 import torch
 from torch import nn
 
-from ep_moe import GemmConfigs, MoEConfig, MoELayer, grouped_gemm
+from ep_moe import GemmConfigs, MoEConfig, MoELayer, grouped_gemm, grouped_mm_experts
 from ep_moe.ep.all_to_all import AllToAllDispatcher
 from ep_moe.kernels.grouped_gemm import smem_limit_for
 from ep_moe.kernels.ops import grouped_gemm_slot_sum
 from ep_moe.kernels.reference import grouped_gemm_reference
 from ep_moe.routing import build_routing_metadata
 from tolerance import rel_err, within
+
+
+@pytest.fixture(autouse=True)
+def _fused_kernels(monkeypatch):
+    """Every layer call here runs the Triton kernels, small ones too (the small-call path
+    with biases: tests/gpu/test_grouped_mm_cuda.py)."""
+    monkeypatch.setattr(grouped_mm_experts, "GROUPED_MM_MAX_ROWS", 0)
 
 pytestmark = pytest.mark.gpu
 BF16_TOL = 8e-3

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dist_utils import progress, run_distributed
 from tolerance import rel_err, within
-from ep_moe import MoEConfig, MoELayer
+from ep_moe import MoEConfig, MoELayer, grouped_mm_experts
 from ep_moe.parallel import ep_layout, is_expert_param
 
 pytestmark = pytest.mark.gpu
@@ -174,8 +174,15 @@ def _tokens(dispatch: str, inputs: list, grads: list, rank: int) -> tuple[torch.
     return inputs[rank], grads[rank]
 
 
+def _fused_kernels_only() -> None:
+    """Small calls run the fused kernels here too (in this process): these tests are about
+    the kernels and the exchanges; the small-call path has tests/gpu/test_grouped_mm_cuda.py."""
+    grouped_mm_experts.GROUPED_MM_MAX_ROWS = 0
+
+
 def _ep_worker(rank: int, world_size: int) -> dict:
     torch.cuda.set_device(rank)
+    _fused_kernels_only()
     results = {}
     for ep_size in sorted({2, world_size}):
         group, ep_groups = _nccl_groups(world_size, ep_size)
@@ -332,7 +339,8 @@ def test_scenarios_are_what_they_claim(ep_results):
                                     dict(top_k=4, activation="relu", norm_topk_prob=False),
                                     dict(top_k=2, capacity_factor=0.5)],
                          ids=["top2", "top1_gelu", "top4_relu", "capacity"])
-def test_triton_matches_torch_backend_bf16(kwargs):
+def test_triton_matches_torch_backend_bf16(kwargs, monkeypatch):
+    monkeypatch.setattr(grouped_mm_experts, "GROUPED_MM_MAX_ROWS", 0)  # the kernels, at any size
     torch.manual_seed(0)
     state = {k: v.to(torch.bfloat16) for k, v in MoELayer(_config(**kwargs, backend="torch")).state_dict().items()}
     x, g = torch.randn(2 * T, H, dtype=torch.bfloat16), torch.randn(2 * T, H, dtype=torch.bfloat16)

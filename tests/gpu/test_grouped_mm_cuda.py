@@ -37,7 +37,12 @@ def _layer(dtype, **overrides) -> MoELayer:
     torch.manual_seed(0)
     config = MoEConfig(**{**dict(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2,
                                  init_std=0.05, backend="triton"), **overrides})
-    return MoELayer(config, device="cuda", dtype=dtype)
+    layer = MoELayer(config, device="cuda", dtype=dtype)
+    with torch.no_grad():  # biases that matter
+        for name in layer.experts.tensor_names():
+            if name.endswith("bias"):
+                layer.experts.tensor(name).normal_(0.0, 0.5)
+    return layer
 
 
 def _run(layer, x, dy, autocast):
@@ -50,18 +55,21 @@ def _run(layer, x, dy, autocast):
 
 
 @pytest.mark.parametrize("path", ["ep1", "ep"])
-@pytest.mark.parametrize("overrides", [dict(), dict(top_k=4, activation="gelu"), dict(num_shared_experts=1)],
-                         ids=["top2", "top4_gelu", "shared"])
+@pytest.mark.parametrize("overrides", [dict(), dict(top_k=4, activation="gelu"), dict(num_shared_experts=1),
+                                       dict(activation="geglu", mlp_bias=True),
+                                       dict(activation="identity", num_linears=1, intermediate_size=360, mlp_bias=True)],
+                         ids=["top2", "top4_gelu", "shared", "geglu_bias", "one_linear_bias"])
 @pytest.mark.parametrize("params", ["bf16", "fp32_autocast"])
 @pytest.mark.parametrize("tokens", [1, 37, 500])
 def test_small_calls_match_the_kernels(tokens, params, overrides, path, taken, monkeypatch):
     """Output and every gradient of a small eager call against the same call on the Triton
     kernels, at EP=1 and on the EP path (no group: no collective), with bf16 parameters and
-    with fp32 ones under bf16 autocast (the trainer's)."""
+    with fp32 ones under bf16 autocast (the trainer's); experts with biases and of one Linear
+    (the DeepSpeed drop-in's forms) too."""
     layer = _layer(torch.bfloat16 if params == "bf16" else torch.float32, **overrides)
     if path == "ep":
         layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)
-    x = torch.randn(tokens, 360, device="cuda", dtype=layer.experts.gate_up.dtype)
+    x = torch.randn(tokens, 360, device="cuda", dtype=layer.experts.first_weight.dtype)
     dy = torch.randn(tokens, 360, device="cuda", dtype=torch.bfloat16)
     small = _run(layer, x, dy, params != "bf16")
     assert len(taken) == 1, "the small call did not take the torch._grouped_mm path"
