@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,11 @@ from ep_moe.routing import RoutingMetadata
 
 if TYPE_CHECKING:
     from ep_moe.autotune.space import GemmProblem
+
+KernelConfigs = tuple[Optional[GemmConfigs], Optional[GemmConfigs]]
+"""(gate_up, down) kernel configs of one expert call (None: the kernels' defaults, or no such GEMM)."""
+ConfigsArg = Union[KernelConfigs, Callable[[], KernelConfigs]]
+"""Kernel configs, or a function that looks them up, called only if the kernels run."""
 
 
 def activate(h_RF: torch.Tensor, activation: Activation, backend: str,
@@ -164,8 +169,7 @@ class GroupedExperts(_LocalExperts):
             return [down]
         return [GemmProblem(projection="gate_up", n=cfg.gate_up_size, k=cfg.hidden_size, **common), down]
 
-    def kernel_configs(self, backend: str, num_rows: int, like: torch.Tensor
-                       ) -> tuple[Optional[GemmConfigs], Optional[GemmConfigs]]:
+    def kernel_configs(self, backend: str, num_rows: int, like: torch.Tensor) -> KernelConfigs:
         """(gate_up, down) kernel configs for a Triton call over ``num_rows`` rows like ``like``
         (its dtype and device); (None, None) for the torch backend, None for a GEMM there
         is not."""
@@ -178,8 +182,7 @@ class GroupedExperts(_LocalExperts):
         return (None, configs[0]) if len(configs) == 1 else (configs[0], configs[1])
 
     def on_routed_rows(self, rows_SH: torch.Tensor, weights_SK: torch.Tensor, local: RoutingMetadata,
-                       *tensors: torch.Tensor, backend: str,
-                       configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]],
+                       *tensors: torch.Tensor, backend: str, configs: ConfigsArg,
                        bounded_rows: bool = False) -> torch.Tensor:
         """The experts on rows that arrived from the exchange (an
         :data:`ep_moe.ep.pipeline.ExpertFn`; ``tensors``: :meth:`expert_tensors`, cast):
@@ -203,7 +206,7 @@ class GroupedExperts(_LocalExperts):
         scatter_index: Optional[torch.Tensor] = None,
         row_weights: Optional[torch.Tensor] = None,
         backend: str = "torch",
-        configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None),
+        configs: ConfigsArg = (None, None),
         gather_slots: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """GEMM1 (gather on load), activation, GEMM2 (scatter and row weights on store);
@@ -225,7 +228,7 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
                down_bias: Optional[torch.Tensor] = None, gather_index: Optional[torch.Tensor] = None,
                scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
                backend: str = "torch",
-               configs: tuple[Optional[GemmConfigs], Optional[GemmConfigs]] = (None, None),
+               configs: ConfigsArg = (None, None),
                slot_sum: Optional[RoutingMetadata] = None, bounded_rows: bool = False,
                gather_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The math of :meth:`GroupedExperts.forward` with the weights passed in (``gate_up``
@@ -255,6 +258,8 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
                               token_index_R=gather_index, top_k=top_k, gate_up_bias=gate_up_bias,
                               down_bias=down_bias, scatter_index=scatter_index, row_weights=row_weights,
                               sum_slots=slot_sum is not None)
+    if callable(configs):
+        configs = configs()
     if backend == "triton":
         m_sizes_e = m_sizes_e.to(torch.int32)  # as the kernels take it: converted once, not per GEMM
     if gate_up is None:

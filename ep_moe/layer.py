@@ -324,9 +324,10 @@ class MoELayer(nn.Module):
         return router, capacity_keep_mask(router.topk_ids_TK, router.topk_scores_TK, num_experts=cfg.num_experts,
                                           capacity=capacity, drop_policy=cfg.drop_policy)
 
-    @torch.no_grad()
     def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor], with_autograd: bool,
                 bound_dropped: Optional[torch.Tensor] = None) -> None:
+        # no autograd here (integer counts, the counts detached): no no_grad context, whose
+        # entry and exit cost the host ~20 Python calls on every layer call
         if _in_backward():  # an activation checkpoint recomputing this forward: counted already
             return
         counts_E = router.counts_E  # int64: no gradient (a route_fn's may be another dtype)

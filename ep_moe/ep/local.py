@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -47,7 +48,8 @@ class LocalDispatcher(Dispatcher):
         """GEMM1 gathering the tokens, GEMM2 weighting the rows: [N, H] in slot order
         (dropless), else [R, H] in expert order."""
         meta = routed.meta
-        configs = experts.kernel_configs(routed.backend, meta.slot_index_R.shape[0], routed.x_TH)
+        # looked up only if the kernels run (a small eager call runs torch._grouped_mm instead)
+        configs = functools.partial(experts.kernel_configs, routed.backend, meta.slot_index_R.shape[0], routed.x_TH)
         if meta.dropless:
             return experts(routed.x_TH, meta.counts_E, gather_index=meta.token_index_R,
                            scatter_index=meta.slot_index_R, row_weights=routed.weights_N,
