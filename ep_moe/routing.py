@@ -74,8 +74,8 @@ class RoutingMetadata:
     top_k: int
     """K."""
     source_ends_ES: Optional[torch.Tensor] = None
-    """All-gather dispatch only (:func:`ep_moe.ep.all_gather.gathered_routing`): [e, P] int32 (local experts),
-    each expert's rows from the first w+1 source ranks in landing order."""
+    """The copy-engine all-gather only (:func:`ep_moe.ep.all_gather.gathered_routing`): [e, P] int32
+    (local experts), each expert's rows from the first w+1 source ranks in landing order."""
 
     @property
     def num_slots(self) -> int:

@@ -133,7 +133,8 @@ def row_bound(bound: Optional[float], num_tokens: int, top_k: int, ep_size: int,
 
 
 def gathered_routing(ids_GK: torch.Tensor, first_expert: int, num_local: int, max_rows: int,
-                     num_sources: int = 1, first_source: int = 0) -> tuple[RoutingMetadata, torch.Tensor]:
+                     num_sources: int = 1, first_source: int = 0,
+                     source_ends: bool = True) -> tuple[RoutingMetadata, torch.Tensor]:
     """Route the gathered tokens' slots (``ids_GK`` [P*T, K] global expert ids, -1 for a
     slot the capacity dropped) to experts ``first_expert ..`` + ``num_local`` in
     ``max_rows`` rows, without a host sync. Returns the routing (counts per local expert
@@ -145,7 +146,7 @@ def gathered_routing(ids_GK: torch.Tensor, first_expert: int, num_local: int, ma
     rows are sorted by source in landing order, ``first_source`` (this rank) first, then the
     next ranks, wrapping around, and ``source_ends_ES`` of the routing counts, per expert,
     its rows from the first w+1 sources in that order (what a GEMM reading the rows while
-    they land needs: :mod:`ep_moe.kernels.arrival`)."""
+    they land needs: :mod:`ep_moe.kernels.arrival`); None without ``source_ends``."""
     num_tokens, top_k = ids_GK.shape
     local_GK = ids_GK - first_expert
     mine_GK = (local_GK >= 0) & (local_GK < num_local) & (ids_GK >= 0)
@@ -160,18 +161,20 @@ def gathered_routing(ids_GK: torch.Tensor, first_expert: int, num_local: int, ma
     # rows of each (expert, source in landing order) pair; the bound drops each expert's last rows.
     # The sorted slots are in pair order already (by expert, then rotated slot: landing order),
     # the other ranks' slots last.
-    order_N = meta.slot_index_R
-    landing_N = (order_N // slots_per_source - first_source) % num_sources
-    pair_N = torch.where(mine_GK.flatten()[order_N], local_GK.flatten()[order_N] * num_sources + landing_N,
-                         num_local * num_sources)
-    per_pair = count_sorted(pair_N, num_local * num_sources).view(num_local, num_sources)
-    source_ends = torch.minimum(per_pair.cumsum(1), kept_counts[:, None]).to(torch.int32)
+    source_ends_ES = None
+    if source_ends:
+        order_N = meta.slot_index_R
+        landing_N = (order_N // slots_per_source - first_source) % num_sources
+        pair_N = torch.where(mine_GK.flatten()[order_N], local_GK.flatten()[order_N] * num_sources + landing_N,
+                             num_local * num_sources)
+        per_pair = count_sorted(pair_N, num_local * num_sources).view(num_local, num_sources)
+        source_ends_ES = torch.minimum(per_pair.cumsum(1), kept_counts[:, None]).to(torch.int32)
     slots = RoutingMetadata(
         counts_E=kept_counts,
         slot_index_R=meta.slot_index_R[:max_rows],
         token_index_R=token_index * counted,
         row_of_slot_N=meta.row_of_slot_N.masked_fill(meta.row_of_slot_N >= max_rows, -1),
-        num_tokens=num_tokens, top_k=top_k, source_ends_ES=source_ends)
+        num_tokens=num_tokens, top_k=top_k, source_ends_ES=source_ends_ES)
     return slots, ends[-1] - kept_ends[-1]
 
 
@@ -195,6 +198,11 @@ class AllGatherDispatcher(Dispatcher):
     """``dispatch="all_gather"`` on NCCL: every rank receives every token of the group, runs
     the slots that chose its experts, and the partial sums are reduce-scattered back; no
     host sync (module docstring). Every rank must pass the same number of tokens."""
+
+    COUNTS_BY_SOURCE = False
+    """Whether the routing counts each expert's rows per source rank (``source_ends_ES``):
+    GEMMs that read rows while they land, or send sums source by source, need them (the copy
+    engines'); NCCL's all-gather hands every row over at once."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -229,7 +237,8 @@ class AllGatherDispatcher(Dispatcher):
         max_rows = row_bound(cfg.all_gather_row_bound, num_tokens, top_k, self.size, self.num_local)
         local, num_dropped = gathered_routing(packed_GK[:, :top_k].contiguous().view(torch.int32),
                                               self.rank * self.num_local, self.num_local, max_rows,
-                                              num_sources=self.size, first_source=self.rank)
+                                              num_sources=self.size, first_source=self.rank,
+                                              source_ends=self.COUNTS_BY_SOURCE)
         return GatheredTokens(backend, x_TH, weights_TK, exchange, rows_in, local,
                               packed_GK[:, top_k:].to(weights_TK.dtype), num_dropped)
 

@@ -89,6 +89,12 @@ def test_gathered_routing_puts_each_experts_rows_in_landing_order(first_source, 
         start += n
     assert torch.equal(slots.source_ends_ES, torch.stack(ends).to(torch.int32))
     assert torch.equal(slots.source_ends_ES[:, -1], slots.counts_E.to(torch.int32))
+    # without the per-source counts (NCCL's all-gather): the same routing, rows and drops
+    bare, bare_dropped = gathered_routing(ids, first, num_local, max_rows, num_sources=sources,
+                                          first_source=first_source, source_ends=False)
+    assert bare.source_ends_ES is None and int(bare_dropped) == int(dropped)
+    for field in ("counts_E", "slot_index_R", "token_index_R", "row_of_slot_N"):
+        assert torch.equal(getattr(bare, field), getattr(slots, field)), field
 
 
 def _exchange_worker(rank: int, world_size: int) -> dict:

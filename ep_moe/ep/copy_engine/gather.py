@@ -168,6 +168,8 @@ class AllGatherCopyEngineDispatcher(AllGatherDispatcher):
     with :class:`CopyEngineGather` as the exchange. Only the Triton GEMMs wait for rows that
     land source by source: with the torch backend the rows are handed over whole."""
 
+    COUNTS_BY_SOURCE = True
+
     def exchange(self, x_TH: torch.Tensor, backend: str) -> CopyEngineGather:
         """The copy engines' exchange of one call (raises where they cannot run)."""
         supported, reason = copy_engine_supported(self.group)  # collective on first use
