@@ -148,14 +148,14 @@ def gathered_routing(ids_GK: torch.Tensor, first_expert: int, num_local: int, ma
     its rows from the first w+1 sources in that order (what a GEMM reading the rows while
     they land needs: :mod:`ep_moe.kernels.arrival`); None without ``source_ends``."""
     num_tokens, top_k = ids_GK.shape
-    local_GK = ids_GK - first_expert
-    mine_GK = (local_GK >= 0) & (local_GK < num_local) & (ids_GK >= 0)
+    offset_GK = ids_GK - first_expert  # a dropped slot (-1) is below 0 too
+    local_GK = offset_GK.clamp(0, num_local - 1)
+    mine_GK = local_GK == offset_GK
     slots_per_source = num_tokens // num_sources * top_k
-    local_GK = local_GK.clamp(0, num_local - 1)
     meta = sort_slots(local_GK, num_local, mine_GK, first_slot=first_source * slots_per_source)
     ends = torch.cumsum(meta.counts_E, 0)
     kept_ends = ends.clamp(max=max_rows)
-    kept_counts = torch.diff(kept_ends, prepend=kept_ends.new_zeros(1))
+    kept_counts = kept_ends - (ends - meta.counts_E).clamp(max=max_rows)
     token_index = meta.token_index_R[:max_rows]
     counted = torch.arange(token_index.shape[0], device=ids_GK.device) < kept_ends[-1]
     # rows of each (expert, source in landing order) pair; the bound drops each expert's last rows.
@@ -173,7 +173,8 @@ def gathered_routing(ids_GK: torch.Tensor, first_expert: int, num_local: int, ma
         counts_E=kept_counts,
         slot_index_R=meta.slot_index_R[:max_rows],
         token_index_R=token_index * counted,
-        row_of_slot_N=meta.row_of_slot_N.masked_fill(meta.row_of_slot_N >= max_rows, -1),
+        row_of_slot_N=(meta.row_of_slot_N if max_rows >= num_tokens * top_k  # no row past the bound
+                       else meta.row_of_slot_N.masked_fill(meta.row_of_slot_N >= max_rows, -1)),
         num_tokens=num_tokens, top_k=top_k, source_ends_ES=source_ends_ES)
     return slots, ends[-1] - kept_ends[-1]
 
