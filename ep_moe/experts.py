@@ -251,13 +251,13 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     slot_index_R = None if gather_index is None else gather_slots if slot_sum is None else slot_sum.slot_index_R
     num_rows = x.shape[0] if gather_index is None else gather_index.shape[0]
     weights = (down,) if gate_up is None else (gate_up, down)
-    if backend == "triton" and use_grouped_mm(x, weights, num_rows, slot_index_R, bounded_rows):
+    if backend == "triton" and use_grouped_mm(x, weights, num_rows, slot_index_R):
         top_k = num_rows // x.shape[0] if slot_sum is None else slot_sum.top_k  # dropless at EP=1: R = T * K
         activation_fn = functools.partial(activate, activation=activation, backend="torch")
         return grouped_mm_mlp(x, gate_up, down, m_sizes_e, activation_fn, slot_index_R=slot_index_R,
                               token_index_R=gather_index, top_k=top_k, gate_up_bias=gate_up_bias,
                               down_bias=down_bias, scatter_index=scatter_index, row_weights=row_weights,
-                              sum_slots=slot_sum is not None)
+                              sum_slots=slot_sum is not None, bounded_rows=bounded_rows)
     if callable(configs):
         configs = configs()
     if backend == "triton":

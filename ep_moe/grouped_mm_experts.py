@@ -14,6 +14,11 @@ atomics in the backward: each row reads its token through the token's slot (the 
 sums each token's K slot gradients in a reduction), a bias comes through a one-hot matmul
 (whose backward sums each expert's rows), and the outputs are placed by index copies.
 
+Bounded rows (the all-gather dispatches: the buffers sized for a bound known on the host,
+the counts on the device) are zeroed past the count and handed to the last expert, so that
+every row the GEMMs and their backward touch is defined: a zero row adds nothing to any
+output, weight gradient or token gradient, and needs no host sync to leave out.
+
 Shape suffixes follow the legend in :mod:`ep_moe.routing`.
 """
 
@@ -54,13 +59,13 @@ def _grouped_mm_works(device: torch.device) -> bool:
 
 
 def use_grouped_mm(x: torch.Tensor, weights: tuple[torch.Tensor, ...], num_rows: int,
-                   slot_index_R: Optional[torch.Tensor], bounded_rows: bool) -> bool:
+                   slot_index_R: Optional[torch.Tensor]) -> bool:
     """Whether :func:`ep_moe.experts.expert_mlp` runs this call through
     :func:`grouped_mm_mlp`: an eager (not compiled, not graph-captured) bf16 CUDA call of 1
-    to :data:`GROUPED_MM_MAX_ROWS` routed rows, each with its slot (dropless at EP=1, any
-    all-to-all), all of them counted (not ``bounded_rows``), on rows that have landed, with
-    contiguous weights of 16-byte rows (``torch._grouped_mm``'s alignment)."""
-    if not (0 < num_rows <= GROUPED_MM_MAX_ROWS and slot_index_R is not None and not bounded_rows):
+    to :data:`GROUPED_MM_MAX_ROWS` routed rows (or a bound of them: all are computed), each
+    with its slot (dropless at EP=1, any all-to-all or all-gather), on rows that have landed,
+    with contiguous weights of 16-byte rows (``torch._grouped_mm``'s alignment)."""
+    if not (0 < num_rows <= GROUPED_MM_MAX_ROWS and slot_index_R is not None):
         return False
     if torch.compiler.is_compiling() or arrival_of(x) is not None:
         return False
@@ -75,13 +80,14 @@ def _eager_bf16_where_it_runs(x: torch.Tensor) -> bool:
             and _grouped_mm_works(x.device))
 
 
-def _expert_one_hot(m_sizes_e: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """[R, e] one-hot of each routed row's expert: ``one_hot @ bias_e`` gives each row its
-    expert's bias, and its backward sums each expert's rows in a matmul (fp32 accumulation,
+def _expert_one_hot(offsets_e: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """[R, e] one-hot of each routed row's expert (``offsets_e``: each expert's end row; rows
+    past the last are nobody's: zero rows): ``one_hot @ bias_e`` gives each row its expert's
+    bias, and its backward sums each expert's rows in a matmul (fp32 accumulation,
     deterministic), where a gather's backward would add them with atomics."""
-    experts_e = torch.arange(m_sizes_e.shape[0], device=m_sizes_e.device)
-    expert_R = torch.repeat_interleave(experts_e, m_sizes_e, output_size=num_rows)
-    return (expert_R.unsqueeze(1) == experts_e).to(dtype)
+    rows_R = torch.arange(num_rows, device=offsets_e.device, dtype=offsets_e.dtype)
+    expert_R = torch.searchsorted(offsets_e, rows_R, right=True)
+    return (expert_R.unsqueeze(1) == torch.arange(offsets_e.shape[0], device=offsets_e.device)).to(dtype)
 
 
 def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Tensor, m_sizes_e: torch.Tensor,
@@ -89,7 +95,7 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
                    token_index_R: torch.Tensor, top_k: int,
                    gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None,
                    scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
-                   sum_slots: bool = False) -> torch.Tensor:
+                   sum_slots: bool = False, bounded_rows: bool = False) -> torch.Tensor:
     """The expert MLP of :func:`ep_moe.experts.expert_mlp` as torch ops: routed row r
     (expert order, ``m_sizes_e`` rows per expert) reads ``x[token_index_R[r]]``, which is
     ``slot_index_R[r] // top_k``;
@@ -97,24 +103,34 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
     (``down`` [e, H, I]), each with its bias per expert, then times ``row_weights`` (in
     fp32; indexed by output row as in :func:`~ep_moe.kernels.ops.grouped_gemm`).
 
+    ``bounded_rows``: the rows are a bound, ``m_sizes_e`` counts fewer; the rows past the
+    count (distinct slots, as a permutation's tail is) come out zero (module docstring).
+    ``activation_fn`` must map zero to zero (every activation of :mod:`ep_moe.config` does).
+
     Returns the rows in expert order [R, H]; placed at ``scatter_index`` (a permutation);
     or with ``sum_slots`` each row of x's K slots summed (fp32), [rows of x, H]."""
     num_rows, top_k_rows = slot_index_R.shape[0], x.shape[0] * top_k
     offsets_e = torch.cumsum(m_sizes_e, 0, dtype=torch.int32)
     one_hot_Re = None
     if gate_up_bias is not None or down_bias is not None:
-        one_hot_Re = _expert_one_hot(m_sizes_e, num_rows, x.dtype)
+        one_hot_Re = _expert_one_hot(offsets_e, num_rows, x.dtype)
     if torch.is_grad_enabled() and x.requires_grad:
         # each slot's copy of its row, then the routed slots: the backward sums the K copies
         rows_RH = x.unsqueeze(1).expand(-1, top_k, -1).reshape(top_k_rows, -1).index_select(0, slot_index_R)
     else:
         rows_RH = x.index_select(0, token_index_R)
+    gemm_offsets_e = offsets_e
+    if bounded_rows:
+        counted_R = torch.arange(num_rows, device=x.device, dtype=offsets_e.dtype) < offsets_e[-1]
+        rows_RH = torch.where(counted_R.unsqueeze(1), rows_RH, 0.0)
+        # the zero rows: the last expert's, adding nothing (not by item assignment: a host sync)
+        gemm_offsets_e = torch.cat((offsets_e[:-1], offsets_e.new_full((1,), num_rows)))
     if gate_up is not None:
-        h_RF = torch._grouped_mm(rows_RH, gate_up.transpose(-2, -1), offs=offsets_e)
+        h_RF = torch._grouped_mm(rows_RH, gate_up.transpose(-2, -1), offs=gemm_offsets_e)
         if gate_up_bias is not None:
             h_RF = h_RF + one_hot_Re @ gate_up_bias
         rows_RH = activation_fn(h_RF)
-    y_RH = torch._grouped_mm(rows_RH, down.transpose(-2, -1), offs=offsets_e)
+    y_RH = torch._grouped_mm(rows_RH, down.transpose(-2, -1), offs=gemm_offsets_e)
     if down_bias is not None:
         y_RH = y_RH + one_hot_Re @ down_bias
     if scatter_index is not None:  # placed first: the row weights are indexed by output row

@@ -53,18 +53,23 @@ VARIANTS = {  # (activation, two Linears, biases)
 }
 
 
-@pytest.mark.parametrize("placement", ["scatter", "sum_slots", "expert_order"])
+@pytest.mark.parametrize("placement", ["scatter", "sum_slots", "sum_slots_bounded", "expert_order"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", list(ROUTINGS))
 def test_matches_float64_rows(case, variant, placement):
     tokens, top_k, num_experts, popularity = ROUTINGS[case]
     activation, two_linears, biases = VARIANTS[variant]
     slot_index_R, m_sizes = routing(tokens, top_k, num_experts, popularity)
-    if placement == "sum_slots":  # as at EP>1: this rank has the first experts only; other slots go elsewhere
+    if placement.startswith("sum_slots"):  # as at EP>1: this rank has the first experts only
         local = num_experts - 1
-        slot_index_R, m_sizes = slot_index_R[:int(m_sizes[:local].sum())], m_sizes[:local]
-        num_experts = local
+        counted = int(m_sizes[:local].sum())
+        m_sizes, num_experts = m_sizes[:local], local
+        # the all-to-all receives this rank's slots; the all-gathers' rows are a bound, every
+        # slot here, whose tail (other ranks' slots) reads token 0
+        slot_index_R = slot_index_R if placement == "sum_slots_bounded" else slot_index_R[:counted]
+    bounded = placement == "sum_slots_bounded"
     num_rows = slot_index_R.shape[0]
+    counted = int(m_sizes.sum())
     fan_in = 2 * I if activation == "swiglu" else I
     g = torch.Generator().manual_seed(1)
 
@@ -80,12 +85,14 @@ def test_matches_float64_rows(case, variant, placement):
     row_weights = torch.rand(tokens * top_k if placement == "scatter" else num_rows, generator=g).requires_grad_()
     leaves = [t for t in (x, gate_up, down, gate_up_bias, down_bias, row_weights) if t is not None]
 
+    token_index_R = (slot_index_R // top_k) * (torch.arange(num_rows) < counted)
+
     def run():
         return small.grouped_mm_mlp(
             x, gate_up, down, m_sizes, lambda h: activate(h, activation, "torch"), slot_index_R=slot_index_R,
-            token_index_R=slot_index_R // top_k, top_k=top_k, gate_up_bias=gate_up_bias, down_bias=down_bias,
+            token_index_R=token_index_R, top_k=top_k, gate_up_bias=gate_up_bias, down_bias=down_bias,
             row_weights=row_weights, scatter_index=slot_index_R if placement == "scatter" else None,
-            sum_slots=placement == "sum_slots")
+            sum_slots=placement.startswith("sum_slots"), bounded_rows=bounded)
 
     got = run()
     with torch.no_grad():  # gathers the tokens directly (no slot copies): the same values
@@ -95,13 +102,13 @@ def test_matches_float64_rows(case, variant, placement):
     named = dict(zip([n for n, t in zip(("x", "gate_up", "down", "gate_up_bias", "down_bias", "row_weights"),
                                         (x, gate_up, down, gate_up_bias, down_bias, row_weights)) if t is not None],
                      leaves64))
-    weights_R = named["row_weights"][slot_index_R] if placement == "scatter" else named["row_weights"]
-    rows = reference(named["x"], named.get("gate_up"), named["down"], activation, slot_index_R, m_sizes, top_k,
-                     named.get("gate_up_bias"), named.get("down_bias"), weights_R)
+    weights_R = named["row_weights"][slot_index_R] if placement == "scatter" else named["row_weights"][:counted]
+    rows = reference(named["x"], named.get("gate_up"), named["down"], activation, slot_index_R[:counted], m_sizes,
+                     top_k, named.get("gate_up_bias"), named.get("down_bias"), weights_R)
     if placement == "scatter":
         want = torch.zeros(tokens * top_k, H, dtype=torch.float64).index_copy(0, slot_index_R, rows)
-    elif placement == "sum_slots":
-        want = torch.zeros(tokens, H, dtype=torch.float64).index_add(0, slot_index_R // top_k, rows)
+    elif placement.startswith("sum_slots"):
+        want = torch.zeros(tokens, H, dtype=torch.float64).index_add(0, slot_index_R[:counted] // top_k, rows)
     else:
         want = rows
     assert got.shape == want.shape and got.dtype == x.dtype
@@ -122,12 +129,12 @@ def test_the_layer_uses_it_only_where_it_applies(monkeypatch):
     """On the CPU the predicate says no (CUDA only); with it forced, the EP=1 layer takes the
     path for dropless routing (and matches the float64 loop) but not for dropping routing,
     whose rows have no slot permutation."""
-    assert not small.use_grouped_mm(torch.randn(4, 8), (torch.randn(2, 8, 8),), 8, torch.arange(8), False)
+    assert not small.use_grouped_mm(torch.randn(4, 8), (torch.randn(2, 8, 8),), 8, torch.arange(8))
     taken = []
 
-    def forced(x, weights, num_rows, slot_index_R, bounded_rows):
+    def forced(x, weights, num_rows, slot_index_R):
         taken.append(slot_index_R is not None)
-        return slot_index_R is not None and not bounded_rows
+        return slot_index_R is not None
 
     monkeypatch.setattr(experts_mod, "use_grouped_mm", forced)
     monkeypatch.setattr(experts_mod, "_kernel_configs", lambda problem, num_rows, device: None)
@@ -146,16 +153,15 @@ def test_the_layer_uses_it_only_where_it_applies(monkeypatch):
 
 def test_the_path_takes_only_what_grouped_mm_can_run(monkeypatch):
     """With the device test passed (as on a Hopper GPU), the predicate still refuses: more rows
-    than the bound, rows without slots, bounded rows, misaligned or non-contiguous weights."""
+    than the bound, rows without slots, misaligned or non-contiguous weights."""
     monkeypatch.setattr(small, "_eager_bf16_where_it_runs", lambda x: True)
     x, w, slots = torch.randn(4, 16), torch.randn(2, 24, 16), torch.arange(8)
-    assert small.use_grouped_mm(x, (w,), 8, slots, False)
-    assert not small.use_grouped_mm(x, (w,), small.GROUPED_MM_MAX_ROWS + 1, slots, False)
-    assert not small.use_grouped_mm(x, (w,), 0, slots, False)
-    assert not small.use_grouped_mm(x, (w,), 8, None, False)
-    assert not small.use_grouped_mm(x, (w,), 8, slots, True)
-    assert not small.use_grouped_mm(x, (torch.randn(2, 20, 16),), 8, slots, False)  # 20 * 2 bytes: misaligned
-    assert not small.use_grouped_mm(x, (w.transpose(1, 2).contiguous().transpose(1, 2),), 8, slots, False)
+    assert small.use_grouped_mm(x, (w,), 8, slots)
+    assert not small.use_grouped_mm(x, (w,), small.GROUPED_MM_MAX_ROWS + 1, slots)
+    assert not small.use_grouped_mm(x, (w,), 0, slots)
+    assert not small.use_grouped_mm(x, (w,), 8, None)
+    assert not small.use_grouped_mm(x, (torch.randn(2, 20, 16),), 8, slots)  # 20 * 2 bytes: misaligned
+    assert not small.use_grouped_mm(x, (w.transpose(1, 2).contiguous().transpose(1, 2),), 8, slots)
 
 
 def test_threshold_and_probe():

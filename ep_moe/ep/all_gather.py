@@ -247,8 +247,9 @@ class AllGatherDispatcher(Dispatcher):
     def experts(self, routed: GatheredTokens, experts: "GroupedExperts") -> torch.Tensor:
         """The experts on the gathered slots (GEMM2 sums each token's local slots) and the
         partial sums reduce-scattered back, through the expert pipeline: [T, H]."""
-        # configs for the rows a rank computes on average (what tuning targets), not the bound
-        configs = experts.kernel_configs(routed.backend, routed.weights_TK.numel(), routed.x_TH)
+        # configs for the rows a rank computes on average (what tuning targets), not the bound;
+        # looked up only if the kernels run (a small eager call runs torch._grouped_mm instead)
+        configs = functools.partial(experts.kernel_configs, routed.backend, routed.weights_TK.numel(), routed.x_TH)
         expert_fn = functools.partial(experts.on_routed_rows, backend=routed.backend, configs=configs,
                                       bounded_rows=True)
         return expert_pipeline(expert_fn, routed.local, routed.exchange, experts.expert_tensors(), routed.x_TH,

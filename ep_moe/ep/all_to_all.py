@@ -305,7 +305,9 @@ class AllToAllDispatcher(Dispatcher):
         recv_ids_SK, recv_weights_SK = routed.ids_in.wait()  # local expert ids, -1 for slots sent elsewhere
         local = build_routing_metadata(recv_ids_SK.clamp(min=0), self.num_local, recv_ids_SK >= 0,
                                        num_kept=routed.num_kept)
-        configs = experts.kernel_configs(routed.backend, local.slot_index_R.shape[0], routed.send_rows)
+        # looked up only if the kernels run (a small eager call runs torch._grouped_mm instead)
+        configs = functools.partial(experts.kernel_configs, routed.backend, local.slot_index_R.shape[0],
+                                    routed.send_rows)
         expert_fn = functools.partial(experts.on_routed_rows, backend=routed.backend, configs=configs)
         return expert_pipeline(expert_fn, local, routed.exchange, experts.expert_tensors(), routed.send_rows,
                                routed.send_weights, recv_weights_SK, routed.rows_in)

@@ -456,6 +456,59 @@ def test_ep_code_path_without_group_matches_ep1_path(kwargs):
 
 
 # ---------------------------------------------------------------------------------------
+# The small-call path (torch._grouped_mm, ep_moe.grouped_mm_experts) on the EP path: it takes
+# CUDA bf16 calls only, so here it is forced. The all-to-all's receiver has its slots counted;
+# the all-gather's rows are a bound, zeroed past the count.
+
+SMALL_PATH_SCENARIOS = ("triton_top2", "empty_rank_triton", "all_gather_top3", "skewed_all_gather",
+                        "all_gather_capacity_shared_triton", "all_gather_bound_untripped",
+                        "sigmoid_gelu_bias_shared")
+
+
+def _small_path_worker(rank, world_size):
+    import ep_moe.experts as experts_mod
+
+    taken = []
+
+    def forced(x, weights, num_rows, slot_index_R):
+        taken.append(num_rows)
+        return slot_index_R is not None
+
+    experts_mod.use_grouped_mm = forced
+    results = {}
+    for name in SMALL_PATH_SCENARIOS:
+        kwargs, state, inputs, grads = _scenario(name, world_size)
+        layer = MoELayer(_config(**{**kwargs, "backend": "triton"}), dist.group.WORLD)
+        layer.load_state_dict(state)
+        taken.clear()
+        results[name] = dict(run=_run_layer(layer, inputs[rank], grads[rank]), grads=_param_grads(layer),
+                             rows=list(taken), dispatch=layer.dispatch)
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_small_call_path_on_the_ep_path_matches_ep1(world_size):
+    results = run_distributed(_small_path_worker, world_size)
+    for name in SMALL_PATH_SCENARIOS:
+        ref_runs, ref_grads = _ep1_reference(name, world_size)
+        summed = {}
+        for rank, (res, ref) in enumerate(zip(results, ref_runs)):
+            run = res[name]["run"]
+            if res[name]["dispatch"] == "all_gather":  # the bound: every gathered slot that can pick this rank
+                tokens = ref["y"].numel() // H
+                assert res[name]["rows"] and res[name]["rows"][0] >= world_size * tokens, (name, res[name]["rows"])
+            for key in ("y", "dx", "aux", "z"):
+                _close(run[key], ref[key])
+            assert run["counts"].tolist() == ref["counts"].tolist()
+            for key, grad in res[name]["grads"].items():
+                summed[key] = summed.get(key, 0) + grad
+        assert summed.keys() == ref_grads.keys()
+        for key, grad in ref_grads.items():
+            _close(summed[key], grad)
+
+
+# ---------------------------------------------------------------------------------------
 # EP x EDP layout, the expert bias under DDP, one config across the EP group.
 
 def test_ep_layout_expert_then_data():

@@ -1,6 +1,7 @@
-"""The small-call path on one GPU in bfloat16: eager calls of few routed rows run the experts
-through torch._grouped_mm (:mod:`ep_moe.grouped_mm_experts`), and must match the Triton
-kernels, which run everything else: more rows, torch.compile, CUDA graph capture."""
+"""The small-call path in bfloat16: eager calls of few routed rows run the experts through
+torch._grouped_mm (:mod:`ep_moe.grouped_mm_experts`), and must match the Triton kernels, which
+run everything else: more rows, torch.compile, CUDA graph capture. On one GPU, and over NCCL
+at EP = every GPU (up to 4; the all-gather's bounded rows, the all-to-all's received rows)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from ep_moe import MoEConfig, MoELayer, grouped_mm_experts
+from dist_utils import run_distributed
 from ep_moe.ep.all_to_all import AllToAllDispatcher
 from tolerance import rel_err, within
 
@@ -116,3 +118,86 @@ def test_compile_capture_and_large_calls_run_the_kernels(taken):
     for i, (got, want) in enumerate(zip(replayed, eager)):
         err = rel_err(got, want)
         assert within(err, MAX_REL_ERR, f"graphed {i}", __name__), f"graphed {i}: {err:.2e}"
+
+
+def _ep_worker(rank: int, world_size: int) -> dict:
+    """Each dispatch at EP=world_size over NCCL: a small call on the small-call path (the
+    all-gather's bounded rows, the all-to-all's received rows), then the same call on the
+    kernels; this rank's output, input gradient and parameter gradients, relative errors."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import ep_moe.experts as experts_mod
+
+    torch.cuda.set_device(rank)
+    group = dist.new_group(list(range(world_size)), backend="nccl", timeout=datetime.timedelta(seconds=300))
+    bounded = []
+    original = grouped_mm_experts.grouped_mm_mlp
+
+    def counting(*args, **kwargs):
+        bounded.append(kwargs["bounded_rows"])
+        return original(*args, **kwargs)
+
+    experts_mod.grouped_mm_mlp = counting
+    errors = {}
+    for dispatch in ("all_gather", "all_to_all"):
+        for variant, overrides in (("top2", dict()), ("geglu_bias", dict(activation="geglu", mlp_bias=True))):
+            for params in ("bf16", "fp32_autocast"):
+                dtype = torch.bfloat16 if params == "bf16" else torch.float32
+                torch.manual_seed(0)
+                config = MoEConfig(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2, init_std=0.05,
+                                   backend="triton", dispatch=dispatch, **overrides)
+                layer = MoELayer(config, group, device="cuda", dtype=dtype)
+                with torch.no_grad():
+                    for name in layer.experts.tensor_names():
+                        if name.endswith("bias"):
+                            layer.experts.tensor(name).normal_(0.0, 0.5)
+                for tokens in (1, 37):
+                    gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+                    x = torch.randn(tokens, 360, device="cuda", dtype=dtype, generator=gen)
+                    dy = torch.randn(tokens, 360, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    bounded.clear()
+                    grouped_mm_experts.GROUPED_MM_MAX_ROWS = 4096
+                    small = _run(layer, x, dy, params != "bf16")
+                    taken = list(bounded)
+                    grouped_mm_experts.GROUPED_MM_MAX_ROWS = 0
+                    kernels = _run(layer, x, dy, params != "bf16")
+                    key = f"{dispatch}-{variant}-{params}-{tokens}"
+                    errors[key] = dict(taken=taken, errs=[rel_err(a, b) for a, b in zip(small, kernels)],
+                                       dtypes_match=all(a.dtype == b.dtype for a, b in zip(small, kernels)))
+                if dispatch == "all_gather":  # its small calls keep the all-gather free of host syncs
+                    grouped_mm_experts.GROUPED_MM_MAX_ROWS = 4096
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        _run(layer, x, dy, params != "bf16")
+                        errors[f"sync-{variant}-{params}"] = None
+                    except RuntimeError as error:
+                        errors[f"sync-{variant}-{params}"] = str(error)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+    return errors
+
+
+@pytest.mark.distributed
+def test_small_calls_on_the_ep_path_match_the_kernels_over_nccl():
+    """The all-gather's bounded rows (zeroed past the count on the small-call path) and the
+    all-to-all's received rows, at EP = every GPU (up to 4): the small call's output and every
+    gradient against the kernels', bf16 parameters and fp32 ones under autocast; the
+    all-gather's small call without a host sync (``set_sync_debug_mode("error")``)."""
+    num_gpus = torch.cuda.device_count()
+    if num_gpus < 2:
+        pytest.skip(f"needs 2 or more GPUs, found {num_gpus}")
+    for rank, errors in enumerate(run_distributed(_ep_worker, min(num_gpus, 4), timeout_s=300)):
+        for key in [key for key in errors if key.startswith("sync-")]:
+            assert errors.pop(key) is None, f"rank {rank} {key}: the all-gather's small call synced with the host"
+        for key, res in errors.items():
+            want = [True] if key.startswith("all_gather") else [False]
+            nothing_received = key.startswith("all_to_all") and key.endswith("-1") and res["taken"] == []
+            assert res["taken"] == want or nothing_received, \
+                f"rank {rank} {key}: small-call path taken as {res['taken']}, not {want}"
+            assert res["dtypes_match"], f"rank {rank} {key}"
+            for i, err in enumerate(res["errs"]):
+                what = f"rank {rank} {key} " + (["output", "dx"][i] if i < 2 else f"grad {i - 2}")
+                assert within(err, MAX_REL_ERR, what, __name__), f"{what}: relative error {err:.2e}"
