@@ -98,11 +98,11 @@ class MoEConfig:
     dispatch: Dispatch = "auto"
     """EP>1: how tokens reach the experts and come back (:mod:`ep_moe.ep`).
 
-    - ``"auto"``: ``"all_gather"`` on an NCCL group when ``ep_size <= top_k`` and the
-      all-gather's worst case is at most :data:`ep_moe.ep.AUTO_GATHER_MAX_WORST` (4) times the average
-      routed rows per rank (``ep_size * min(top_k, E/ep_size) / top_k``), else
-      ``"all_to_all"``: the all-gather then moves about as many bytes as the all-to-all,
-      never syncs with the host and can be captured in CUDA graphs, which is what made
+    - ``"auto"``: ``"all_gather"`` on an NCCL group when ``ep_size <= 2 * top_k``
+      (:data:`ep_moe.ep.AUTO_GATHER_RANKS_PER_CHOICE`) and the all-gather's worst case is
+      at most :data:`ep_moe.ep.AUTO_GATHER_MAX_WORST` (4) times the average routed rows per
+      rank (``ep_size * min(top_k, E/ep_size) / top_k``), else ``"all_to_all"``: the
+      all-gather then sends at most about twice the all-to-all's bytes, never syncs with the host and can be captured in CUDA graphs, which is what made
       expert parallelism as fast per GPU as one GPU in the trainer. It needs the same token
       count on every rank (a fixed micro-batch); with uneven counts use ``"all_to_all"``.
       :func:`ep_moe.ep.resolve_dispatch` tells what it picks (``MoELayer.dispatch``).

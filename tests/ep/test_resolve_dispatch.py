@@ -1,7 +1,7 @@
 """``MoEConfig.dispatch="auto"``: which dispatch :func:`ep_moe.ep.resolve_dispatch` picks.
 
-The all-gather on NCCL groups where it moves about what the all-to-all would (``ep_size <=
-top_k``) and its worst-case buffers stay within ``AUTO_GATHER_MAX_WORST`` times the average
+The all-gather on NCCL groups where it sends at most about twice what the all-to-all may
+(``ep_size <= 2 * top_k``) and its worst-case buffers stay within ``AUTO_GATHER_MAX_WORST`` times the average
 rows; the all-to-all everywhere else (gloo, larger EP). The group's backend is faked: the
 rule reads only its name.
 """
@@ -30,11 +30,15 @@ def backend(monkeypatch):
     (32, 4, 2, "all_gather"),    # gpu.toml at EP=2: worst case 2x the average rows
     (32, 4, 4, "all_gather"),    # EP=4: worst case 4x
     (128, 8, 4, "all_gather"),   # qwen3-shaped at EP=4
-    (32, 4, 8, "all_to_all"),    # more ranks than top_k: the all-gather would move more
-    (64, 8, 8, "all_to_all"),    # worst case 8x the average rows
+    (32, 4, 8, "all_to_all"),    # worst case 8x the average rows
+    (64, 8, 8, "all_to_all"),    # worst case 8x
     (16, 8, 8, "all_gather"),    # 2 experts a rank: worst case 2x
     (8, 2, 2, "all_gather"),
-    (8, 1, 2, "all_to_all"),     # top-1
+    (8, 2, 4, "all_gather"),     # mixtral-shaped at EP=4: 2 ranks a token at most, of 4
+    (16, 2, 4, "all_gather"),    # the DeepSpeed drop-in's GPU bench
+    (64, 2, 8, "all_to_all"),    # more than twice top_k ranks: the all-gather would send more
+    (8, 1, 2, "all_gather"),     # top-1 at EP=2
+    (8, 1, 4, "all_to_all"),     # top-1 at EP=4
 ])
 def test_auto_on_nccl(backend, experts, top_k, size, want):
     assert ep.resolve_dispatch(_config(num_experts=experts, top_k=top_k), object(), size) == want
