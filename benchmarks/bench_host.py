@@ -42,13 +42,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from baselines import PlainEPMoE  # noqa: E402
-from common import SHAPES, MoEShape, environment, save_results  # noqa: E402
+from common import SHAPES, TINY, MoEShape, environment, save_results  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
 from ep_moe.grouped_mm_experts import GROUPED_MM_MAX_ROWS  # noqa: E402
 
 TOKENS = (1, 4, 16, 64, 256)
-TINY = MoEShape("tiny", 8, 64, 128, 2)
 BUSY_CALLS = 8
 """Calls per round while the GPU sleeps (the host-time measure)."""
 

@@ -37,6 +37,10 @@ SHAPES = {
 }
 
 
+TINY = MoEShape("tiny", 8, 64, 128, 2)
+"""The CPU smoke runs' shape (``--shape tiny``)."""
+
+
 def random_routing(num_tokens: int, num_experts: int, top_k: int, device, generator=None):
     """Uniform top-k routing: (m_sizes int32 [E], gather int32 [T*k] token of each sorted
     slot, scatter int32 [T*k] token-slot position of each sorted slot)."""

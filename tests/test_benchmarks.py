@@ -79,3 +79,19 @@ def test_bench_host_smoke_run(tmp_path):
     assert sorted({r["tokens"] for r in rows}) == [1, 4, 16, 64, 256]
     assert all(r["wall_us"] > 0 and r["host_us"] is None and not r["syncs"] for r in rows)
     assert all(len(r["wall_rounds_us"]) == 2 and r["host_rounds_us"] == [] for r in rows)
+
+
+def test_bench_bounded_rows_runs_both_paths_and_they_agree(tmp_path):
+    """The all-gather's expert step on the kernels (interpreter) and on the small-call path:
+    the same output, every path and round timed."""
+    out = tmp_path / "bounded.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_bounded_rows.py"), "--device", "cpu", "--shape", "tiny",
+           "--tokens", "4,9", "--rounds", "2", "--calls", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [row["tokens_per_rank"] for row in rows] == [4, 9]
+    for row in rows:
+        assert row["rel_err"] < 1e-5 and row["counted_rows"] < row["bound_rows"] == 4 * row["tokens_per_rank"] * 2
+        assert all(len(times) == 2 and min(times) > 0 for times in row["rounds_us"].values())
