@@ -34,16 +34,21 @@ def test_errors_name_the_rank(skip_teardown):
         run_distributed(_sum_worker, 2, 1, skip_teardown=skip_teardown, timeout_s=20)
 
 
-def _dying_worker(rank, world_size):
-    if rank == 1:
+def _dying_worker(rank, world_size, rank0_done):
+    if rank == 1:  # after rank 0 has returned (and saved its result), so that the report lists it
+        deadline = time.monotonic() + 15
+        while not os.path.exists(rank0_done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
         os._exit(3)  # as a C++ abort would: no Python traceback, no result
+    open(rank0_done, "w").close()
     return rank
 
 
 @pytest.mark.distributed
-def test_a_process_dying_outside_python_is_reported():
+def test_a_process_dying_outside_python_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match=r"(?s)exit code 3.*returned: \[0\]\).*none: a process died outside Python"):
-        run_distributed(_dying_worker, 2, timeout_s=20)
+        run_distributed(_dying_worker, 2, str(tmp_path / "rank0_done"), timeout_s=20)
 
 
 # --- deadline_s: a run that hangs is stopped, whatever its ranks wait on ---------------------
