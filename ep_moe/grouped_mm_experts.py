@@ -6,7 +6,7 @@ launcher, one cost per argument), and a torch op about 10 (H200 host), so the ex
 as torch ops (:func:`grouped_mm_mlp`: two ``torch._grouped_mm`` and a few index ops, with
 their autograd backward) finishes sooner than the fused kernels' 3 launches forward and 7
 backward. :func:`use_grouped_mm` picks it for calls of at most :data:`GROUPED_MM_MAX_ROWS`
-routed rows, in eager mode only: a CUDA graph replays launches for free and
+routed rows (twice as many where autograd records the call), in eager mode only: a CUDA graph replays launches for free and
 ``torch.compile`` captures them, and there the fused kernels are faster.
 
 The math is :func:`ep_moe.experts.expert_mlp`'s, deterministic as its kernels are, with no
@@ -31,10 +31,12 @@ import torch
 from ep_moe.kernels.arrival import arrival_of
 
 GROUPED_MM_MAX_ROWS = 4096
-"""Most routed rows (tokens x top-k, on this rank) an eager call runs through
-``torch._grouped_mm``; more go to the fused Triton kernels. On an H200 (qwen3-30b-a3b's
-experts, forward + backward) this path was faster up to 8192 rows and slower at 16384; the
-forward alone was no faster from 4096 rows on."""
+"""Most routed rows (tokens x top-k on this rank, or the all-gathers' bound) an eager forward
+alone runs through ``torch._grouped_mm``; a call autograd records (a backward follows) takes
+up to twice as many; more go to the fused Triton kernels. On an H200 (qwen3-30b-a3b's experts)
+the forward alone was no faster from 4096 rows on, while forward + backward was faster up to
+8192 rows and slower at 16384: at EP=1 (1024 tokens, 8192 rows: 3.38 against 3.75 ms a layer
+call) and for the all-gather's bound at EP=4 (8192 rows: 1.91 against 2.28 ms the experts)."""
 
 _WORKS_ON: dict[int, bool] = {}
 """CUDA device index -> whether ``torch._grouped_mm`` runs there in bf16 (probed once)."""
@@ -62,10 +64,12 @@ def use_grouped_mm(x: torch.Tensor, weights: tuple[torch.Tensor, ...], num_rows:
                    slot_index_R: Optional[torch.Tensor]) -> bool:
     """Whether :func:`ep_moe.experts.expert_mlp` runs this call through
     :func:`grouped_mm_mlp`: an eager (not compiled, not graph-captured) bf16 CUDA call of 1
-    to :data:`GROUPED_MM_MAX_ROWS` routed rows (or a bound of them: all are computed), each
-    with its slot (dropless at EP=1, any all-to-all or all-gather), on rows that have landed,
-    with contiguous weights of 16-byte rows (``torch._grouped_mm``'s alignment)."""
-    if not (0 < num_rows <= GROUPED_MM_MAX_ROWS and slot_index_R is not None):
+    to :data:`GROUPED_MM_MAX_ROWS` routed rows (twice as many if autograd records it; for the
+    all-gathers, the bound of rows: all are computed), each with its slot (dropless at EP=1,
+    any all-to-all or all-gather), on rows that have landed, with contiguous weights of
+    16-byte rows (``torch._grouped_mm``'s alignment)."""
+    recorded = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+    if not (0 < num_rows <= GROUPED_MM_MAX_ROWS * (2 if recorded else 1) and slot_index_R is not None):
         return False
     if torch.compiler.is_compiling() or arrival_of(x) is not None:
         return False

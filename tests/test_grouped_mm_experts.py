@@ -153,11 +153,17 @@ def test_the_layer_uses_it_only_where_it_applies(monkeypatch):
 
 def test_the_path_takes_only_what_grouped_mm_can_run(monkeypatch):
     """With the device test passed (as on a Hopper GPU), the predicate still refuses: more rows
-    than the bound, rows without slots, misaligned or non-contiguous weights."""
+    than the bound (twice it for a call autograd records), rows without slots, misaligned or
+    non-contiguous weights."""
     monkeypatch.setattr(small, "_eager_bf16_where_it_runs", lambda x: True)
     x, w, slots = torch.randn(4, 16), torch.randn(2, 24, 16), torch.arange(8)
     assert small.use_grouped_mm(x, (w,), 8, slots)
     assert not small.use_grouped_mm(x, (w,), small.GROUPED_MM_MAX_ROWS + 1, slots)
+    trained = w.clone().requires_grad_()  # a call autograd records: up to twice the rows
+    assert small.use_grouped_mm(x, (trained,), 2 * small.GROUPED_MM_MAX_ROWS, slots)
+    assert not small.use_grouped_mm(x, (trained,), 2 * small.GROUPED_MM_MAX_ROWS + 1, slots)
+    with torch.no_grad():
+        assert not small.use_grouped_mm(x, (trained,), small.GROUPED_MM_MAX_ROWS + 1, slots)
     assert not small.use_grouped_mm(x, (w,), 0, slots)
     assert not small.use_grouped_mm(x, (w,), 8, None)
     assert not small.use_grouped_mm(x, (torch.randn(2, 20, 16),), 8, slots)  # 20 * 2 bytes: misaligned
