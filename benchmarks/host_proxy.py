@@ -18,10 +18,12 @@ for ep_moe's layer at EP=1 (``backend="triton"``) on its fused kernels (``ep_moe
 larger calls, CUDA graphs, compile), on its small-call path (``ep_moe[grouped_mm]``: what an
 eager bf16 call of few rows runs on a Hopper GPU, :mod:`ep_moe.grouped_mm_experts`, computing
 on the CPU here), and the plain ``torch._grouped_mm`` layer (``benchmarks/baselines.py``: no
-Triton)::
+Triton). Under torchrun (gloo, one process a rank) the same at EP = the world size, for the
+all-gather and the all-to-all dispatch (``ep_moe[all_gather,kernels]``, ...)::
 
     python benchmarks/host_proxy.py                      # hidden 256, 128 experts, top 8, 16 tokens, bf16
     python benchmarks/host_proxy.py --tokens 64 --profile 25   # and cProfile's top 25 functions
+    torchrun --nproc-per-node 2 benchmarks/host_proxy.py       # EP=2 (rank 0 prints)
 
 ``tests/test_host_overhead.py`` bounds the counts of ep_moe's layer with :func:`measure`.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import os
 import pstats
 import sys
@@ -42,6 +45,7 @@ from unittest import mock
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,16 +143,23 @@ def measure(fn: Callable[[], None], calls: int = 5, rounds: int = 5, profile: in
     return result
 
 
-def build(hidden: int, intermediate: int, num_experts: int, top_k: int,
-          dtype: torch.dtype) -> dict[str, tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]]:
-    """{name: (layer, context to call it in)}: ep_moe's layer at EP=1 on the Triton backend,
-    on its kernels and on its small-call path, and the plain layer with its weights."""
+def build(hidden: int, intermediate: int, num_experts: int, top_k: int, dtype: torch.dtype,
+          group=None) -> dict[str, tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]]:
+    """{name: (layer, context to call it in)}: ep_moe's layer on the Triton backend, on its
+    kernels and on its small-call path, and the plain layer with its weights; at EP=1, or
+    with ``group`` at EP = its size, once per dispatch (all-gather, all-to-all)."""
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=hidden, intermediate_size=intermediate, num_experts=num_experts, top_k=top_k,
                     backend="triton")
-    ours = MoELayer(cfg, dtype=dtype)
-    return {"ep_moe[kernels]": (ours, contextlib.nullcontext), "ep_moe[grouped_mm]": (ours, small_call_path),
-            "plain": (PlainEPMoE.like(ours), contextlib.nullcontext)}
+    dispatches = [""] if group is None else ["all_gather", "all_to_all"]
+    layers = {}
+    for dispatch in dispatches:
+        ours = MoELayer(cfg if not dispatch else dataclasses.replace(cfg, dispatch=dispatch), group, dtype=dtype)
+        prefix = f"{dispatch}," if dispatch else ""
+        layers[f"ep_moe[{prefix}kernels]"] = (ours, contextlib.nullcontext)
+        layers[f"ep_moe[{prefix}grouped_mm]"] = (ours, small_call_path)
+        layers.setdefault("plain", (PlainEPMoE.like(ours), contextlib.nullcontext))
+    return layers
 
 
 def main() -> None:
@@ -165,17 +176,28 @@ def main() -> None:
                         help="print cProfile's top N functions (own time) of each case")
     args = parser.parse_args()
     torch.set_num_threads(1)  # steadier times; the counts do not depend on it
-    layers = build(args.hidden, args.intermediate, args.experts, args.top_k, getattr(torch, args.dtype))
-    x = torch.randn(args.tokens, args.hidden, dtype=getattr(torch, args.dtype))
-    print(f"T={args.tokens} H={args.hidden} I={args.intermediate} E={args.experts} K={args.top_k} {args.dtype}")
+    group = None
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # under torchrun: EP = the world
+        dist.init_process_group("gloo")
+        group = dist.group.WORLD
+    show = group is None or dist.get_rank() == 0
+    dtype = getattr(torch, args.dtype)
+    layers = build(args.hidden, args.intermediate, args.experts, args.top_k, dtype, group)
+    x = torch.randn(args.tokens, args.hidden, dtype=dtype)
+    if show:
+        print(f"EP={1 if group is None else dist.get_world_size()} T={args.tokens} H={args.hidden} "
+              f"I={args.intermediate} E={args.experts} K={args.top_k} {args.dtype}")
     for name, (layer, context) in layers.items():
         for what, fn in cases(layer, x).items():
-            if args.profile:
+            if args.profile and show:
                 print(f"===== {name} {what}")
             with context():
-                r = measure(fn, args.calls, args.rounds, args.profile)
-            print(f"{name:18s} {what:8s} py_calls {r['py_calls']:7.0f}  torch_ops {r['torch_ops']:5.0f}  "
-                  f"launches {r['launches']:3.0f}  wall {r['wall_us']:8.1f} us", flush=True)
+                r = measure(fn, args.calls, args.rounds, args.profile if show else 0)
+            if show:
+                print(f"{name:29s} {what:8s} py_calls {r['py_calls']:7.0f}  torch_ops {r['torch_ops']:5.0f}  "
+                      f"launches {r['launches']:3.0f}  wall {r['wall_us']:8.1f} us", flush=True)
+    if group is not None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
