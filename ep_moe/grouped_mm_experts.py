@@ -15,9 +15,12 @@ sums each token's K slot gradients in a reduction), a bias comes through a one-h
 (whose backward sums each expert's rows), and the outputs are placed by index copies.
 
 Bounded rows (the all-gather dispatches: the buffers sized for a bound known on the host,
-the counts on the device) are zeroed past the count and handed to the last expert, so that
-every row the GEMMs and their backward touch is defined: a zero row adds nothing to any
-output, weight gradient or token gradient, and needs no host sync to leave out.
+the counts on the device) need no host sync either: the GEMMs run over the counted rows only
+(``torch._grouped_mm``'s offsets end at the count, so they cost what the routed rows do, not
+the bound), which leaves the rows past the count undefined in their outputs and input
+gradients. Three masks keep that from leaking: the gathered rows (their gradient, which
+would reach the tokens), GEMM1's output with a bias (its gradient, which the bias sums over
+every row) and GEMM2's output (the result).
 
 Shape suffixes follow the legend in :mod:`ep_moe.routing`.
 """
@@ -36,7 +39,8 @@ alone runs through ``torch._grouped_mm``; a call autograd records (a backward fo
 up to twice as many; more go to the fused Triton kernels. On an H200 (qwen3-30b-a3b's experts)
 the forward alone was no faster from 4096 rows on, while forward + backward was faster up to
 8192 rows and slower at 16384: at EP=1 (1024 tokens, 8192 rows: 3.38 against 3.75 ms a layer
-call) and for the all-gather's bound at EP=4 (8192 rows: 1.91 against 2.28 ms the experts)."""
+call) and for the all-gather's bound at EP=4 (8192 rows, about 2048 counted: 1.77 against 3.00
+ms the experts; 16384 rows: 2.67 against 2.51)."""
 
 _WORKS_ON: dict[int, bool] = {}
 """CUDA device index -> whether ``torch._grouped_mm`` runs there in bf16 (probed once)."""
@@ -108,8 +112,8 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
     fp32; indexed by output row as in :func:`~ep_moe.kernels.ops.grouped_gemm`).
 
     ``bounded_rows``: the rows are a bound, ``m_sizes_e`` counts fewer; the rows past the
-    count (distinct slots, as a permutation's tail is) come out zero (module docstring).
-    ``activation_fn`` must map zero to zero (every activation of :mod:`ep_moe.config` does).
+    count (distinct slots, as a permutation's tail is) come out zero and pass no gradient
+    (module docstring).
 
     Returns the rows in expert order [R, H]; placed at ``scatter_index`` (a permutation);
     or with ``sum_slots`` each row of x's K slots summed (fp32), [rows of x, H]."""
@@ -123,20 +127,20 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
         rows_RH = x.unsqueeze(1).expand(-1, top_k, -1).reshape(top_k_rows, -1).index_select(0, slot_index_R)
     else:
         rows_RH = x.index_select(0, token_index_R)
-    gemm_offsets_e = offsets_e
-    if bounded_rows:
-        counted_R = torch.arange(num_rows, device=x.device, dtype=offsets_e.dtype) < offsets_e[-1]
-        rows_RH = torch.where(counted_R.unsqueeze(1), rows_RH, 0.0)
-        # the zero rows: the last expert's, adding nothing (not by item assignment: a host sync)
-        gemm_offsets_e = torch.cat((offsets_e[:-1], offsets_e.new_full((1,), num_rows)))
+    counted_R1 = None
+    if bounded_rows:  # compared on the device: the count is not known on the host
+        counted_R1 = (torch.arange(num_rows, device=x.device, dtype=offsets_e.dtype) < offsets_e[-1]).unsqueeze(1)
+        if rows_RH.requires_grad:
+            rows_RH = _counted_only(rows_RH, counted_R1)
     if gate_up is not None:
-        h_RF = torch._grouped_mm(rows_RH, gate_up.transpose(-2, -1), offs=gemm_offsets_e)
+        h_RF = torch._grouped_mm(rows_RH, gate_up.transpose(-2, -1), offs=offsets_e)
         if gate_up_bias is not None:
-            h_RF = h_RF + one_hot_Re @ gate_up_bias
+            h_RF = _counted_only(h_RF + one_hot_Re @ gate_up_bias, counted_R1)
         rows_RH = activation_fn(h_RF)
-    y_RH = torch._grouped_mm(rows_RH, down.transpose(-2, -1), offs=gemm_offsets_e)
+    y_RH = torch._grouped_mm(rows_RH, down.transpose(-2, -1), offs=offsets_e)
     if down_bias is not None:
         y_RH = y_RH + one_hot_Re @ down_bias
+    y_RH = _counted_only(y_RH, counted_R1)
     if scatter_index is not None:  # placed first: the row weights are indexed by output row
         y_RH = torch.empty_like(y_RH).index_copy(0, scatter_index, y_RH)
     if row_weights is not None:  # in fp32, rounded once: with the slot sum, after it
@@ -145,3 +149,10 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
         y_NH = y_RH.new_zeros(top_k_rows, y_RH.shape[1]).index_copy(0, slot_index_R, y_RH)
         return y_NH.view(x.shape[0], top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
     return y_RH.to(x.dtype)
+
+
+def _counted_only(t_RX: torch.Tensor, counted_R1: Optional[torch.Tensor]) -> torch.Tensor:
+    """``t_RX`` with the rows past the count (``counted_R1`` False) zero, and zero gradient
+    there in the backward: a select, so an undefined (even NaN) row does not leak as it
+    would through a multiply."""
+    return t_RX if counted_R1 is None else torch.where(counted_R1, t_RX, 0.0)

@@ -182,7 +182,7 @@ def _ep_worker(rank: int, world_size: int) -> dict:
 
 @pytest.mark.distributed
 def test_small_calls_on_the_ep_path_match_the_kernels_over_nccl():
-    """The all-gather's bounded rows (zeroed past the count on the small-call path) and the
+    """The all-gather's bounded rows (masked past the count on the small-call path) and the
     all-to-all's received rows, at EP = every GPU (up to 4): the small call's output and every
     gradient against the kernels', bf16 parameters and fp32 ones under autocast; the
     all-gather's small call without a host sync (``set_sync_debug_mode("error")``)."""
