@@ -41,6 +41,7 @@ from ep_moe.config import MoEConfig, check_experts_divide, check_same_config
 from ep_moe.ep import build_dispatcher, resolve_dispatch
 from ep_moe.ep.base import group_size
 from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts
+from ep_moe.forward_graphs import ForwardGraphs
 from ep_moe.kernels.ops import debug_enabled
 from ep_moe.parallel import resolve_ep_group
 from ep_moe.routing import RouterOutput, capacity_keep_mask, expert_capacity, route
@@ -114,6 +115,10 @@ class MoELayer(nn.Module):
     ``init_std``), biases zero; the router and shared experts from the default RNG (seed all ranks
     alike to get replicas that agree), the experts so that the global weights do not
     depend on the EP size (:meth:`GroupedExperts.reset_parameters`).
+
+    ``forward_graphs``: at EP=1, the CUDA graphs that small forwards without autograd replay
+    (:class:`ep_moe.forward_graphs.ForwardGraphs`; None at EP>1); ``layer.forward_graphs.enabled
+    = False`` runs every forward eagerly.
     """
 
     def __init__(self, config: MoEConfig, ep_group: Union[None, ProcessGroup, DeviceMesh] = None,
@@ -156,6 +161,7 @@ class MoELayer(nn.Module):
                                    if config.expert_bias else None)
         self.last_stats: Optional[MoEStats] = None
         self._config_agreed = self.ep_size == 1  # checked equal over the EP group on the first forward
+        self.forward_graphs = ForwardGraphs() if self.ep_size == 1 else None
         self.reset_parameters()
 
     @property
@@ -262,7 +268,17 @@ class MoELayer(nn.Module):
         5. The experts (GEMM1 gathering rows, activation, GEMM2 weighting them), and at EP>1
            the rows back.
         6. Combine: each token's rows summed, plus the shared experts; stats recorded.
+
+        A small forward without autograd at EP=1 replays a CUDA graph of these steps once its
+        input shape has recurred (:mod:`ep_moe.forward_graphs`): the same math on the fused
+        kernels, at a few launches' host time.
         """
+        if self.forward_graphs is not None and route_fn is None and ForwardGraphs.takes(self, x):
+            return self.forward_graphs(self, x, self._eager_forward)
+        return self._eager_forward(x, route_fn)
+
+    def _eager_forward(self, x: torch.Tensor, route_fn: Optional[RouteFn] = None) -> torch.Tensor:
+        """Steps 1-6 of :meth:`forward`, op by op."""
         x_TH = self._input_tokens(x)
         self.dispatcher.start(x_TH.shape[0], x_TH.device)
         router, keep_TK = (self._route if route_fn is None else route_fn)(x_TH)

@@ -131,3 +131,68 @@ def test_checkpointed_layer_matches_plain_and_frees_its_activations(path):
     checkpointed = _forward_backward(forward_holding("checkpoint"), layer, x, dy)
     _compare(checkpointed, plain)
     assert held["checkpoint"] < 0.5 * held["plain"], held
+
+
+def test_small_forwards_without_autograd_replay_a_cuda_graph(monkeypatch):
+    """ep_moe.forward_graphs on the GPU: a shape's third forward without autograd captures,
+    later ones replay, matching the eager forward (output and stats) for bf16 parameters and
+    fp32 ones under autocast, in inference mode, after an in-place weight update, with shared
+    experts and an expert bias (its token counts once per call), without a host sync on
+    replay, and the stats it hands out are not overwritten by the next replay."""
+    from contextlib import nullcontext
+
+    from ep_moe import forward_graphs
+
+    captured = []
+    capture = forward_graphs._capture
+    monkeypatch.setattr(forward_graphs, "_capture", lambda *args: captured.append(args[1].shape) or capture(*args))
+    for params in ("bf16", "fp32_autocast"):
+        dtype = torch.bfloat16 if params == "bf16" else torch.float32
+        layer = _layer(dtype, num_shared_experts=1, expert_bias=True)
+
+        def autocast():
+            return torch.autocast("cuda", dtype=torch.bfloat16) if params == "fp32_autocast" else nullcontext()
+
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        captured.clear()
+
+        def check(x, what):
+            with autocast():
+                got = layer(x)
+                got_stats = layer.last_stats
+                want = layer._eager_forward(x)
+            err = rel_err(got, want)
+            assert within(err, MAX_REL_ERR, f"{params} {what}", __name__), f"{params} {what}: {err:.2e}"
+            assert torch.equal(got_stats.tokens_per_expert, layer.last_stats.tokens_per_expert), f"{params} {what}"
+            return got_stats
+
+        with torch.no_grad():
+            layer.eval()
+            for tokens in (1, 37, 256):
+                for call in range(4):
+                    check(torch.randn(tokens, 360, device="cuda", dtype=dtype, generator=gen), f"T={tokens} call {call}")
+            assert captured == [(1, 360), (37, 360), (256, 360)], f"{params}: captured {captured}"
+            x = torch.randn(37, 360, device="cuda", dtype=dtype, generator=gen)
+            layer.experts.down.mul_(0.5)  # in place: the graph reads the new values
+            stats = check(x, "after an in-place update")
+            kept = stats.tokens_per_expert.clone()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with autocast():
+                    layer(x.flip(0) * 3.0)  # a replay
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            check(x.flip(0) * 3.0, "another replay")
+            assert torch.equal(stats.tokens_per_expert, kept), f"{params}: a replay overwrote stats handed out"
+            layer.train()
+            layer.reset_load_count()
+            calls = 5
+            for _ in range(calls):
+                with autocast():
+                    layer(x)
+            assert torch.equal(layer._load_since_update, calls * layer.last_stats.tokens_per_expert), params
+        with torch.inference_mode():
+            layer.eval()
+            for call in range(4):
+                check(torch.randn(16, 360, device="cuda", dtype=dtype, generator=gen), f"inference mode call {call}")
+        assert layer.forward_graphs.enabled and len(captured) == 5, f"{params}: captured {captured}"

@@ -1,0 +1,151 @@
+"""The bookkeeping of :mod:`ep_moe.forward_graphs` on the CPU, with the CUDA graph faked (a
+replay reruns the captured forward into the graph's own output and stats): when a shape gets
+captured, that replays match the eager forward and hand out copies, the least recently used
+graph dropped, recaptures when the layer's tensors move and the stop after too many, a failed
+capture, and which calls may be graphed at all. The real capture on a GPU:
+tests/gpu/test_layer_cuda.py."""
+
+import copy
+import dataclasses
+import pickle
+
+import pytest
+import torch
+
+import ep_moe.forward_graphs as fg
+from ep_moe import MoEConfig, MoELayer
+
+H = 16
+
+
+class _ReplayRerunsTheForward:
+    """A stand-in for ``torch.cuda.CUDAGraph``: ``replay`` runs the forward again and writes
+    into the tensors the capture returned, as a real replay would."""
+
+    def __init__(self, layer, eager, graph):
+        self.layer, self.eager, self.graph = layer, eager, graph
+
+    def replay(self):
+        y = self.eager(self.graph.x_in)
+        self.graph.y_out.copy_(y)
+        for name in ("aux_loss", "z_loss", "tokens_per_expert", "num_dropped"):
+            getattr(self.graph.stats, name).copy_(getattr(self.layer.last_stats, name))
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """Fakes the capture; the list records each captured input shape."""
+    made = []
+
+    def fake_capture(layer, x, eager):
+        x_in = x.clone()
+        y_out = eager(x_in).clone()
+        stats = layer.last_stats
+        graph = fg._Graph(None, x_in, y_out, dataclasses.replace(
+            stats, aux_loss=stats.aux_loss.clone(), z_loss=stats.z_loss.clone(),
+            tokens_per_expert=stats.tokens_per_expert.clone(), num_dropped=stats.num_dropped.clone()))
+        graph.graph = _ReplayRerunsTheForward(layer, eager, graph)
+        made.append(tuple(x.shape))
+        return graph
+
+    monkeypatch.setattr(fg, "_capture", fake_capture)
+    return made
+
+
+def _layer(**overrides):
+    torch.manual_seed(0)
+    return MoELayer(MoEConfig(**{**dict(hidden_size=H, intermediate_size=8, num_experts=4, top_k=2), **overrides}))
+
+
+def _call(layer, x):
+    """The layer's forward through its graphs (``ForwardGraphs.takes`` is False on the CPU)."""
+    with torch.no_grad():
+        return layer.forward_graphs(layer, x, layer._eager_forward)
+
+
+def test_a_shape_is_captured_on_its_third_call_and_replays_match_eager(captures):
+    layer = _layer()
+    gen = torch.Generator().manual_seed(1)
+    for call in range(5):
+        x = torch.randn(5, H, generator=gen)
+        got = _call(layer, x)
+        with torch.no_grad():
+            want = layer._eager_forward(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert captures == ([] if call < fg.CAPTURE_AFTER_CALLS else [(5, H)])
+    _call(layer, x)  # replayed
+    stats_before = layer.last_stats
+    kept = stats_before.tokens_per_expert.clone()
+    while torch.equal(layer.last_stats.tokens_per_expert, kept):  # a call that routes otherwise
+        _call(layer, torch.randn(5, H, generator=gen))
+    assert torch.equal(stats_before.tokens_per_expert, kept), "stats handed out alias the graph's tensors"
+    assert layer.last_stats is not stats_before and not layer.last_stats.with_autograd
+
+
+def test_the_least_recently_used_graph_is_dropped(captures, monkeypatch):
+    monkeypatch.setattr(fg, "MAX_GRAPHS", 2)
+    layer = _layer()
+    for tokens in (1, 2, 1, 3):  # 1 used after 2: 2 is dropped when 3 comes
+        for _ in range(fg.CAPTURE_AFTER_CALLS + 1):
+            _call(layer, torch.randn(tokens, H))
+    assert [key[0] for key in layer.forward_graphs._graphs] == [(1, H), (3, H)]
+    assert captures == [(1, H), (2, H), (3, H)]
+
+
+def test_moved_tensors_capture_anew_and_a_layer_whose_tensors_keep_moving_stays_eager(captures):
+    layer = _layer()
+    x = torch.randn(3, H)
+    for move in range(fg.MAX_RECAPTURES + 2):
+        for _ in range(fg.CAPTURE_AFTER_CALLS + 1):
+            got = _call(layer, x)
+        with torch.no_grad():
+            torch.testing.assert_close(got, layer._eager_forward(x), rtol=0, atol=0)
+        layer.router.weight.data = layer.router.weight.data * 1.5  # new storage, as a reshard leaves
+    assert len(captures) == fg.MAX_RECAPTURES + 1
+    assert not layer.forward_graphs.enabled and not layer.forward_graphs._graphs
+
+
+def test_a_failed_capture_leaves_the_layer_eager(monkeypatch):
+    monkeypatch.setattr(fg, "_capture", lambda layer, x, eager: None)
+    layer = _layer()
+    x = torch.randn(2, H)
+    for _ in range(fg.CAPTURE_AFTER_CALLS + 2):
+        got = _call(layer, x)
+    with torch.no_grad():
+        torch.testing.assert_close(got, layer._eager_forward(x), rtol=0, atol=0)
+    assert not layer.forward_graphs.enabled
+
+
+def test_expert_bias_counts_each_call_once(captures):
+    layer = _layer(expert_bias=True)
+    x = torch.randn(4, H)
+    calls = 6
+    for _ in range(calls):
+        _call(layer, x)
+    with torch.no_grad():
+        layer._eager_forward(x)
+    assert torch.equal(layer._load_since_update, (calls + 1) * layer.last_stats.tokens_per_expert)
+
+
+def test_which_calls_may_be_graphed(monkeypatch):
+    layer = _layer()
+    x = torch.randn(4, H)
+    assert not fg.ForwardGraphs.takes(layer, x)  # a CPU tensor
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with torch.no_grad():
+        assert fg.ForwardGraphs.takes(layer, x)
+        assert not fg.ForwardGraphs.takes(layer, torch.randn(fg.MAX_GRAPHED_TOKENS + 1, H))
+        assert not fg.ForwardGraphs.takes(_layer(capacity_factor=1.0), x)
+        assert not fg.ForwardGraphs.takes(_layer(backend="torch"), x)
+        monkeypatch.setenv("EP_MOE_DEBUG", "1")
+        assert not fg.ForwardGraphs.takes(layer, x)
+    assert not fg.ForwardGraphs.takes(layer, x)  # autograd on
+
+
+def test_copies_of_a_layer_capture_their_own(captures):
+    layer = _layer()
+    for _ in range(fg.CAPTURE_AFTER_CALLS + 1):
+        _call(layer, torch.randn(2, H))
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert other.forward_graphs is not layer.forward_graphs and not other.forward_graphs._graphs
