@@ -147,7 +147,7 @@ def _capture(layer: "MoELayer", x: torch.Tensor,
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
-            graph.capture_begin()
+            graph.capture_begin(capture_error_mode="thread_local")  # other threads may use CUDA meanwhile
             try:
                 y_out = eager(x_in)
             finally:

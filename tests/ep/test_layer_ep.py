@@ -112,6 +112,8 @@ def _train_step_and_shard(rank, world_size, group):
     of the stepped model on every rank's eval input."""
     kwargs, state, inputs, grads = _scenario("top2", world_size)
     layer = MoELayer(_config(**kwargs), group)
+    # forwards at EP>1 run collectives every rank must reach alike: never replayed from a graph
+    assert (layer.forward_graphs is None) == (world_size > 1)
     layer.load_state_dict(state)
     _run_layer(layer, inputs[rank], grads[rank])
     sync_gradients(layer, group, None)
