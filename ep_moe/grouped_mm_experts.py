@@ -27,7 +27,8 @@ Shape suffixes follow the legend in :mod:`ep_moe.routing`.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -83,9 +84,26 @@ def use_grouped_mm(x: torch.Tensor, weights: tuple[torch.Tensor, ...], num_rows:
 
 
 def _eager_bf16_where_it_runs(x: torch.Tensor) -> bool:
-    """bf16 on a CUDA device where ``torch._grouped_mm`` runs, no CUDA graph being captured."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and not torch.cuda.is_current_stream_capturing()
-            and _grouped_mm_works(x.device))
+    """bf16 on a CUDA device where ``torch._grouped_mm`` runs, no CUDA graph being captured
+    (nor warmed up for one: :func:`fused_kernels_only`)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and not _fused_kernels_only
+            and not torch.cuda.is_current_stream_capturing() and _grouped_mm_works(x.device))
+
+
+_fused_kernels_only = False
+
+
+@contextlib.contextmanager
+def fused_kernels_only() -> Iterator[None]:
+    """Inside the block every call runs the fused kernels, as a CUDA graph capture does: the
+    eager warm-up before a capture (:mod:`ep_moe.forward_graphs`) compiles and looks up what
+    the capture will launch."""
+    global _fused_kernels_only
+    previous, _fused_kernels_only = _fused_kernels_only, True
+    try:
+        yield
+    finally:
+        _fused_kernels_only = previous
 
 
 def _expert_one_hot(offsets_e: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:

@@ -18,26 +18,47 @@ from ep_moe import MoEConfig, MoELayer
 H = 16
 
 
+def _state(layer):
+    """What a capture fixes besides shapes and addresses."""
+    return layer.training, torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cuda")
+
+
 class _ReplayRerunsTheForward:
     """A stand-in for ``torch.cuda.CUDAGraph``: ``replay`` runs the forward again and writes
-    into the tensors the capture returned, as a real replay would."""
+    into the tensors the capture returned, as a real replay would, after checking that the
+    state the capture fixed is still the state (else the key missed a part of it)."""
 
     def __init__(self, layer, eager, graph):
-        self.layer, self.eager, self.graph = layer, eager, graph
+        self.layer, self.eager, self.graph, self.state = layer, eager, graph, _state(layer)
 
     def replay(self):
+        assert _state(self.layer) == self.state, "a graph replayed in another state than it was captured in"
         y = self.eager(self.graph.x_in)
         self.graph.y_out.copy_(y)
         for name in ("aux_loss", "z_loss", "tokens_per_expert", "num_dropped"):
             getattr(self.graph.stats, name).copy_(getattr(self.layer.last_stats, name))
 
 
+class _NoStream:
+    def wait_event(self, event):
+        pass
+
+
+class _NoEvent:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 @pytest.fixture
 def captures(monkeypatch):
-    """Fakes the capture; the list records each captured input shape."""
+    """Fakes the capture (and the streams, events and memory pool around it); the list
+    records each captured input shape."""
     made = []
 
-    def fake_capture(layer, x, eager):
+    def fake_capture(layer, x, eager, pool):
         x_in = x.clone()
         y_out = eager(x_in).clone()
         stats = layer.last_stats
@@ -49,6 +70,9 @@ def captures(monkeypatch):
         return graph
 
     monkeypatch.setattr(fg, "_capture", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
     return made
 
 
@@ -95,22 +119,33 @@ def test_the_least_recently_used_graph_is_dropped(captures, monkeypatch):
 def test_moved_tensors_capture_anew_and_a_layer_whose_tensors_keep_moving_stays_eager(captures):
     layer = _layer()
     x = torch.randn(3, H)
-    for move in range(fg.MAX_RECAPTURES + 2):
+    for move in range(fg.MAX_RECAPTURES + 1):
         for _ in range(fg.CAPTURE_AFTER_CALLS + 1):
             got = _call(layer, x)
         with torch.no_grad():
             torch.testing.assert_close(got, layer._eager_forward(x), rtol=0, atol=0)
         layer.router.weight.data = layer.router.weight.data * 1.5  # new storage, as a reshard leaves
+        if move == fg.MAX_RECAPTURES:
+            break
+    with pytest.warns(UserWarning, match="tensors moved"):
+        for _ in range(fg.CAPTURE_AFTER_CALLS + 1):
+            got = _call(layer, x)
+    with torch.no_grad():
+        torch.testing.assert_close(got, layer._eager_forward(x), rtol=0, atol=0)
     assert len(captures) == fg.MAX_RECAPTURES + 1
     assert not layer.forward_graphs.enabled and not layer.forward_graphs._graphs
 
 
-def test_a_failed_capture_leaves_the_layer_eager(monkeypatch):
-    monkeypatch.setattr(fg, "_capture", lambda layer, x, eager: None)
+def test_a_failed_capture_leaves_the_layer_eager(captures, monkeypatch):
+    def failing_capture(layer, x, eager, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fg, "_capture", failing_capture)
     layer = _layer()
     x = torch.randn(2, H)
-    for _ in range(fg.CAPTURE_AFTER_CALLS + 2):
-        got = _call(layer, x)
+    with pytest.warns(UserWarning, match="capturing a CUDA graph .* failed"):
+        for _ in range(fg.CAPTURE_AFTER_CALLS + 2):
+            got = _call(layer, x)
     with torch.no_grad():
         torch.testing.assert_close(got, layer._eager_forward(x), rtol=0, atol=0)
     assert not layer.forward_graphs.enabled
@@ -143,9 +178,73 @@ def test_which_calls_may_be_graphed(monkeypatch):
     assert not fg.ForwardGraphs.takes(layer, x)  # autograd on
 
 
-def test_copies_of_a_layer_capture_their_own(captures):
+def test_copies_of_a_layer_capture_their_own_and_keep_the_switch(captures):
     layer = _layer()
     for _ in range(fg.CAPTURE_AFTER_CALLS + 1):
         _call(layer, torch.randn(2, H))
-    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+    copies = [copy.deepcopy(layer)] + [pickle.loads(pickle.dumps(layer, protocol)) for protocol in (0, 2)]
+    for other in copies:
         assert other.forward_graphs is not layer.forward_graphs and not other.forward_graphs._graphs
+        assert other.forward_graphs.enabled
+        _call(other, torch.randn(2, H))
+    layer.forward_graphs.enabled = False
+    assert not copy.deepcopy(layer).forward_graphs.enabled
+    assert not pickle.loads(pickle.dumps(layer, 0)).forward_graphs.enabled
+
+
+def test_the_training_flag_and_inference_mode_get_graphs_of_their_own(captures):
+    layer = _layer()
+    x = torch.randn(3, H)
+    for mode in ("train", "eval", "train", "inference", "eval"):
+        for _ in range(fg.CAPTURE_AFTER_CALLS + 1):
+            if mode == "inference":
+                with torch.inference_mode():
+                    got = layer.forward_graphs(layer, x, layer._eager_forward)
+            else:
+                layer.train(mode == "train")
+                got = _call(layer, x)
+        with torch.no_grad():
+            torch.testing.assert_close(got, layer._eager_forward(x), rtol=0, atol=0)
+    assert len(captures) == 3
+
+
+def test_shapes_that_take_turns_past_the_cache_keep_their_graphs_coming(captures, monkeypatch):
+    """More shapes in turn than MAX_GRAPHS: each comes back evicted and is captured again at
+    the same addresses, which is no reason to stop graphing."""
+    monkeypatch.setattr(fg, "MAX_GRAPHS", 2)
+    layer = _layer()
+    for _ in range(fg.MAX_RECAPTURES + 3):
+        for tokens in (1, 2, 3):
+            for _ in range(fg.CAPTURE_AFTER_CALLS + 1):
+                _call(layer, torch.randn(tokens, H))
+    assert layer.forward_graphs.enabled and len(layer.forward_graphs._graphs) == 2
+
+
+def test_hooks_other_modules_and_tensor_subclasses_keep_the_forward_eager(monkeypatch):
+    layer = _layer()
+    x = torch.randn(4, H)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with torch.no_grad():
+        assert fg.ForwardGraphs.takes(layer, x)
+        handle = layer.experts.register_forward_pre_hook(lambda module, args: None)
+        assert not fg.ForwardGraphs.takes(layer, x), "a replay would skip the experts' hook"
+        handle.remove()
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+        assert not fg.ForwardGraphs.takes(layer, x), "a replay would skip a global hook"
+        handle.remove()
+        assert fg.ForwardGraphs.takes(layer, x)
+
+        class Adapter(torch.nn.Module):  # another library's module inside the layer
+            def forward(self, t):
+                return t
+
+        layer.router.adapter = Adapter()
+        assert not fg.ForwardGraphs.takes(layer, x)
+        del layer.router.adapter
+
+        class Wrapped(torch.Tensor):
+            pass
+
+        assert not fg.ForwardGraphs.takes(layer, x.as_subclass(Wrapped))
+        assert fg.ForwardGraphs.takes(layer, x)

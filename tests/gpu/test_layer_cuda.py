@@ -136,9 +136,11 @@ def test_checkpointed_layer_matches_plain_and_frees_its_activations(path):
 def test_small_forwards_without_autograd_replay_a_cuda_graph(monkeypatch):
     """ep_moe.forward_graphs on the GPU: a shape's third forward without autograd captures,
     later ones replay, matching the eager forward (output and stats) for bf16 parameters and
-    fp32 ones under autocast, in inference mode, after an in-place weight update, with shared
-    experts and an expert bias (its token counts once per call), without a host sync on
-    replay, and the stats it hands out are not overwritten by the next replay."""
+    fp32 ones under autocast, in inference mode, after an in-place update of the experts' and
+    the shared experts' weights (under autocast, a graph that kept autocast's cached cast of a
+    shared-expert weight would miss it), with an expert bias (its token counts once per call),
+    without a host sync on replay, and the stats it hands out are not overwritten by the next
+    replay."""
     from contextlib import nullcontext
 
     from ep_moe import forward_graphs
@@ -173,7 +175,8 @@ def test_small_forwards_without_autograd_replay_a_cuda_graph(monkeypatch):
                     check(torch.randn(tokens, 360, device="cuda", dtype=dtype, generator=gen), f"T={tokens} call {call}")
             assert captured == [(1, 360), (37, 360), (256, 360)], f"{params}: captured {captured}"
             x = torch.randn(37, 360, device="cuda", dtype=dtype, generator=gen)
-            layer.experts.down.mul_(0.5)  # in place: the graph reads the new values
+            layer.experts.down.mul_(0.5)  # in place: the graph reads the new values,
+            layer.shared_experts.down.weight.mul_(0.5)  # of nn.Linear too (no autocast cast cached)
             stats = check(x, "after an in-place update")
             kept = stats.tokens_per_expert.clone()
             torch.cuda.set_sync_debug_mode("error")
