@@ -140,6 +140,8 @@ class ForwardGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         try:
             graph = _capture(layer, x, eager, self._pool)
+        except (ValueError, TypeError):  # the input's own errors, from the eager warm-up: the caller's to see
+            raise
         except Exception as error:  # noqa: BLE001 - whatever the capture hit, the layer still runs eagerly
             self._disable(f"capturing a CUDA graph of a forward without autograd failed ({error!r})")
             return None

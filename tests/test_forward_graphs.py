@@ -248,3 +248,11 @@ def test_hooks_other_modules_and_tensor_subclasses_keep_the_forward_eager(monkey
 
         assert not fg.ForwardGraphs.takes(layer, x.as_subclass(Wrapped))
         assert fg.ForwardGraphs.takes(layer, x)
+
+
+def test_a_bad_input_raises_its_own_error_every_time_and_leaves_graphs_on(captures):
+    layer = _layer()  # the capture's warm-up raises the forward's error, as the eager calls did
+    for _ in range(fg.CAPTURE_AFTER_CALLS + 2):
+        with pytest.raises(ValueError, match="hidden_size"):
+            _call(layer, torch.randn(3, H + 1))
+    assert layer.forward_graphs.enabled
