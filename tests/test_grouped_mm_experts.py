@@ -198,6 +198,20 @@ def test_the_path_takes_only_what_grouped_mm_can_run(monkeypatch):
     assert not small.use_grouped_mm(x, (w.transpose(1, 2).contiguous().transpose(1, 2),), 8, slots)
 
 
+def test_a_graph_warm_up_runs_the_fused_kernels(monkeypatch):
+    """Inside ``fused_kernels_only`` (the eager warm-up before a forward graph's capture) a bf16
+    CUDA call that would take the small path runs the kernels, as the capture will; after it,
+    the small path again."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(small, "_grouped_mm_works", lambda device: True)
+    x, w, slots = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(2, 24, 16, dtype=torch.bfloat16), torch.arange(8)
+    assert small.use_grouped_mm(x, (w,), 8, slots)
+    with small.fused_kernels_only():
+        assert not small.use_grouped_mm(x, (w,), 8, slots)
+    assert small.use_grouped_mm(x, (w,), 8, slots)
+
+
 def test_threshold_and_probe():
     """The row bound is a whole number of rows; the probe answers once per device and says
     no where torch._grouped_mm is missing."""
