@@ -26,7 +26,7 @@ from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.kernels.ops import layer_grouped_gemm, layer_grouped_gemm_slot_sum
 from ep_moe.kernels.permute import sum_slot_rows
 from ep_moe.parallel import gathered_expert_rows, mark_expert_param
-from ep_moe.routing import RoutingMetadata
+from ep_moe.routing import RoutingMetadata, combine_slots
 
 if TYPE_CHECKING:
     from ep_moe.autotune.space import GemmProblem
@@ -208,6 +208,7 @@ class GroupedExperts(_LocalExperts):
         backend: str = "torch",
         configs: ConfigsArg = (None, None),
         gather_slots: Optional[torch.Tensor] = None,
+        slots_per_token: Optional[int] = None,
     ) -> torch.Tensor:
         """GEMM1 (gather on load), activation, GEMM2 (scatter and row weights on store);
         one GEMM doing all of that with ``num_linears=1``.
@@ -216,11 +217,14 @@ class GroupedExperts(_LocalExperts):
         ``x[gather_index[r]]`` and its output lands at ``scatter_index[r]``. ``gather_slots``:
         a dropless top-K routing's slot of each row (``gather_index == gather_slots // K``),
         which spares the backward a sort (:func:`~ep_moe.kernels.ops.layer_grouped_gemm`).
+        ``slots_per_token`` (K, with ``scatter_index`` filling all T*K slots): each token's
+        K slots summed, [T, H], instead of the slot rows.
         """
         return expert_mlp(x, self.gate_up, self.down, m_sizes_e, activation=self.activation,
                           gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
                           gather_index=gather_index, scatter_index=scatter_index, row_weights=row_weights,
-                          backend=backend, configs=configs, gather_slots=gather_slots)
+                          backend=backend, configs=configs, gather_slots=gather_slots,
+                          slots_per_token=slots_per_token)
 
 
 def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Tensor, m_sizes_e: torch.Tensor, *,
@@ -230,7 +234,7 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
                backend: str = "torch",
                configs: ConfigsArg = (None, None),
                slot_sum: Optional[RoutingMetadata] = None, bounded_rows: bool = False,
-               gather_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+               gather_slots: Optional[torch.Tensor] = None, slots_per_token: Optional[int] = None) -> torch.Tensor:
     """The math of :meth:`GroupedExperts.forward` with the weights passed in (``gate_up``
     None: one Linear, ``down``, which then gathers, weights and scatters the rows itself;
     biases added in the GEMMs' epilogue). ``slot_sum``: the output rows summed per token
@@ -239,7 +243,10 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     (:func:`~ep_moe.kernels.ops.grouped_gemm_slot_sum`; no scatter then).
     ``bounded_rows``: the rows are a bound, ``m_sizes`` counts fewer (see
     :func:`~ep_moe.kernels.ops.grouped_gemm`). ``gather_slots``: as for
-    :func:`~ep_moe.kernels.ops.layer_grouped_gemm`, for the first GEMM.
+    :func:`~ep_moe.kernels.ops.layer_grouped_gemm`, for the first GEMM. ``slots_per_token``:
+    K, where ``scatter_index`` places the rows at all T*K slots of a dropless routing: each
+    token's K slots summed, [T, H] (:func:`~ep_moe.routing.combine_slots`; on the small-call
+    path in fp32 from the weighted rows, rounded once).
 
     On the Triton backend, a small eager call whose rows have slots (``gather_slots`` or
     ``slot_sum``) runs as torch ops instead (:mod:`ep_moe.grouped_mm_experts`), where the
@@ -257,7 +264,8 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
         return grouped_mm_mlp(x, gate_up, down, m_sizes_e, activation_fn, slot_index_R=slot_index_R,
                               token_index_R=gather_index, top_k=top_k, gate_up_bias=gate_up_bias,
                               down_bias=down_bias, scatter_index=scatter_index, row_weights=row_weights,
-                              sum_slots=slot_sum is not None, bounded_rows=bounded_rows)
+                              sum_slots=slot_sum is not None or slots_per_token is not None,
+                              bounded_rows=bounded_rows)
     if callable(configs):
         configs = configs()
     if backend == "triton":
@@ -266,7 +274,7 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
         y_RH = layer_grouped_gemm(x, down, m_sizes_e, gather_index=gather_index, scatter_index=scatter_index,
                                   row_weights=row_weights, bias=down_bias, configs=configs[1], backend=backend,
                                   bounded_rows=bounded_rows, gather_slots=gather_slots)
-        return y_RH if slot_sum is None else sum_slot_rows(y_RH, slot_sum, backend)
+        return _summed_per_token(y_RH, slot_sum, slots_per_token, backend)
     h_RF = layer_grouped_gemm(x, gate_up, m_sizes_e, gather_index=gather_index, bias=gate_up_bias,
                               configs=configs[0], backend=backend, bounded_rows=bounded_rows,
                               gather_slots=gather_slots)
@@ -277,7 +285,16 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
                                            source_ends=slot_sum.source_ends_ES, bias=down_bias)
     y_RH = layer_grouped_gemm(a_RI, down, m_sizes_e, scatter_index=scatter_index, row_weights=row_weights,
                               bias=down_bias, configs=configs[1], backend=backend, bounded_rows=bounded_rows)
-    return y_RH if slot_sum is None else sum_slot_rows(y_RH, slot_sum, backend)
+    return _summed_per_token(y_RH, slot_sum, slots_per_token, backend)
+
+
+def _summed_per_token(y_RH: torch.Tensor, slot_sum: Optional[RoutingMetadata], slots_per_token: Optional[int],
+                      backend: str) -> torch.Tensor:
+    """:func:`expert_mlp`'s rows as it returns them: summed per token by ``slot_sum``'s rows
+    or over ``slots_per_token`` slots in slot order, else as they are."""
+    if slot_sum is not None:
+        return sum_slot_rows(y_RH, slot_sum, backend)
+    return y_RH if slots_per_token is None else combine_slots(y_RH, slots_per_token)
 
 
 _SLOW_PATH_WARNED: set[str] = set()
@@ -393,9 +410,11 @@ class ModuleExperts(_LocalExperts):
 
     def forward(self, x: torch.Tensor, m_sizes_e: torch.Tensor, *, gather_index: Optional[torch.Tensor] = None,
                 scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
-                backend: str = "torch", configs=None, gather_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+                backend: str = "torch", configs=None, gather_slots: Optional[torch.Tensor] = None,
+                slots_per_token: Optional[int] = None) -> torch.Tensor:
         """As :meth:`GroupedExperts.forward` (``gather_slots`` unused: no Triton backward here)."""
-        return self._run(x, m_sizes_e, self.expert_tensors(), gather_index, scatter_index, row_weights)
+        y_RH = self._run(x, m_sizes_e, self.expert_tensors(), gather_index, scatter_index, row_weights)
+        return y_RH if slots_per_token is None else combine_slots(y_RH, slots_per_token)
 
     def _run(self, x: torch.Tensor, m_sizes_e: torch.Tensor, params: tuple[torch.Tensor, ...],
              gather_index: Optional[torch.Tensor], scatter_index: Optional[torch.Tensor],

@@ -134,7 +134,8 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
     (module docstring).
 
     Returns the rows in expert order [R, H]; placed at ``scatter_index`` (a permutation);
-    or with ``sum_slots`` each row of x's K slots summed (fp32), [rows of x, H]."""
+    or with ``sum_slots`` each row of x's K slots summed (fp32, rounded once), [rows of x, H]
+    (with ``scatter_index``, which then fills all of x's slots, the placed rows' sums)."""
     num_rows, top_k_rows = slot_index_R.shape[0], x.shape[0] * top_k
     offsets_e = torch.cumsum(m_sizes_e, 0, dtype=torch.int32)
     one_hot_Re = None
@@ -163,8 +164,9 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
         y_RH = torch.empty_like(y_RH).index_copy(0, scatter_index, y_RH)
     if row_weights is not None:  # in fp32, rounded once: with the slot sum, after it
         y_RH = y_RH * row_weights.to(torch.float32).unsqueeze(1)
-    if sum_slots:
-        y_NH = y_RH.new_zeros(top_k_rows, y_RH.shape[1]).index_copy(0, slot_index_R, y_RH)
+    if sum_slots:  # placed at every slot already, else each row at its slot (the rest zero)
+        y_NH = y_RH if scatter_index is not None else (
+            y_RH.new_zeros(top_k_rows, y_RH.shape[1]).index_copy(0, slot_index_R, y_RH))
         return y_NH.view(x.shape[0], top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
     return y_RH.to(x.dtype)
 

@@ -44,7 +44,7 @@ from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts
 from ep_moe.forward_graphs import ForwardGraphs
 from ep_moe.kernels.ops import debug_enabled
 from ep_moe.parallel import resolve_ep_group
-from ep_moe.routing import RouterOutput, capacity_keep_mask, expert_capacity, route
+from ep_moe.routing import RouterOutput, capacity_keep_mask, expert_capacity, route, shared_scalar
 
 if TYPE_CHECKING:
     from ep_moe.autotune.space import GemmProblem
@@ -228,6 +228,10 @@ class MoELayer(nn.Module):
         """Raise naming what is wrong with ``x`` and the fix (local checks: no collective);
         returns the :meth:`compute_dtype`."""
         hidden, param = self.config.hidden_size, self.experts.first_weight
+        if (type(x) is torch.Tensor and x.dtype == param.dtype and x.dtype in _EXPERT_DTYPES and x.dim()
+                and x.shape[-1] == hidden and x.device == param.device
+                and not torch.is_autocast_enabled(param.device.type)):
+            return param.dtype  # the common call, in one pass of cheap checks
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor [..., {hidden}], got {type(x).__name__}; "
                             "convert it with torch.as_tensor")
@@ -298,7 +302,7 @@ class MoELayer(nn.Module):
         if debug_enabled() and not torch.compiler.is_compiling():
             # after the checks every rank passed: all of them reach its collective
             _check_finite_tokens(x_TH, self.ep_group)
-        return x_TH.to(compute_dtype)
+        return x_TH if x_TH.dtype == compute_dtype else x_TH.to(compute_dtype)
 
     def _agree_first_call(self, x: torch.Tensor) -> torch.dtype:
         """First call at EP>1: every rank of the EP group checks that all have the same
@@ -349,11 +353,15 @@ class MoELayer(nn.Module):
         counts_E = router.counts_E  # int64: no gradient (a route_fn's may be another dtype)
         if counts_E.requires_grad:
             counts_E = counts_E.detach()
-        num_dropped = (torch.zeros((), dtype=torch.int64, device=counts_E.device) if keep_TK is None
-                       else keep_TK.numel() - keep_TK.sum())
-        if bound_dropped is not None:
-            num_dropped = num_dropped + bound_dropped
-        self.last_stats = MoEStats(
+        num_dropped = bound_dropped
+        if keep_TK is not None:
+            by_capacity = keep_TK.numel() - keep_TK.sum()
+            num_dropped = by_capacity if bound_dropped is None else by_capacity + bound_dropped
+        elif num_dropped is None:
+            num_dropped = shared_scalar(0, counts_E.device, torch.int64)
+        # straight into the instance dict: nn.Module.__setattr__'s checks cost more host time
+        # than the rest of this method, and a plain attribute needs none of them
+        self.__dict__["last_stats"] = MoEStats(
             aux_loss=router.aux_loss, z_loss=router.z_loss, tokens_per_expert=counts_E,
             num_dropped=num_dropped, with_autograd=with_autograd,
         )

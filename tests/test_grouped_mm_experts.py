@@ -1,6 +1,6 @@
 """The small-call expert path (torch._grouped_mm, :mod:`ep_moe.grouped_mm_experts`) against a
 float64 per-row reference: forward and every gradient, each output placement (scattered to
-slots at EP=1, summed per row of x at EP>1, expert order), gated and plain activations, one
+slots at EP=1, and summed per token there, summed per row of x at EP>1, expert order), gated and plain activations, one
 Linear, biases; experts with no rows, all rows on one expert, one token, sizes no block
 divides. Then when the layer takes it. CPU in float32 here (``torch._grouped_mm`` runs on the
 CPU); the GPU's bf16 run is in tests/gpu/test_layer_cuda.py."""
@@ -79,7 +79,7 @@ def _grouped_mm_with_undefined_tail(a, b, *, offs):
     return _UndefinedTail.apply(a, b, offs)
 
 
-@pytest.mark.parametrize("placement", ["scatter", "sum_slots", "sum_slots_bounded", "expert_order"])
+@pytest.mark.parametrize("placement", ["scatter", "scatter_sum", "sum_slots", "sum_slots_bounded", "expert_order"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", list(ROUTINGS))
 def test_matches_float64_rows(case, variant, placement, monkeypatch):
@@ -110,7 +110,8 @@ def test_matches_float64_rows(case, variant, placement, monkeypatch):
     gate_up_bias = leaf(num_experts, fan_in) if biases and two_linears else None
     down_bias = leaf(num_experts, H) if biases else None
     # scatter: weights by output row (the slot); otherwise by routed row
-    row_weights = torch.rand(tokens * top_k if placement == "scatter" else num_rows, generator=g).requires_grad_()
+    scatter = placement.startswith("scatter")  # EP=1: every slot routed, rows placed at their slots
+    row_weights = torch.rand(tokens * top_k if scatter else num_rows, generator=g).requires_grad_()
     leaves = [t for t in (x, gate_up, down, gate_up_bias, down_bias, row_weights) if t is not None]
 
     token_index_R = (slot_index_R // top_k) * (torch.arange(num_rows) < counted)
@@ -119,8 +120,8 @@ def test_matches_float64_rows(case, variant, placement, monkeypatch):
         return small.grouped_mm_mlp(
             x, gate_up, down, m_sizes, lambda h: activate(h, activation, "torch"), slot_index_R=slot_index_R,
             token_index_R=token_index_R, top_k=top_k, gate_up_bias=gate_up_bias, down_bias=down_bias,
-            row_weights=row_weights, scatter_index=slot_index_R if placement == "scatter" else None,
-            sum_slots=placement.startswith("sum_slots"), bounded_rows=bounded)
+            row_weights=row_weights, scatter_index=slot_index_R if scatter else None,
+            sum_slots="sum" in placement, bounded_rows=bounded)
 
     got = run()
     with torch.no_grad():  # gathers the tokens directly (no slot copies): the same values
@@ -130,12 +131,12 @@ def test_matches_float64_rows(case, variant, placement, monkeypatch):
     named = dict(zip([n for n, t in zip(("x", "gate_up", "down", "gate_up_bias", "down_bias", "row_weights"),
                                         (x, gate_up, down, gate_up_bias, down_bias, row_weights)) if t is not None],
                      leaves64))
-    weights_R = named["row_weights"][slot_index_R] if placement == "scatter" else named["row_weights"][:counted]
+    weights_R = named["row_weights"][slot_index_R] if scatter else named["row_weights"][:counted]
     rows = reference(named["x"], named.get("gate_up"), named["down"], activation, slot_index_R[:counted], m_sizes,
                      top_k, named.get("gate_up_bias"), named.get("down_bias"), weights_R)
     if placement == "scatter":
         want = torch.zeros(tokens * top_k, H, dtype=torch.float64).index_copy(0, slot_index_R, rows)
-    elif placement.startswith("sum_slots"):
+    elif "sum" in placement:
         want = torch.zeros(tokens, H, dtype=torch.float64).index_add(0, slot_index_R[:counted] // top_k, rows)
     else:
         want = rows

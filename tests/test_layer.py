@@ -77,6 +77,18 @@ def test_capacity_drops_as_documented(policy):
     assert (y[torch.arange(8) != kept] == 0).all() and (y[kept] != 0).any()
 
 
+def test_stats_of_a_dropless_layer_stay_zero_when_a_caller_writes_to_them():
+    layer = MoELayer(_config(top_k=2, z_loss_coef=0.0))  # dropless, no z loss: both zeros are shared
+    layer(torch.randn(4, H))
+    total = layer.last_stats.num_dropped
+    total += 3  # accumulating into what the layer returned
+    z_loss = layer.last_stats.z_loss
+    z_loss += 1.0
+    layer(torch.randn(4, H))
+    assert int(layer.last_stats.num_dropped) == 0 and float(layer.last_stats.z_loss) == 0
+    assert int(total) == 3 and float(z_loss) == 1.0
+
+
 def test_zero_tokens():
     layer = MoELayer(_config(top_k=2))
     x = torch.randn(0, 4, H, requires_grad=True)

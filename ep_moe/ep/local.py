@@ -10,7 +10,7 @@ import torch
 
 from ep_moe.ep.base import Dispatcher
 from ep_moe.kernels.permute import sum_slot_rows
-from ep_moe.routing import RouterOutput, RoutingMetadata, build_routing_metadata, combine_slots
+from ep_moe.routing import RouterOutput, RoutingMetadata, build_routing_metadata
 
 if TYPE_CHECKING:
     from ep_moe.experts import GroupedExperts
@@ -29,13 +29,13 @@ class LocalTokens:
 
 class LocalDispatcher(Dispatcher):
     """EP=1: one gather GEMM, one scatter GEMM with the top-k weights fused in, then each
-    token's K slots summed."""
+    token's K slots summed (with the experts, dropless)."""
 
     def dispatch(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
                  backend: str) -> LocalTokens:
         """The (token, slot) pairs sorted by expert (:func:`ep_moe.routing.build_routing_metadata`).
         Dropless, the router's counts are the rows per expert, and the slot sum is a plain sum
-        over each token's K rows in slot order (:func:`ep_moe.routing.combine_slots`), which
+        over each token's K rows in slot order (the experts' ``slots_per_token``), which
         needs no ``row_of_slot_N``: neither is computed again."""
         if keep_TK is None:
             meta = build_routing_metadata(router.topk_ids_TK, self.config.num_experts, counts_E=router.counts_E,
@@ -45,20 +45,21 @@ class LocalDispatcher(Dispatcher):
         return LocalTokens(backend, x_TH, router.topk_weights_TK.flatten(), meta)
 
     def experts(self, routed: LocalTokens, experts: "GroupedExperts") -> torch.Tensor:
-        """GEMM1 gathering the tokens, GEMM2 weighting the rows: [N, H] in slot order
-        (dropless), else [R, H] in expert order."""
+        """GEMM1 gathering the tokens, GEMM2 weighting the rows: each token's K slots summed,
+        [T, H] (dropless), else [R, H] in expert order."""
         meta = routed.meta
         # looked up only if the kernels run (a small eager call runs torch._grouped_mm instead)
         configs = functools.partial(experts.kernel_configs, routed.backend, meta.slot_index_R.shape[0], routed.x_TH)
         if meta.dropless:
             return experts(routed.x_TH, meta.counts_E, gather_index=meta.token_index_R,
                            scatter_index=meta.slot_index_R, row_weights=routed.weights_N,
-                           backend=routed.backend, configs=configs, gather_slots=meta.slot_index_R)
+                           backend=routed.backend, configs=configs, gather_slots=meta.slot_index_R,
+                           slots_per_token=meta.top_k)
         return experts(routed.x_TH, meta.counts_E, gather_index=meta.token_index_R,
                        row_weights=routed.weights_N[meta.slot_index_R], backend=routed.backend, configs=configs)
 
     def combine(self, routed: LocalTokens, out: torch.Tensor) -> torch.Tensor:
-        """Each token's K slots summed: [T, H]."""
+        """Each token's K slots summed: [T, H] (dropless: by the experts already)."""
         if routed.meta.dropless:
-            return combine_slots(out, routed.meta)
+            return out
         return sum_slot_rows(out, routed.meta, routed.backend)
