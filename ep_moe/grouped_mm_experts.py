@@ -161,12 +161,16 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
         y_RH = y_RH + one_hot_Re @ down_bias
     y_RH = _counted_only(y_RH, counted_R1)
     if scatter_index is not None:  # placed first: the row weights are indexed by output row
-        y_RH = torch.empty_like(y_RH).index_copy(0, scatter_index, y_RH)
+        y_RH = torch.empty_like(y_RH).index_copy_(0, scatter_index, y_RH)
+        if sum_slots:  # every slot filled: weighted as [T, K, H], whose gradient needs no copy to rows
+            y_TKH = y_RH.view(x.shape[0], top_k, -1)
+            if row_weights is not None:
+                y_TKH = y_TKH * row_weights.to(torch.float32).view(x.shape[0], top_k, 1)
+            return y_TKH.sum(dim=1, dtype=torch.float32).to(x.dtype)
     if row_weights is not None:  # in fp32, rounded once: with the slot sum, after it
         y_RH = y_RH * row_weights.to(torch.float32).unsqueeze(1)
-    if sum_slots:  # placed at every slot already, else each row at its slot (the rest zero)
-        y_NH = y_RH if scatter_index is not None else (
-            y_RH.new_zeros(top_k_rows, y_RH.shape[1]).index_copy(0, slot_index_R, y_RH))
+    if sum_slots:  # each row at its slot, the rest zero
+        y_NH = y_RH.new_zeros(top_k_rows, y_RH.shape[1]).index_copy_(0, slot_index_R, y_RH)
         return y_NH.view(x.shape[0], top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
     return y_RH.to(x.dtype)
 
