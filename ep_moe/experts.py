@@ -251,6 +251,7 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     On the Triton backend, a small eager call whose rows have slots (``gather_slots`` or
     ``slot_sum``) runs as torch ops instead (:mod:`ep_moe.grouped_mm_experts`), where the
     host's launches would set its pace."""
+    _check_slots_per_token(slots_per_token, scatter_index, slot_sum is not None)
     # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
     down, down_bias = down.to(x.dtype), None if down_bias is None else down_bias.to(x.dtype)
     gate_up = None if gate_up is None else gate_up.to(x.dtype)
@@ -259,7 +260,7 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     num_rows = x.shape[0] if gather_index is None else gather_index.shape[0]
     weights = (down,) if gate_up is None else (gate_up, down)
     if backend == "triton" and use_grouped_mm(x, weights, num_rows, slot_index_R):
-        top_k = num_rows // x.shape[0] if slot_sum is None else slot_sum.top_k  # dropless at EP=1: R = T * K
+        top_k = slot_sum.top_k if slot_sum is not None else slots_per_token or num_rows // x.shape[0]  # EP=1: R = T*K
         activation_fn = functools.partial(activate, activation=activation, backend="torch")
         return grouped_mm_mlp(x, gate_up, down, m_sizes_e, activation_fn, slot_index_R=slot_index_R,
                               token_index_R=gather_index, top_k=top_k, gate_up_bias=gate_up_bias,
@@ -286,6 +287,13 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     y_RH = layer_grouped_gemm(a_RI, down, m_sizes_e, scatter_index=scatter_index, row_weights=row_weights,
                               bias=down_bias, configs=configs[1], backend=backend, bounded_rows=bounded_rows)
     return _summed_per_token(y_RH, slot_sum, slots_per_token, backend)
+
+
+def _check_slots_per_token(slots_per_token: Optional[int], scatter_index: Optional[torch.Tensor],
+                           with_slot_sum: bool = False) -> None:
+    if slots_per_token is not None and (scatter_index is None or with_slot_sum):
+        raise ValueError("slots_per_token sums the rows that scatter_index places at every slot of a dropless "
+                         "routing; pass it with scatter_index (and without slot_sum), or sum the rows yourself")
 
 
 def _summed_per_token(y_RH: torch.Tensor, slot_sum: Optional[RoutingMetadata], slots_per_token: Optional[int],
@@ -413,6 +421,7 @@ class ModuleExperts(_LocalExperts):
                 backend: str = "torch", configs=None, gather_slots: Optional[torch.Tensor] = None,
                 slots_per_token: Optional[int] = None) -> torch.Tensor:
         """As :meth:`GroupedExperts.forward` (``gather_slots`` unused: no Triton backward here)."""
+        _check_slots_per_token(slots_per_token, scatter_index)
         y_RH = self._run(x, m_sizes_e, self.expert_tensors(), gather_index, scatter_index, row_weights)
         return y_RH if slots_per_token is None else combine_slots(y_RH, slots_per_token)
 

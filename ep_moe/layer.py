@@ -44,7 +44,7 @@ from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts
 from ep_moe.forward_graphs import ForwardGraphs
 from ep_moe.kernels.ops import debug_enabled
 from ep_moe.parallel import resolve_ep_group
-from ep_moe.routing import RouterOutput, capacity_keep_mask, expert_capacity, route, shared_scalar
+from ep_moe.routing import RouterOutput, capacity_keep_mask, expert_capacity, route
 
 if TYPE_CHECKING:
     from ep_moe.autotune.space import GemmProblem
@@ -358,13 +358,13 @@ class MoELayer(nn.Module):
             by_capacity = keep_TK.numel() - keep_TK.sum()
             num_dropped = by_capacity if bound_dropped is None else by_capacity + bound_dropped
         elif num_dropped is None:
-            num_dropped = shared_scalar(0, counts_E.device, torch.int64)
-        # straight into the instance dict: nn.Module.__setattr__'s checks cost more host time
-        # than the rest of this method, and a plain attribute needs none of them
-        self.__dict__["last_stats"] = MoEStats(
+            num_dropped = torch.zeros((), dtype=torch.int64, device=counts_E.device)
+        # past nn.Module.__setattr__, whose checks for parameters, buffers and submodules cost
+        # more host time than the rest of this method and never apply to a plain attribute
+        object.__setattr__(self, "last_stats", MoEStats(
             aux_loss=router.aux_loss, z_loss=router.z_loss, tokens_per_expert=counts_E,
             num_dropped=num_dropped, with_autograd=with_autograd,
-        )
+        ))
         if self.expert_bias is not None and self.training:
             self._load_since_update += counts_E
 

@@ -29,26 +29,6 @@ import torch.nn.functional as F
 ScoreFunc = Literal["softmax", "sigmoid"]
 DropPolicy = Literal["probs", "position"]
 
-_SCALARS: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
-"""(value, device, dtype) -> the 0-dim tensor :func:`shared_scalar` hands out."""
-
-
-def shared_scalar(value: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A 0-dim ``value`` (a disabled loss's zero, no dropped slots, the one each routed slot
-    counts) on ``device``, without a fill kernel per call: one tensor per value, device and
-    dtype is handed out again and again, so a small eager call does not pay a launch for
-    each. It is replaced by a fresh one once anyone has written to it (its version counter
-    moved) or made it require grad. Fresh on every call while a CUDA graph is captured (the
-    graph must own what it outputs) or ``torch.compile`` traces."""
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return torch.full((), value, device=device, dtype=dtype)
-    key = (value, device, dtype)
-    scalar = _SCALARS.get(key)
-    if scalar is None or scalar._version or scalar.requires_grad:
-        with torch.inference_mode(False):  # usable with autograd later, whatever the mode now
-            scalar = _SCALARS[key] = torch.full((), value, device=device, dtype=dtype)
-    return scalar
-
 
 @dataclass(frozen=True)
 class RouterOutput:
@@ -117,7 +97,7 @@ def count_ids(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
     """How often each id in ``[0, num_bins)`` occurs (int64). Unlike ``torch.bincount``,
     which reads the largest id back to the host on CUDA, this never syncs."""
     counts = torch.zeros(num_bins, dtype=torch.int64, device=ids.device)
-    return counts.scatter_add_(0, ids.long(), shared_scalar(1, ids.device, torch.int64).expand(ids.shape))
+    return counts.scatter_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
 
 
 def count_sorted(sorted_ids: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -179,7 +159,7 @@ def route(
         topk_weights_TK = topk_weights_TK / (sum_T1 if score_func == "softmax" else sum_T1 + 1e-20)
     counts_E = count_ids(topk_ids_TK.flatten(), num_experts)
 
-    aux_loss = z_loss = shared_scalar(0, logits_TE.device, logits_TE.dtype)
+    aux_loss = z_loss = logits_TE.new_zeros(())
     if num_tokens > 0 and aux_loss_coef > 0:
         probs_TE = scores_TE if score_func == "softmax" else scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
         fraction_E = counts_E.to(router_dtype) / (num_tokens * top_k)

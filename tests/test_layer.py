@@ -77,16 +77,32 @@ def test_capacity_drops_as_documented(policy):
     assert (y[torch.arange(8) != kept] == 0).all() and (y[kept] != 0).any()
 
 
-def test_stats_of_a_dropless_layer_stay_zero_when_a_caller_writes_to_them():
-    layer = MoELayer(_config(top_k=2, z_loss_coef=0.0))  # dropless, no z loss: both zeros are shared
-    layer(torch.randn(4, H))
-    total = layer.last_stats.num_dropped
-    total += 3  # accumulating into what the layer returned
-    z_loss = layer.last_stats.z_loss
-    z_loss += 1.0
-    layer(torch.randn(4, H))
-    assert int(layer.last_stats.num_dropped) == 0 and float(layer.last_stats.z_loss) == 0
-    assert int(total) == 3 and float(z_loss) == 1.0
+def test_stats_are_each_calls_own_when_a_caller_adds_into_them():
+    # dropless, no z loss: the zeros a caller may sum into must not be shared between layers
+    # or calls (a cache of them once aliased every layer's and doubled such sums)
+    layers = [MoELayer(_config(top_k=2, z_loss_coef=0.0)) for _ in range(2)]
+    x = torch.randn(4, H)
+    for layer in layers:
+        layer(x)
+    dropped, z_loss = layers[0].last_stats.num_dropped, layers[0].last_stats.z_loss
+    for layer in layers[1:]:
+        dropped += layer.last_stats.num_dropped + 3
+        z_loss += layer.last_stats.z_loss + 1.0
+    assert int(dropped) == 3 and float(z_loss) == 1.0
+    assert int(layers[1].last_stats.num_dropped) == 0 and float(layers[1].last_stats.z_loss) == 0
+    layers[0](x)
+    assert int(layers[0].last_stats.num_dropped) == 0 and float(layers[0].last_stats.z_loss) == 0
+
+
+def test_slots_per_token_needs_rows_placed_at_every_slot():
+    layer = MoELayer(_config(top_k=2))
+    x, counts = torch.randn(3, H), torch.tensor([6] + [0] * (E - 1))
+    rows = torch.arange(6)
+    with pytest.raises(ValueError, match="pass it with scatter_index"):
+        layer.experts(x, counts, gather_index=rows // 2, slots_per_token=2)
+    summed = layer.experts(x, counts, gather_index=rows // 2, scatter_index=rows, slots_per_token=2)
+    torch.testing.assert_close(summed, layer.experts(x, counts, gather_index=rows // 2,
+                                                     scatter_index=rows).view(3, 2, H).sum(1))
 
 
 def test_zero_tokens():

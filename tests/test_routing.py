@@ -11,10 +11,8 @@ from ep_moe.routing import (
     capacity_keep_mask,
     count_sorted,
     expert_capacity,
-    count_ids,
     rank_counts,
     route,
-    shared_scalar,
 )
 
 T, H, E = 13, 16, 8
@@ -138,27 +136,6 @@ def test_losses_zero_without_tokens_or_coef():
     x_TH, w_EH = _inputs(3)
     out = route(x_TH, w_EH, top_k=2)
     assert out.aux_loss.item() == 0 and out.z_loss.item() == 0
-
-
-def test_shared_scalars_are_reused_until_someone_writes_to_them():
-    zero = shared_scalar(0, torch.device("cpu"), torch.float32)
-    assert shared_scalar(0, torch.device("cpu"), torch.float32) is zero and zero.item() == 0
-    one = shared_scalar(1, torch.device("cpu"), torch.int64)
-    assert one is not zero and one.item() == 1 and one.dtype == torch.int64
-    disabled = route(*_inputs(4), top_k=2).z_loss
-    disabled += 5.0  # a caller accumulating into a returned loss
-    fresh = route(*_inputs(4), top_k=2).z_loss
-    assert fresh is not disabled and fresh.item() == 0 and disabled.item() == 5.0
-    fresh.requires_grad_()
-    assert not shared_scalar(0, torch.device("cpu"), torch.float32).requires_grad
-    one.mul_(3)  # the count of each slot stays 1
-    assert count_ids(torch.tensor([2, 0, 2]), 3).tolist() == [1, 0, 2]
-    with torch.inference_mode():  # made in inference mode, still usable by autograd afterwards
-        shared_scalar(0, torch.device("cpu"), torch.float32).add_(1)
-        made = shared_scalar(0, torch.device("cpu"), torch.float32)
-    weight = torch.ones((), requires_grad=True)
-    (made * weight).backward()
-    assert not made.is_inference() and weight.grad.item() == 0
 
 
 @pytest.mark.parametrize("case", ["random", "one_bin", "sentinels", "empty"])
