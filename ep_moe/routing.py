@@ -146,17 +146,24 @@ def route(
     else:
         raise ValueError(f"score_func={score_func!r}: use 'softmax' or 'sigmoid'")
 
-    if expert_bias_E is None:  # the top-k values are the scores: no gather
+    # Renormalised softmax scores of the chosen experts are the softmax of their logits: that
+    # K-wide softmax's backward is a kernel and a scatter, where a division by the scores' sum
+    # and the top-k's scatter take eight kernels.
+    softmax_of_chosen = score_func == "softmax" and norm_topk_prob
+    if expert_bias_E is None and not softmax_of_chosen:  # the top-k values are the weights: no gather
         topk_weights_TK, topk_ids_TK = torch.topk(scores_TE, top_k, dim=-1)
+        topk_scores_TK = topk_weights_TK.detach()
     else:
-        select_TE = scores_TE.detach() + expert_bias_E.to(router_dtype)
-        topk_ids_TK = torch.topk(select_TE, top_k, dim=-1).indices
-        topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
-    topk_scores_TK = topk_weights_TK.detach()
-    if norm_topk_prob:
-        sum_T1 = topk_weights_TK.sum(dim=-1, keepdim=True)
-        # softmax top-k scores sum to at least 1/E; sigmoid ones can all underflow to 0
-        topk_weights_TK = topk_weights_TK / (sum_T1 if score_func == "softmax" else sum_T1 + 1e-20)
+        select_TE = scores_TE.detach()
+        if expert_bias_E is not None:
+            select_TE = select_TE + expert_bias_E.to(router_dtype)
+        topk_scores_TK, topk_ids_TK = torch.topk(select_TE, top_k, dim=-1)
+        if expert_bias_E is not None:  # chosen with the bias, weighted by the scores alone
+            topk_scores_TK = scores_TE.detach().gather(1, topk_ids_TK)
+        topk_weights_TK = (torch.softmax(logits_TE.gather(1, topk_ids_TK), dim=-1) if softmax_of_chosen
+                           else scores_TE.gather(1, topk_ids_TK))
+    if norm_topk_prob and not softmax_of_chosen:  # sigmoid scores can all underflow to 0
+        topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
     counts_E = count_ids(topk_ids_TK.flatten(), num_experts)
 
     aux_loss = z_loss = logits_TE.new_zeros(())
