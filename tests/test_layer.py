@@ -31,6 +31,7 @@ LOCAL_CASES = [
     dict(top_k=3, activation="gelu"),
     dict(top_k=4, activation="relu", norm_topk_prob=False),
     dict(top_k=2, score_func="sigmoid", expert_bias=True),
+    dict(top_k=2, expert_bias=True),  # softmax: chosen with the bias, weighted by the chosen logits' softmax
     dict(top_k=2, num_shared_experts=2, shared_intermediate_size=12),
     dict(top_k=2, capacity_factor=0.625, drop_policy="probs"),  # capacity ceil(2.5) = 3
     dict(top_k=3, capacity_factor=0.75, drop_policy="position"),  # ceil(4.5) = 5
