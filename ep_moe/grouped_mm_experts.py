@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ep_moe.kernels.arrival import arrival_of
+from ep_moe.routing import combine_slots
 
 GROUPED_MM_MAX_ROWS = 4096
 """Most routed rows (tokens x top-k on this rank, or the all-gathers' bound) an eager forward
@@ -65,22 +66,28 @@ def _grouped_mm_works(device: torch.device) -> bool:
     return _WORKS_ON[index]
 
 
+def small_eager_call(x: torch.Tensor, num_rows: int, recorded: bool) -> bool:
+    """Whether a call over ``num_rows`` routed rows of ``x`` is one the torch path beats the
+    fused kernels on: eager (not compiled, not graph-captured) bf16 on a CUDA device where
+    ``torch._grouped_mm`` runs, of at most :data:`GROUPED_MM_MAX_ROWS` rows (twice as many
+    where autograd records the call: ``recorded``)."""
+    return (num_rows <= GROUPED_MM_MAX_ROWS * (2 if recorded else 1) and not torch.compiler.is_compiling()
+            and _eager_bf16_where_it_runs(x))
+
+
 def use_grouped_mm(x: torch.Tensor, weights: tuple[torch.Tensor, ...], num_rows: int,
                    slot_index_R: Optional[torch.Tensor]) -> bool:
     """Whether :func:`ep_moe.experts.expert_mlp` runs this call through
-    :func:`grouped_mm_mlp`: an eager (not compiled, not graph-captured) bf16 CUDA call of 1
-    to :data:`GROUPED_MM_MAX_ROWS` routed rows (twice as many if autograd records it; for the
+    :func:`grouped_mm_mlp`: a :func:`small_eager_call` of at least one routed row (for the
     all-gathers, the bound of rows: all are computed), each with its slot (dropless at EP=1,
     any all-to-all or all-gather), on rows that have landed, with contiguous weights of
     16-byte rows (``torch._grouped_mm``'s alignment)."""
-    recorded = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
-    if not (0 < num_rows <= GROUPED_MM_MAX_ROWS * (2 if recorded else 1) and slot_index_R is not None):
-        return False
-    if torch.compiler.is_compiling() or arrival_of(x) is not None:
+    if num_rows == 0 or slot_index_R is None or arrival_of(x) is not None:
         return False
     if x.shape[1] % 8 or any(w.shape[1] % 8 or w.shape[2] % 8 or not w.is_contiguous() for w in weights):
         return False
-    return _eager_bf16_where_it_runs(x)
+    recorded = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+    return small_eager_call(x, num_rows, recorded)
 
 
 def _eager_bf16_where_it_runs(x: torch.Tensor) -> bool:
@@ -141,11 +148,7 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
     one_hot_Re = None
     if gate_up_bias is not None or down_bias is not None:
         one_hot_Re = _expert_one_hot(offsets_e, num_rows, x.dtype)
-    if torch.is_grad_enabled() and x.requires_grad:
-        # each slot's copy of its row, then the routed slots: the backward sums the K copies
-        rows_RH = x.unsqueeze(1).expand(-1, top_k, -1).reshape(top_k_rows, -1).index_select(0, slot_index_R)
-    else:
-        rows_RH = x.index_select(0, token_index_R)
+    rows_RH = rows_of_slots(x, top_k, slot_index_R, token_index_R)
     counted_R1 = None
     if bounded_rows:  # compared on the device: the count is not known on the host
         counted_R1 = (torch.arange(num_rows, device=x.device, dtype=offsets_e.dtype) < offsets_e[-1]).unsqueeze(1)
@@ -163,16 +166,26 @@ def grouped_mm_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch
     if scatter_index is not None:  # placed first: the row weights are indexed by output row
         y_RH = torch.empty_like(y_RH).index_copy_(0, scatter_index, y_RH)
         if sum_slots:  # every slot filled: weighted as [T, K, H], whose gradient needs no copy to rows
-            y_TKH = y_RH.view(x.shape[0], top_k, -1)
-            if row_weights is not None:
-                y_TKH = y_TKH * row_weights.to(torch.float32).view(x.shape[0], top_k, 1)
-            return y_TKH.sum(dim=1, dtype=torch.float32).to(x.dtype)
+            return combine_slots(y_RH, top_k, row_weights)
     if row_weights is not None:  # in fp32, rounded once: with the slot sum, after it
         y_RH = y_RH * row_weights.to(torch.float32).unsqueeze(1)
     if sum_slots:  # each row at its slot, the rest zero
         y_NH = y_RH.new_zeros(top_k_rows, y_RH.shape[1]).index_copy_(0, slot_index_R, y_RH)
         return y_NH.view(x.shape[0], top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
     return y_RH.to(x.dtype)
+
+
+def rows_of_slots(x: torch.Tensor, top_k: int, slot_index_R: torch.Tensor,
+                  token_index_R: torch.Tensor) -> torch.Tensor:
+    """The row of ``x`` each routed slot reads, [R, H]: ``x[token_index_R]``, where
+    ``token_index_R`` is ``slot_index_R // top_k``. Where autograd records it, through each
+    slot's copy of its row (``slot_index_R`` distinct), so that the backward sums each row's
+    K slot gradients in a reduction: deterministic, where the gather's backward would add
+    them with atomics."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        copies_NH = x.unsqueeze(1).expand(-1, top_k, -1).reshape(x.shape[0] * top_k, x.shape[1])
+        return copies_NH.index_select(0, slot_index_R)
+    return x.index_select(0, token_index_R)
 
 
 def _counted_only(t_RX: torch.Tensor, counted_R1: Optional[torch.Tensor]) -> torch.Tensor:

@@ -367,9 +367,14 @@ def build_rank_routing(topk_ids_TK: torch.Tensor, keep_TK: Optional[torch.Tensor
     return RankRouting(pairs=pairs, local_ids_UK=local_ids_UK.to(torch.int32), num_sent=pairs.counts_E.sum())
 
 
-def combine_slots(y_NH: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Sum each token's K slots (rows in slot order, already weighted by the expert GEMM),
-    [T, H] in y's dtype (accumulated in fp32, or fp64; under CUDA autocast a plain ``sum``
-    would return fp32)."""
+def combine_slots(y_NH: torch.Tensor, top_k: int, weights_N: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum each token's K slots (rows in slot order), times their top-k weights ``weights_N``
+    (flattened in slot order) when given, else already weighted (by the expert GEMM): [T, H]
+    in y's dtype, weighted and accumulated in fp32 (fp64 for fp64 rows) and rounded once
+    (under CUDA autocast a plain ``sum`` would return fp32). Weighted as [T, K, H], so that
+    the gradient of the rows needs no copy back to [N, H]."""
     acc_dtype = torch.float64 if y_NH.dtype == torch.float64 else torch.float32
-    return y_NH.view(-1, top_k, y_NH.shape[1]).sum(dim=1, dtype=acc_dtype).to(y_NH.dtype)
+    y_TKH = y_NH.view(-1, top_k, y_NH.shape[1])
+    if weights_N is not None:
+        y_TKH = y_TKH * weights_N.to(acc_dtype).view(-1, top_k, 1)
+    return y_TKH.sum(dim=1, dtype=acc_dtype).to(y_NH.dtype)

@@ -5,9 +5,10 @@ rank comes back (:class:`AllToAllDispatcher`).
 Shape suffixes follow the legend in :mod:`ep_moe.routing` (U rows this rank sends, one
 per token and destination rank; P ranks of the EP group). One EP>1 layer forward is:
 
-1. :func:`gather_counts`: every rank learns, per source and destination rank, how many
-   rows and kept slots go there (:func:`ep_moe.routing.rank_counts`), in one all-gather
-   and the layer's single host sync per call (after the first call's config check).
+1. :func:`start_gather_counts`: every rank learns, per source and destination rank, how
+   many rows and kept slots go there (:func:`ep_moe.routing.rank_counts`) and each rank's
+   vote for the slot-row format (below), in one all-gather and the layer's single host
+   sync per call (after the first call's config check).
 2. :func:`rank_splits`: this rank's split sizes, which ``all_to_all_single`` needs.
 3. :func:`start_dispatch`: rows (and their local expert ids and top-k weights) go to the
    destination ranks and arrive grouped by source rank; the receiver routes them to its
@@ -19,6 +20,14 @@ The exchanges are asynchronous (:class:`~ep_moe.ep.base.PendingExchange`) so tha
 :mod:`ep_moe.ep.pipeline` can overlap the backward's returning row gradients with the weight-gradient GEMMs.
 :class:`NcclExchange` bundles them per layer call. With a group of one rank (or none) no
 collective runs: the functions return their input.
+
+Where every rank of the group votes for it (a small eager call on each,
+:func:`ep_moe.ep.slot_rows.wants_slot_rows`), the call takes the slot-row format of
+:mod:`ep_moe.ep.slot_rows` instead: one row per kept slot, whose experts the receiver
+learns from the counts, so neither ids nor weights travel; the experts run outside the
+pipeline, between two differentiable all-to-alls (:func:`exchange_rows`), in about half the
+torch ops. A rank that voted for it while another did not queues the main format's
+first steps after the sync instead of before it.
 """
 
 from __future__ import annotations
@@ -30,10 +39,21 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ep_moe.ep.base import Dispatcher, PendingExchange, all_gather_single, group_size, round_up
 from ep_moe.ep.pipeline import expert_pipeline
+from ep_moe.ep.slot_rows import (
+    EXPERT_COUNTS,
+    VOTE,
+    SlotRows,
+    arrived_expert_order,
+    combine_slot_rows,
+    slot_counts,
+    sort_slot_rows,
+    wants_slot_rows,
+)
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.kernels.permute import gather_tokens, permute_tokens, sum_slot_rows
 from ep_moe.routing import (
@@ -71,15 +91,18 @@ class PendingCounts:
 
     _keep: tuple = ()  # also for an instance torch.compile made without __init__ (its __del__ runs)
 
-    def __init__(self, host: torch.Tensor, shape: tuple, event: Optional[torch.cuda.Event] = None,
+    def __init__(self, host: torch.Tensor, gathered: torch.Tensor, event: Optional[torch.cuda.Event] = None,
                  keep: tuple = ()) -> None:
-        self._host, self._shape, self._event, self._keep = host, shape, event, keep
+        self._host, self._event, self._keep = host, event, keep
+        self.gathered = gathered
+        """Every rank's counts on the device, [P, P, X] (``all[q][p]``): for the current
+        stream once :meth:`result` has returned (the host has then seen the all-gather end)."""
 
     @eager_or_graph_break  # the host sync: eager under torch.compile
     def result(self) -> list:
         """The nested lists ``all[q][p]`` (host ints; blocks until they are here)."""
         self._release()
-        return self._host.view(self._shape).tolist()
+        return self._host.tolist()
 
     def _release(self) -> None:
         if self._keep:
@@ -94,35 +117,39 @@ _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 @eager_or_graph_break  # streams, events and async collectives stay eager under torch.compile
-def start_gather_counts(counts_PX: torch.Tensor, group: Optional[ProcessGroup]) -> PendingCounts:
+def start_gather_counts(counts_PX: torch.Tensor, group: Optional[ProcessGroup],
+                        host_columns: Optional[int] = None) -> PendingCounts:
     """Start gathering every rank's per-destination counts: ``counts_PX[p]`` holds X
     numbers this rank has for rank p; :meth:`PendingCounts.result` returns nested lists
-    ``all[q][p]``, rank q's ``counts_PX[p]``. Reading the result is the layer's single host
-    sync (``all_to_all_single`` needs its split sizes as ints).
+    ``all[q][p]``, rank q's ``counts_PX[p]`` (its first ``host_columns`` numbers only, when
+    given: the rest stay on the device, :attr:`PendingCounts.gathered`). Reading the result
+    is the layer's single host sync (``all_to_all_single`` needs its split sizes as ints).
 
     On CUDA the counts come to pinned host memory on a side stream, so the host waits for
     them alone: work queued on the current stream after this call keeps the GPU busy while
     the host waits, and after."""
     size = group_size(group)
-    shape = (size,) + tuple(counts_PX.shape)
-    if size == 1:
-        return PendingCounts(counts_PX, shape)
     counts_PX = counts_PX.contiguous()
-    every = counts_PX.new_empty((size * counts_PX.shape[0],) + tuple(counts_PX.shape[1:]))
+    shape = (size,) + tuple(counts_PX.shape)
+    columns = slice(None) if host_columns is None else slice(0, host_columns)
+    if size == 1:
+        every = counts_PX.view(shape)
+        return PendingCounts(every[..., columns], every)
+    every = counts_PX.new_empty(shape)
     if counts_PX.device.type != "cuda":
-        all_gather_single(every, counts_PX, group=group)  # concatenated along dim 0
-        return PendingCounts(every, shape)
-    work = all_gather_single(every, counts_PX, group=group, async_op=True)
+        all_gather_single(every.view(-1, *shape[2:]), counts_PX, group=group)  # concatenated along dim 0
+        return PendingCounts(every[..., columns], every)
+    work = all_gather_single(every.view(-1, *shape[2:]), counts_PX, group=group, async_op=True)
     if counts_PX.device not in _copy_streams:
         _copy_streams[counts_PX.device] = torch.cuda.Stream(counts_PX.device)
     stream = _copy_streams[counts_PX.device]
-    host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
+    host = torch.empty(every[..., columns].shape, dtype=every.dtype, pin_memory=True)
     with torch.cuda.stream(stream):
         work.wait()  # this stream, not the current one, waits for the all-gather
-        host.copy_(every, non_blocking=True)
+        host.copy_(every[..., columns], non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
-    return PendingCounts(host, shape, event, keep=(work, counts_PX, every))
+    return PendingCounts(host, every, event, keep=(work, counts_PX, every))
 
 
 def gather_counts(counts_PX: torch.Tensor, group: Optional[ProcessGroup]) -> list:
@@ -158,6 +185,28 @@ def start_combine(out_SH: torch.Tensor, splits: SplitSizes, group: Optional[Proc
     """The reverse of :func:`start_dispatch`: rows in arrival order go back to the ranks
     that sent them and arrive ([U, ...]) in that rank's send order."""
     return start_exchange(out_SH, splits.send, splits.recv, group)
+
+
+class _RowsExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return start_exchange(x, output_splits, input_splits, group).wait()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return start_exchange(grad.contiguous(), input_splits, output_splits, ctx.group).wait(), None, None, None
+
+
+def exchange_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                  group: Optional[ProcessGroup]) -> torch.Tensor:
+    """``all_to_all_single`` of the rows of ``x``, differentiable: the backward sends the
+    gradients back the way the rows came. No group: ``x`` itself."""
+    if group_size(group) == 1:
+        return x
+    return _RowsExchange.apply(x, output_splits, input_splits, group)
 
 
 _PACK_ALIGN = 8
@@ -260,34 +309,68 @@ class RoutedRows:
     """Slots of the arrived rows that chose this rank's experts."""
 
 
+@dataclass
+class ArrivedSlotRows:
+    """What :meth:`AllToAllDispatcher.dispatch` hands its later steps in the slot-row format
+    (:mod:`ep_moe.ep.slot_rows`): the rows have arrived."""
+
+    backend: str
+    sent: SlotRows
+    """This rank's slots, cut to the kept ones (the rows sent)."""
+    splits: SplitSizes
+    rows_SH: torch.Tensor
+    """The kept slots' rows that arrived here, grouped by source, each source's by expert."""
+    counts_Pe: torch.Tensor
+    """Kept slots each source sent to each local expert (int64 [P, e], on the device)."""
+
+
 class AllToAllDispatcher(Dispatcher):
     """``dispatch="all_to_all"``: one host sync per call (the split sizes), any token count
     per rank; each token travels once per destination rank, and the receiver expands it to
-    its experts and sums their outputs before sending one row back."""
+    its experts and sums their outputs before sending one row back. A small eager call on
+    every rank sends one row per kept slot instead (:mod:`ep_moe.ep.slot_rows`)."""
 
     # Both steps run eagerly under torch.compile: the host sync, collectives and side
     # streams make graph breaks of nearly every line.
     @eager_or_graph_break
     def dispatch(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
-                 backend: str) -> RoutedRows:
+                 backend: str) -> "RoutedRows | ArrivedSlotRows":
         """Count, sort and send: one all-gather of counts and one host sync, then the rows."""
         ids_TK = router.topk_ids_TK
-        send_P, counts_PX = rank_counts(ids_TK, keep_TK, self.num_local, self.size)
-        pending_counts = start_gather_counts(counts_PX, self.group)
+        send_P, counts_P2 = rank_counts(ids_TK, keep_TK, self.num_local, self.size)
+        slots = None
+        if backend == "triton" and wants_slot_rows(x_TH, ids_TK.numel()):
+            slots = sort_slot_rows(x_TH, router, keep_TK, self.config.num_experts)
+        pending_counts = start_gather_counts(slot_counts(counts_P2, slots, self.num_local), self.group,
+                                             host_columns=EXPERT_COUNTS)
         # Queue all that does not need the split sizes before the host waits for them, so
-        # the GPU has work while the host issues the rest: the (token, rank) sort, padded to
-        # T*min(P, K) rows of which the first U are sent; the top-k weights and local expert
-        # ids of those rows, packed to travel in one message; the send rows themselves.
-        routing = build_rank_routing(ids_TK, keep_TK, send_P, self.num_local)
+        # the GPU has work while the host issues the rest.
+        early = None if slots is not None else self._before_counts(x_TH, router, keep_TK, send_P, backend)
+        counts = pending_counts.result()  # [source][destination][rows, slots, vote]: the host sync
+        if all(source[0][VOTE] for source in counts):
+            return self._send_slot_rows(slots, counts, pending_counts.gathered, backend)
+        if early is None:  # this rank voted for the slot rows, another did not
+            early = self._before_counts(x_TH, router, keep_TK, send_P, backend)
+        return self._send_rank_rows(x_TH, early, counts, backend)
+
+    def _before_counts(self, x_TH: torch.Tensor, router: RouterOutput, keep_TK: Optional[torch.Tensor],
+                       send_P: torch.Tensor, backend: str) -> tuple:
+        """The main format's work before the split sizes are known: the (token, rank) sort,
+        padded to T*min(P, K) rows of which the first U are sent; the top-k weights and
+        local expert ids of those rows, packed to travel in one message; the send rows."""
+        routing = build_rank_routing(router.topk_ids_TK, keep_TK, send_P, self.num_local)
         weights_U = permute_tokens(router.topk_weights_TK, routing.pairs, backend)
         packed = pack_rows([routing.local_ids_UK, weights_U])
         early_rows = gather_tokens(x_TH, routing.pairs, routing.num_sent, backend)
-        counts = pending_counts.result()  # [source][destination][rows, slots]: the host sync
+        return routing, weights_U, packed, early_rows
+
+    def _send_rank_rows(self, x_TH: torch.Tensor, early: tuple, counts: list, backend: str) -> RoutedRows:
+        """The main format's exchanges, right after the sync: first the small one of expert
+        ids and weights, then the rows, which travel while the host queues the receiver's
+        routing (the GPU would otherwise idle until the host has issued it)."""
+        routing, weights_U, packed, early_rows = early
         splits = rank_splits(counts, self.rank)
         num_sent = sum(splits.send)
-        # Right after the sync, the exchanges: first the small one of expert ids and weights,
-        # then the rows, which travel while the host queues the receiver's routing (the GPU
-        # would otherwise idle until the host has issued it).
         routing = routing.first_rows(num_sent)
         packed_in = start_dispatch_packed(packed.first_rows(num_sent), splits, self.group)
         exchange = NcclExchange(self.group, splits)
@@ -297,11 +380,24 @@ class AllToAllDispatcher(Dispatcher):
         num_kept = sum(source[self.rank][1] for source in counts)
         return RoutedRows(backend, routing, send_rows, weights_U[:num_sent], exchange, rows_in, packed_in, num_kept)
 
+    def _send_slot_rows(self, slots: SlotRows, counts: list, gathered: torch.Tensor,
+                        backend: str) -> ArrivedSlotRows:
+        """The slot-row format's exchange: each destination's kept slots (as many as the
+        second count), which arrive grouped by source."""
+        splits = SplitSizes(send=[x[1] for x in counts[self.rank]], recv=[source[self.rank][1] for source in counts])
+        num_sent = sum(splits.send)
+        sent = SlotRows(slots.meta.first_rows(num_sent), slots.rows_NH[:num_sent], slots.weights_TK)
+        rows_SH = exchange_rows(sent.rows_NH, splits.recv, splits.send, self.group)
+        return ArrivedSlotRows(backend, sent, splits, rows_SH, gathered[:, self.rank, EXPERT_COUNTS:])
+
     @eager_or_graph_break
-    def experts(self, routed: RoutedRows, experts: "GroupedExperts") -> torch.Tensor:
-        """The arrived rows routed to the local experts, the experts on them (GEMM2 sums each
-        row's slots) and one row back per row received, through the expert pipeline: [U, H]
-        in send order."""
+    def experts(self, routed: "RoutedRows | ArrivedSlotRows", experts: "GroupedExperts") -> torch.Tensor:
+        """The arrived rows routed to the local experts, the experts on them and one row back
+        per row received, in send order: [U, H], each row's slots weighted and summed
+        (through the expert pipeline), or in the slot-row format the kept slots' rows,
+        unweighted."""
+        if isinstance(routed, ArrivedSlotRows):
+            return self._slot_row_experts(routed, experts)
         recv_ids_SK, recv_weights_SK = routed.ids_in.wait()  # local expert ids, -1 for slots sent elsewhere
         local = build_routing_metadata(recv_ids_SK.clamp(min=0), self.num_local, recv_ids_SK >= 0,
                                        num_kept=routed.num_kept)
@@ -312,6 +408,19 @@ class AllToAllDispatcher(Dispatcher):
         return expert_pipeline(expert_fn, local, routed.exchange, experts.expert_tensors(), routed.send_rows,
                                routed.send_weights, recv_weights_SK, routed.rows_in)
 
-    def combine(self, routed: RoutedRows, out: torch.Tensor) -> torch.Tensor:
-        """Each token's returned rows summed (one per destination rank): [T, H]."""
+    def _slot_row_experts(self, routed: ArrivedSlotRows, experts: "GroupedExperts") -> torch.Tensor:
+        """The experts on the arrived slot rows in expert order, each output row back to its
+        sender: [kept slots sent, H]."""
+        num_rows = routed.splits.num_recv
+        m_sizes_e, order_S = arrived_expert_order(routed.counts_Pe, num_rows)
+        configs = functools.partial(experts.kernel_configs, routed.backend, num_rows, routed.rows_SH)
+        out_SH = experts(routed.rows_SH, m_sizes_e, gather_index=order_S, scatter_index=order_S,
+                         backend=routed.backend, configs=configs, gather_slots=order_S)
+        return exchange_rows(out_SH, routed.splits.send, routed.splits.recv, self.group)
+
+    def combine(self, routed: "RoutedRows | ArrivedSlotRows", out: torch.Tensor) -> torch.Tensor:
+        """Each token's returned rows summed (one per destination rank, or in the slot-row
+        format one per kept slot, weighted here): [T, H]."""
+        if isinstance(routed, ArrivedSlotRows):
+            return combine_slot_rows(out, routed.sent.meta, routed.sent.weights_TK)
         return sum_slot_rows(out, routed.routing.pairs, routed.backend)

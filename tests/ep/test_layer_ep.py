@@ -511,6 +511,75 @@ def test_small_call_path_on_the_ep_path_matches_ep1(world_size):
 
 
 # ---------------------------------------------------------------------------------------
+# The all-to-all's slot-row format (ep_moe.ep.slot_rows): every rank votes for it on small
+# eager bf16 CUDA calls, so here the votes are forced. Its receivers' experts run on the
+# small-call path (forced too) or on the kernels; where one rank votes against it, every
+# rank takes the main format.
+
+SLOT_ROW_SCENARIOS = ("top1", "top3", "skewed", "empty_rank", "capacity_probs", "capacity_one_expert",
+                      "sigmoid_gelu_bias_shared", "relu_unnormalised")
+SLOT_ROW_RUNS = {  # name: (votes of ranks 0, 1, ..., experts forced onto the small-call path, scenarios)
+    "all_vote": (None, True, SLOT_ROW_SCENARIOS),
+    "all_vote_kernels": (None, False, ("top3", "empty_rank", "capacity_probs")),
+    "rank0_votes": ((True,), True, ("top3", "empty_rank")),
+}
+
+
+def _slot_rows_worker(rank, world_size):
+    import ep_moe.ep.all_to_all as a2a_mod
+    import ep_moe.experts as experts_mod
+
+    use_grouped_mm, send_slot_rows = experts_mod.use_grouped_mm, AllToAllDispatcher._send_slot_rows
+    formats = []
+
+    def sent_slot_rows(self, *args):
+        formats.append("slot_rows")
+        return send_slot_rows(self, *args)
+
+    AllToAllDispatcher._send_slot_rows = sent_slot_rows
+    results = {}
+    try:
+        for run, (votes, grouped_mm, names) in SLOT_ROW_RUNS.items():
+            vote = True if votes is None else rank < len(votes) and votes[rank]
+            a2a_mod.wants_slot_rows = lambda x, num_slots, vote=vote: vote
+            experts_mod.use_grouped_mm = use_grouped_mm if not grouped_mm else (
+                lambda x, weights, num_rows, slot_index_R: num_rows > 0 and slot_index_R is not None)
+            for name in names:
+                kwargs, state, inputs, grads = _scenario(name, world_size)
+                layer = MoELayer(_config(**{**kwargs, "backend": "triton"}), dist.group.WORLD)
+                layer.load_state_dict(state)
+                formats.clear()
+                results[run, name] = dict(run=_run_layer(layer, inputs[rank], grads[rank]),
+                                          grads=_param_grads(layer), formats=list(formats))
+    finally:
+        AllToAllDispatcher._send_slot_rows = send_slot_rows
+        experts_mod.use_grouped_mm = use_grouped_mm
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_slot_row_format_matches_ep1(world_size):
+    results = run_distributed(_slot_rows_worker, world_size)
+    for run, (votes, _, names) in SLOT_ROW_RUNS.items():
+        for name in names:
+            ref_runs, ref_grads = _ep1_reference(name, world_size)
+            summed = {}
+            for rank, (res, ref) in enumerate(zip(results, ref_runs)):
+                got = res[run, name]
+                # one forward per call: the slot rows where every rank voted for them
+                assert got["formats"] == (["slot_rows"] if votes is None else []), (run, name, rank)
+                for key in ("y", "dx", "aux", "z"):
+                    _close(got["run"][key], ref[key])
+                assert got["run"]["counts"].tolist() == ref["counts"].tolist()
+                for key, grad in got["grads"].items():
+                    summed[key] = summed.get(key, 0) + grad
+            assert summed.keys() == ref_grads.keys()
+            for key, grad in ref_grads.items():
+                _close(summed[key], grad)
+
+
+# ---------------------------------------------------------------------------------------
 # EP x EDP layout, the expert bias under DDP, one config across the EP group.
 
 def test_ep_layout_expert_then_data():

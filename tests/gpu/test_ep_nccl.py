@@ -12,7 +12,9 @@ gradient, router gradient and expert gradient must be within a relative (Frobeni
 error of ``MAX_REL_ERR``. Every scenario runs on every dispatch (``DISPATCHES``); some also run with
 fp32 parameters under bf16 autocast (``AUTOCAST``, against an EP=1 reference built the same
 way), two under ``torch.compile`` at the largest EP size, and two under a non-reentrant
-activation checkpoint. The shared fixture runs them all (111 s on a fresh 4x H200, the
+activation checkpoint. Every other run here takes the fused kernels; the all-to-all also runs
+every scenario with the small-call path on (``"all_to_all+slot_rows"``, bf16 and under
+autocast): its slot-row format, the experts through ``torch._grouped_mm``. The shared fixture runs them all (111 s on a fresh 4x H200, the
 whole file about 3.5 minutes); ``EP_MOE_TEST_DISPATCHES`` (comma-separated names of
 ``DISPATCHES``) limits it to some, the others' tests then skip.
 """
@@ -174,10 +176,34 @@ def _tokens(dispatch: str, inputs: list, grads: list, rank: int) -> tuple[torch.
     return inputs[rank], grads[rank]
 
 
+SMALL_CALL_ROWS = grouped_mm_experts.GROUPED_MM_MAX_ROWS
+"""The small-call path's row limit as shipped (the worker sets it to 0)."""
+
+
 def _fused_kernels_only() -> None:
     """Small calls run the fused kernels here too (in this process): these tests are about
-    the kernels and the exchanges; the small-call path has tests/gpu/test_grouped_mm_cuda.py."""
+    the kernels and the exchanges; the small-call path has tests/gpu/test_grouped_mm_cuda.py,
+    and the all-to-all's slot-row format ``"all_to_all+slot_rows"`` (:func:`_small_calls`)."""
     grouped_mm_experts.GROUPED_MM_MAX_ROWS = 0
+
+
+@contextlib.contextmanager
+def _small_calls(formats: list):
+    """The small-call path on, as shipped: the all-to-all's calls here (at most 4 x 322 slots
+    a rank) take the slot-row format, each appending to ``formats``."""
+    from ep_moe.ep.all_to_all import AllToAllDispatcher
+
+    send = AllToAllDispatcher._send_slot_rows
+
+    def counted(self, *args):
+        formats.append("slot_rows")
+        return send(self, *args)
+
+    grouped_mm_experts.GROUPED_MM_MAX_ROWS, AllToAllDispatcher._send_slot_rows = SMALL_CALL_ROWS, counted
+    try:
+        yield
+    finally:
+        grouped_mm_experts.GROUPED_MM_MAX_ROWS, AllToAllDispatcher._send_slot_rows = 0, send
 
 
 def _ep_worker(rank: int, world_size: int) -> dict:
@@ -204,6 +230,18 @@ def _ep_worker(rank: int, world_size: int) -> dict:
                     layer.zero_grad(set_to_none=True)
                     run = _run(layer, x, g, autocast=True)
                 results[(ep_size, name, f"{dispatch}+autocast")] = dict(run=run, grads=_param_grads(layer))
+            for autocast in ((False, True) if name in AUTOCAST else (False,)) if "all_to_all" in SELECTED else ():
+                variant = "all_to_all+" + ("autocast," if autocast else "") + "slot_rows"
+                cast = _fp32 if autocast else (lambda t: t)
+                layer = _layer({**kwargs, "dispatch": "all_to_all"}, cast(state), group,
+                               dtype=torch.float32 if autocast else torch.bfloat16)
+                formats = []
+                with _small_calls(formats):
+                    for call in range(2):
+                        progress(f"EP={ep_size} {name} {variant} call {call}")
+                        layer.zero_grad(set_to_none=True)
+                        run = _run(layer, cast(inputs)[rank], cast(grads)[rank], autocast=autocast)
+                results[(ep_size, name, variant)] = dict(run=run, grads=_param_grads(layer), formats=formats)
             if name in COMPILED and ep_size == world_size and "all_to_all" in SELECTED:
                 progress(f"EP={ep_size} {name} all_to_all+compile")
                 layer = _layer({**kwargs, "dispatch": "all_to_all"}, state, group)  # "auto" may pick another
@@ -278,6 +316,19 @@ def test_ep_fp32_params_under_autocast_match_ep1(ep_results, ep_size, name, disp
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("variant", ["all_to_all+slot_rows", "all_to_all+autocast,slot_rows"])
+@pytest.mark.parametrize("ep_size", [2, 4])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_all_to_all_slot_rows_match_ep1(ep_results, ep_size, name, variant):
+    """Small eager calls with the small-call path on: the all-to-all's slot-row format
+    (``ep_moe.ep.slot_rows``; the experts through ``torch._grouped_mm``) on every call, bf16
+    and fp32 parameters under autocast, against EP=1 on the fused kernels."""
+    if "autocast" in variant and name not in AUTOCAST:
+        pytest.skip(f"{name} runs without autocast only")
+    _check_against_ep1(ep_results, ep_size, name, variant)
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_ep_matches_ep1_bf16(ep_results, name):
     _check_against_ep1(ep_results, WORLD, name, "all_to_all+compile")
@@ -302,7 +353,8 @@ def _check_against_ep1(ep_results, ep_size: int, name: str, variant: str) -> Non
     if not _runs_on(name, dispatch):
         pytest.skip(f"{dispatch} not selected (EP_MOE_TEST_DISPATCHES), or it needs the same token count on "
                     "every rank")
-    ref_key = ("ref_equal" if _gathers(dispatch) else "ref") + ("_autocast" if how == "autocast" else "")
+    autocast = "autocast" in how.split(",")
+    ref_key = ("ref_equal" if _gathers(dispatch) else "ref") + ("_autocast" if autocast else "")
     refs = ep_results[0][(ep_size, name, ref_key)]
     ep_groups, _ = ep_layout(WORLD, ep_size)
     for ranks, ref in zip(ep_groups, refs):
@@ -311,7 +363,9 @@ def _check_against_ep1(ep_results, ep_size: int, name: str, variant: str) -> Non
             res = ep_results[rank][(ep_size, name, variant)]
             expected = ref["runs"][rank]
             assert torch.equal(res["run"]["counts"], expected["counts"]), f"rank {rank}: routing differs"
-            if how == "autocast":  # (the EP=1 path's output dtype: test_layer_cuda.py)
+            if "slot_rows" in how.split(","):  # both calls took the slot-row format
+                assert res["formats"] == ["slot_rows"] * 2, f"rank {rank}: formats {res['formats']}"
+            if autocast:  # (the EP=1 path's output dtype: test_layer_cuda.py)
                 assert res["run"]["y"].dtype == torch.bfloat16, f"rank {rank}: output {res['run']['y'].dtype}"
             for key in ("y", "dx"):
                 _check(res["run"][key], expected[key], f"EP={ep_size} {name} {variant} rank {rank} {key}")
