@@ -108,7 +108,8 @@ class MoEConfig:
       :func:`ep_moe.ep.resolve_dispatch` tells what it picks (``MoELayer.dispatch``).
     - ``"all_to_all"``: each token goes to the ranks of its experts (uneven
       ``all_to_all_single`` on NCCL), one host sync per call for the split sizes. Takes any
-      token count per rank; sends each token once per destination rank.
+      token count per rank; sends each token once per destination rank (a small eager call
+      on every rank: one row per kept slot, in fewer host ops, ``ep_moe.ep.slot_rows``).
     - ``"all_gather"``: every rank receives every token of the EP group and the partial
       outputs come back summed (NCCL): no host sync, so the layer can be captured in CUDA
       graphs; more bytes where tokens reach few of the ranks. Needs the same token count on

@@ -309,6 +309,18 @@ class RoutedRows:
     """Slots of the arrived rows that chose this rank's experts."""
 
 
+def _no_rows_out(rows_SH: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The experts' output on a rank that received no rows ([0, H]), without running them,
+    yet depending on the arrived rows and the experts' tensors (a zero gradient to each), as
+    every other rank's output does: each rank's backward then runs both exchanges, which
+    its peers wait for (an expert module's output on no rows may depend on nothing)."""
+    out_SH = rows_SH.new_zeros(rows_SH.shape)
+    for t in (rows_SH, *tensors):
+        if t.requires_grad:
+            out_SH = out_SH + t.sum().to(out_SH.dtype) * 0
+    return out_SH
+
+
 @dataclass
 class ArrivedSlotRows:
     """What :meth:`AllToAllDispatcher.dispatch` hands its later steps in the slot-row format
@@ -412,10 +424,13 @@ class AllToAllDispatcher(Dispatcher):
         """The experts on the arrived slot rows in expert order, each output row back to its
         sender: [kept slots sent, H]."""
         num_rows = routed.splits.num_recv
-        m_sizes_e, order_S = arrived_expert_order(routed.counts_Pe, num_rows)
-        configs = functools.partial(experts.kernel_configs, routed.backend, num_rows, routed.rows_SH)
-        out_SH = experts(routed.rows_SH, m_sizes_e, gather_index=order_S, scatter_index=order_S,
-                         backend=routed.backend, configs=configs, gather_slots=order_S)
+        if num_rows == 0:
+            out_SH = _no_rows_out(routed.rows_SH, experts.expert_tensors())
+        else:
+            m_sizes_e, order_S = arrived_expert_order(routed.counts_Pe, num_rows)
+            configs = functools.partial(experts.kernel_configs, routed.backend, num_rows, routed.rows_SH)
+            out_SH = experts(routed.rows_SH, m_sizes_e, gather_index=order_S, scatter_index=order_S,
+                             backend=routed.backend, configs=configs, gather_slots=order_S)
         return exchange_rows(out_SH, routed.splits.send, routed.splits.recv, self.group)
 
     def combine(self, routed: "RoutedRows | ArrivedSlotRows", out: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ twice the torch ops of a plain ``torch._grouped_mm`` layer for a few tokens. Whe
 rank of the EP group votes for it (:func:`wants_slot_rows`: a call the small-call path of
 :mod:`ep_moe.grouped_mm_experts` would take), the call runs this format instead:
 
-1. :func:`sort_slot_rows`: the sender sorts its kept slots by expert, hence by destination
-   rank, and gathers their rows (before the split sizes are on the host);
+1. :func:`sort_slot_rows`: the sender sorts its slots by expert, hence by destination rank
+   (dropped slots last), and gathers their rows, before the split sizes are on the host,
+   which then cut them to the kept ones;
 2. :func:`slot_counts`: the counts all-gather carries, beside the main format's split
    sizes, each rank's vote and its kept slots per expert, so every receiver knows the local
    expert of each arriving row from the counts alone: no expert ids or weights travel;
@@ -22,8 +23,9 @@ rank of the EP group votes for it (:func:`wants_slot_rows`: a call the small-cal
    token's K slots are summed times their top-k weights, in fp32 and rounded once (as the
    EP=1 small-call path does).
 
-Both exchanges are differentiable all-to-alls; autograd does the rest, deterministic (no
-atomics). Shape suffixes follow the legend in :mod:`ep_moe.routing`.
+Both exchanges are differentiable all-to-alls; autograd does the rest, deterministic (every
+index op of the backward writes each row once). Shape suffixes follow the legend in
+:mod:`ep_moe.routing`.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ EXPERT_COUNTS = 3
 
 
 def wants_slot_rows(x_TH: torch.Tensor, num_slots: int) -> bool:
-    """This rank's vote: its call is one the small-call path takes (:func:`ep_moe.grouped_mm_experts.small_eager_call`
-    over its ``num_slots`` routed slots, T*K)."""
+    """This rank's vote: a :func:`ep_moe.grouped_mm_experts.small_eager_call` over its
+    ``num_slots`` routed slots (T*K): bf16 on a GPU where ``torch._grouped_mm`` runs, few
+    slots, no graph capture. Under ``torch.compile`` the all-to-all's steps run eagerly
+    (graph breaks), so compiled calls vote too. The receivers' experts choose their own path
+    (:func:`ep_moe.grouped_mm_experts.use_grouped_mm`) for the rows they get."""
     return small_eager_call(x_TH, num_slots, torch.is_grad_enabled())
 
 

@@ -29,6 +29,7 @@ from ep_moe.parallel import (
     expert_param_names,
     groups_from_mesh,
     init_ep_mesh,
+    is_expert_param,
     sync_gradients,
 )
 from layer_helpers import E, H, _close, _config, _param_grads, _run_layer
@@ -579,6 +580,71 @@ def test_slot_row_format_matches_ep1(world_size):
                 _close(summed[key], grad)
 
 
+class _NormExpert(nn.Module):
+    """An expert the grouped GEMMs cannot compute (ModuleExperts): its output on no rows
+    depends on nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(H), nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(self.norm(x)))
+
+
+def _module_slot_rows_worker(rank, world_size):
+    import ep_moe.ep.all_to_all as a2a_mod
+
+    a2a_mod.wants_slot_rows = lambda x, num_slots: True
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the slow path's warning
+        layers = [MoELayer(_config(top_k=2, backend="triton"), group, expert_module=_NormExpert())
+                  for group in (None, dist.group.WORLD)]
+    state = layers[0].state_dict()
+    router = state["router.weight"].abs()
+    router[E // world_size:] *= -1  # every token picks rank 0's experts: the others receive no rows
+    state["router.weight"] = router
+    inputs = [torch.randn(5, H, generator=torch.Generator().manual_seed(r)).abs() + 0.1 for r in range(world_size)]
+    grads = [torch.randn(5, H, generator=torch.Generator().manual_seed(50 + r)) for r in range(world_size)]
+    for layer in layers:
+        layer.load_state_dict(state)
+    formats = []
+    send = AllToAllDispatcher._send_slot_rows
+    AllToAllDispatcher._send_slot_rows = lambda self, *args: formats.append(1) or send(self, *args)
+    refs = [_run_layer(layers[0], inputs[r], grads[r]) for r in range(world_size)]  # EP=1, gradients summed
+    got = _run_layer(layers[1], inputs[rank], grads[rank])
+    return dict(got=got, ref=refs[rank], grads=_grads_by_expert(layers[1]), ref_grads=_grads_by_expert(layers[0]),
+                formats=formats)
+
+
+def _grads_by_expert(layer):
+    """Parameter gradients keyed by name, the experts' by tensor name and global expert id."""
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters() if not is_expert_param(p)}
+    for name in layer.experts.tensor_names():
+        stacked = layer.experts.tensor(name)
+        for j, expert in enumerate(layer.experts.global_ids()):
+            grads[f"{name}.{expert}"] = torch.zeros_like(stacked[j]) if stacked.grad is None else stacked.grad[j]
+    return grads
+
+
+@pytest.mark.distributed
+def test_slot_rows_with_module_experts_where_a_rank_receives_nothing():
+    """ModuleExperts in the slot-row format, every token routed to rank 0's experts: the
+    ranks that receive nothing still run both exchanges in the backward (a hang otherwise)."""
+    results = run_distributed(_module_slot_rows_worker, 2, timeout_s=120)
+    summed = {}
+    for res in results:
+        assert res["formats"] == [1]
+        for key in ("y", "dx", "aux", "z"):
+            _close(res["got"][key], res["ref"][key])
+        for key, grad in res["grads"].items():
+            summed[key] = summed.get(key, 0) + grad
+    assert summed.keys() == results[0]["ref_grads"].keys()
+    for key, grad in results[0]["ref_grads"].items():
+        _close(summed[key], grad)
+
+
 # ---------------------------------------------------------------------------------------
 # EP x EDP layout, the expert bias under DDP, one config across the EP group.
 
@@ -757,6 +823,10 @@ CHECKPOINTED_DISPATCH = {
     "all_to_all": dict(dispatch="all_to_all"),
     # rank 1 has no tokens: it recomputes (and exchanges) as often as rank 0
     "all_to_all_empty_rank": dict(dispatch="all_to_all"),
+    # the slot-row format (votes forced, experts on the small-call path): plain autograd, two
+    # differentiable all-to-alls recomputed in the backward
+    "all_to_all_slot_rows": dict(dispatch="all_to_all", backend="triton"),
+    "all_to_all_slot_rows_empty_rank": dict(dispatch="all_to_all", backend="triton"),
     "all_gather": dict(dispatch="all_gather"),
     # the forward's reduce-scatter leaves from the down projection (triton) on the copy engines;
     # rank 1's copy engines lag (LaggingFileWorkspace): a recompute's region must be pulled before restaged
@@ -775,6 +845,12 @@ def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
 
     if not hooks_api:
         ep_moe.ep.pipeline._outer_hooks = lambda: ep_moe.ep.pipeline.UNNAMED
+    if "slot_rows" in dispatch:
+        import ep_moe.ep.all_to_all as a2a_mod
+        import ep_moe.experts as experts_mod
+
+        a2a_mod.wants_slot_rows = lambda x, num_slots: True
+        experts_mod.use_grouped_mm = lambda x, weights, num_rows, slot_index_R: num_rows > 0
     torch.manual_seed(12)
     kwargs = CHECKPOINTED_DISPATCH[dispatch]
     layer = MoELayer(_config(top_k=2, **kwargs), dist.group.WORLD)
@@ -801,8 +877,8 @@ def _checkpointed_worker(rank, world_size, hooks_api, dispatch):
 def test_non_reentrant_activation_checkpoint_matches_plain_run(hooks_api, dispatch):
     for res in run_distributed(_checkpointed_worker, 2, hooks_api, dispatch):
         # the forward, then one recompute in the backward; without the hooks API one in the
-        # expert graph's replay (its own graph task) and one for the rest of the graph
-        assert len(res["forwards"]) == (2 if hooks_api else 3), res["forwards"]
+        # expert pipeline's graph replay (its own graph task) and one for the rest of the graph
+        assert len(res["forwards"]) == (2 if hooks_api or "slot_rows" in dispatch else 3), res["forwards"]
         want, want_grads = res["plain"]
         for got, got_grads in (res["checkpointed"], res["again"]):
             for key in ("y", "dx", "aux", "z", "counts"):
