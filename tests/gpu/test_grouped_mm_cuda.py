@@ -1,7 +1,8 @@
 """The small-call path in bfloat16: eager calls of few routed rows run the experts through
 torch._grouped_mm (:mod:`ep_moe.grouped_mm_experts`), and must match the Triton kernels, which
-run everything else: more rows, torch.compile, CUDA graph capture. On one GPU, and over NCCL
-at EP = every GPU (up to 4; the all-gather's bounded rows, the all-to-all's received rows)."""
+run everything else: more rows, torch.compile, CUDA graph capture. On one GPU, over NCCL at
+EP = every GPU (up to 4; the all-gather's bounded rows, the all-to-all's received rows), and
+at EP=2 on one GPU over gloo (the all-to-all's slot-row format and main format)."""
 
 from __future__ import annotations
 
@@ -201,3 +202,104 @@ def test_small_calls_on_the_ep_path_match_the_kernels_over_nccl():
             for i, err in enumerate(res["errs"]):
                 what = f"rank {rank} {key} " + (["output", "dx"][i] if i < 2 else f"grad {i - 2}")
                 assert within(err, MAX_REL_ERR, what, __name__), f"{what}: relative error {err:.2e}"
+
+
+def _one_gpu_worker(rank: int, world_size: int) -> dict:
+    """EP=2 with both ranks on GPU 0 over gloo (NCCL refuses two ranks on one GPU): small
+    calls in the all-to-all's slot-row format, then forced onto its main format; this rank's
+    output, input gradient and parameter gradients (experts by global id), on the CPU."""
+    import torch.distributed as dist
+
+    import ep_moe.ep.all_to_all as all_to_all
+
+    formats = []
+    send = all_to_all.AllToAllDispatcher._send_slot_rows
+    all_to_all.AllToAllDispatcher._send_slot_rows = lambda self, *args: formats.append(1) or send(self, *args)
+    vote = all_to_all.wants_slot_rows
+    results = {}
+    for name, overrides in ONE_GPU_CASES.items():
+        state, xs, dys = _one_gpu_case(name, overrides, world_size)
+        for fmt in ("slot_rows", "main_format"):
+            all_to_all.wants_slot_rows = vote if fmt == "slot_rows" else (lambda x, num_slots: False)
+            layer = _one_gpu_layer(overrides, dist.group.WORLD)
+            layer.load_state_dict(state)
+            formats.clear()
+            run = _run(layer, xs[rank].cuda(), dys[rank].cuda(), False)
+            results[name, fmt] = dict(run=[t.float().cpu() for t in run[:2]], grads=_by_global_id(layer),
+                                      formats=list(formats))
+    return results
+
+
+ONE_GPU_CASES = {
+    "top2": dict(top_k=2),
+    "capacity": dict(top_k=3, capacity_factor=0.75),
+    # every token picks rank 0's experts: rank 1 receives no rows
+    "skewed": dict(top_k=2),
+}
+
+
+def _one_gpu_layer(overrides: dict, group=None) -> MoELayer:
+    config = MoEConfig(**{**dict(hidden_size=360, intermediate_size=200, num_experts=8, init_std=0.05,
+                                 backend="triton", dispatch="all_to_all"), **overrides})
+    return MoELayer(config, group, device="cuda", dtype=torch.bfloat16)
+
+
+def _one_gpu_case(name: str, overrides: dict, world_size: int):
+    """(state dict, per-rank inputs, per-rank output gradients), bf16 on the CPU."""
+    torch.manual_seed(3)
+    state = _one_gpu_layer(overrides).state_dict()
+    gen = torch.Generator().manual_seed(list(ONE_GPU_CASES).index(name))
+    xs = [torch.randn(37 + 5 * r, 360, generator=gen) for r in range(world_size)]
+    if name == "skewed":
+        xs = [x.abs() + 0.1 for x in xs]
+        router = state["router.weight"].float().abs()
+        router[8 // world_size:] *= -1
+        state["router.weight"] = router.to(torch.bfloat16)
+    return state, [x.to(torch.bfloat16) for x in xs], [torch.randn_like(x).to(torch.bfloat16) for x in xs]
+
+
+def _by_global_id(layer: MoELayer) -> dict[str, torch.Tensor]:
+    """Parameter gradients on the CPU in fp32, the experts' keyed by global expert id."""
+    grads = {name: p.grad.float().cpu() for name, p in layer.named_parameters()
+             if name not in ("experts.gate_up", "experts.down")}
+    for name in ("gate_up", "down"):
+        stacked = getattr(layer.experts, name).grad
+        for j, expert in enumerate(layer.experts.global_ids()):
+            grads[f"experts.{name}.{expert}"] = stacked[j].float().cpu()
+    return grads
+
+
+@pytest.mark.distributed
+def test_small_calls_at_ep2_on_one_gpu_match_ep1():
+    """The all-to-all at EP=2 on a single GPU (gloo moving CUDA tensors): its CUDA paths (the
+    counts copied to pinned memory on a side stream, a rank receiving no rows) in bf16, in the
+    slot-row format and in its main format, against EP=1 on the fused kernels."""
+    results = run_distributed(_one_gpu_worker, 2, timeout_s=300)
+    for name, overrides in ONE_GPU_CASES.items():
+        state, xs, dys = _one_gpu_case(name, overrides, 2)
+        reference = _one_gpu_layer(overrides)
+        reference.load_state_dict(state)
+        grouped_mm_experts.GROUPED_MM_MAX_ROWS, saved = 0, grouped_mm_experts.GROUPED_MM_MAX_ROWS
+        refs = []
+        try:
+            for x, dy in zip(xs, dys):  # the parameter gradients summed over both ranks' tokens
+                x = x.cuda().requires_grad_()
+                y = reference(x)
+                y.backward(dy.cuda())
+                refs.append((y.detach(), x.grad))
+        finally:
+            grouped_mm_experts.GROUPED_MM_MAX_ROWS = saved
+        ref_grads = _by_global_id(reference)
+        for fmt in ("slot_rows", "main_format"):
+            assert [res[name, fmt]["formats"] for res in results] == [[1] if fmt == "slot_rows" else []] * 2
+            summed = {}
+            for rank, res in enumerate(results):
+                for what, got, want in zip(("output", "dx"), res[name, fmt]["run"], refs[rank]):
+                    err = rel_err(got, want.float().cpu())
+                    assert within(err, MAX_REL_ERR, f"{name} {fmt} rank {rank} {what}", __name__), err
+                for key, grad in res[name, fmt]["grads"].items():
+                    summed[key] = summed.get(key, 0) + grad
+            assert summed.keys() == ref_grads.keys()
+            for key, grad in ref_grads.items():
+                err = rel_err(summed[key], grad)
+                assert within(err, MAX_REL_ERR, f"{name} {fmt} grad {key}", __name__), err
