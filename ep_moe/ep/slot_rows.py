@@ -44,13 +44,20 @@ EXPERT_COUNTS = 3
 """First column of the gathered counts holding the kept slots per local expert."""
 
 
+SLOT_ROWS_MAX_SLOTS = 2048
+"""Most routed slots (T*K) a rank votes for the slot rows with. The format sends a token once
+per slot, up to K times where the main format sends it once per destination rank: bytes that
+grow with the call, where the host ops it saves do not. Measured up to 256 tokens of top-8."""
+
+
 def wants_slot_rows(x_TH: torch.Tensor, num_slots: int) -> bool:
-    """This rank's vote: a :func:`ep_moe.grouped_mm_experts.small_eager_call` over its
-    ``num_slots`` routed slots (T*K): bf16 on a GPU where ``torch._grouped_mm`` runs, few
-    slots, no graph capture. Under ``torch.compile`` the all-to-all's steps run eagerly
-    (graph breaks), so compiled calls vote too. The receivers' experts choose their own path
-    (:func:`ep_moe.grouped_mm_experts.use_grouped_mm`) for the rows they get."""
-    return small_eager_call(x_TH, num_slots, torch.is_grad_enabled())
+    """This rank's vote: at most :data:`SLOT_ROWS_MAX_SLOTS` routed slots, and a
+    :func:`ep_moe.grouped_mm_experts.small_eager_call`: bf16 on a GPU where
+    ``torch._grouped_mm`` runs, no graph capture. Under ``torch.compile`` the all-to-all's
+    steps run eagerly (graph breaks), so compiled calls vote too. The receivers' experts
+    choose their own path (:func:`ep_moe.grouped_mm_experts.use_grouped_mm`) for the rows
+    they get."""
+    return num_slots <= SLOT_ROWS_MAX_SLOTS and small_eager_call(x_TH, num_slots, torch.is_grad_enabled())
 
 
 @dataclass(frozen=True)
