@@ -11,11 +11,13 @@ from ep_moe.ep.all_to_all import (
     NcclExchange,
     SplitSizes,
     dispatch_packed,
+    exchange_rows,
     gather_counts,
     pack_rows,
     rank_splits,
     start_combine,
     start_dispatch,
+    start_gather_counts,
 )
 
 NUM_LOCAL = 2  # local experts per rank in the distributed tests
@@ -92,8 +94,17 @@ def _dispatch_worker(rank, world_size):
     ids = send[:, :2].to(torch.int32) + 1
     weights = send[:, :3].double()
     got_ids, got_weights = dispatch_packed(pack_rows([ids, weights]), splits, group)
+    # more columns than the host reads: the rest stay with the gathered tensor
+    pending = start_gather_counts(torch.cat([counts_PX, 7 * counts_PX], dim=1), group, host_columns=2)
+    host_counts, gathered = pending.result(), pending.gathered.clone()
+    # rows there and back, differentiable: the gradient comes back the way the rows went
+    rows = send.clone().requires_grad_()
+    there = exchange_rows(rows, splits.recv, splits.send, group)
+    back_again = exchange_rows(there * 2, splits.send, splits.recv, group)
+    (back_again * send).sum().backward()
     return dict(counts=counts, splits=splits, recv=recv, recv_weights=recv_weights, back=back, send=send,
-                packed=(got_ids.clone(), got_weights.clone()))
+                packed=(got_ids.clone(), got_weights.clone()), host_counts=host_counts, gathered=gathered,
+                there=there.detach(), back_again=back_again.detach(), rows_grad=rows.grad)
 
 
 @pytest.mark.distributed
@@ -114,4 +125,11 @@ def test_dispatch_and_combine_on_gloo(world_size):
         got_ids, got_weights = res["packed"]
         assert got_ids.dtype == torch.int32 and got_ids[:, 1].tolist() == [v + 1 for v in arrival]
         assert got_weights.dtype == torch.float64 and got_weights[:, 2].tolist() == arrival
+        assert res["host_counts"] == res["counts"]
+        assert res["gathered"].shape == (world_size, world_size, 4)
+        assert torch.equal(res["gathered"][..., 2:], 7 * res["gathered"][..., :2])
+        assert res["gathered"][..., :2].tolist() == res["counts"]
+        assert torch.equal(res["there"], res["recv"])
+        torch.testing.assert_close(res["back_again"], 2 * res["send"])
+        torch.testing.assert_close(res["rows_grad"], 2 * res["send"])  # d/drows sum(2 rows * send)
     assert results[1]["send"].shape[0] == 0
