@@ -37,11 +37,18 @@ ConfigsArg = Union[KernelConfigs, Callable[[], KernelConfigs]]
 """Kernel configs, or a function that looks them up, called only if the kernels run."""
 
 
-def activate(h_RF: torch.Tensor, activation: Activation, backend: str,
+ActivationArg = Union[Activation, Callable[[torch.Tensor], torch.Tensor]]
+"""An :data:`Activation` name, or a function of GEMM1's [R, F] rows ([R, I] out) run in torch
+between the GEMMs (a Hugging Face model's own gate, e.g. GPT-OSS's clamped SwiGLU)."""
+
+
+def activate(h_RF: torch.Tensor, activation: ActivationArg, backend: str,
              num_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The expert activation (:attr:`MoEConfig.activation`); ``num_rows`` (device count):
-    only the first rows are in use (the rest are neither computed nor given a gradient on
-    the Triton gated path)."""
+    """The expert activation (:attr:`MoEConfig.activation`, or a function of the rows);
+    ``num_rows`` (device count): only the first rows are in use (the rest are neither
+    computed nor given a gradient on the Triton gated path)."""
+    if callable(activation):
+        return activation(h_RF)
     if activation in GATED_ACTIVATIONS:
         gate_act = "silu" if activation == "swiglu" else "gelu"
         if backend == "triton":
@@ -94,33 +101,20 @@ class _LocalExperts(nn.Module):
         return range(self.first_expert, self.first_expert + self.num_local_experts)
 
 
-class GroupedExperts(_LocalExperts):
-    """The e local experts as stacked weights; math only (no communication).
+class StackedExpertsMath:
+    """The expert math over stacked tensors, for any owner of them: :class:`GroupedExperts`
+    (its own parameters) and :class:`ep_moe.integrations.transformers.HFExperts` (a Hugging
+    Face experts module's, in that module's layout). What the dispatchers call
+    (:meth:`expert_tensors`, :meth:`kernel_configs`, :meth:`on_routed_rows`, and the call
+    itself at EP=1).
 
-    ``gate_up`` is [e, 2I, H] (gated activation) or [e, I, H], ``down`` is [e, H, I], both
-    ``out_features`` before ``in_features`` as :func:`ep_moe.grouped_gemm` expects; with
-    ``num_linears=1`` there is no ``gate_up`` (None) and ``down`` [e, H, H] is the one
-    Linear. With ``mlp_bias``, ``gate_up_bias`` [e, 2I or I] and ``down_bias`` [e, H]
-    (else None). Local expert j is global expert ``first_expert + j``; the state dict
-    holds each tensor per global id (``gate_up.{g}``, ``down_bias.{g}``, ...).
+    The owner provides ``config`` (a :class:`MoEConfig`: the shapes the autotuner keys),
+    ``num_local_experts``, ``activation`` (an :data:`Activation` name, or a function of
+    GEMM1's [R, F] rows run in torch between the GEMMs) and the stacked tensors
+    ``gate_up`` [e, F, H] (None for one Linear), ``down`` [e, H, I], ``gate_up_bias`` and
+    ``down_bias`` (None without a bias), any strides with a unit one; and sets
+    ``self._problems = {}``.
     """
-
-    def __init__(self, config: MoEConfig, num_local_experts: int, first_expert: int,
-                 device=None, dtype=None) -> None:
-        super().__init__(config, num_local_experts, first_expert)
-        self.activation = config.activation
-        two = config.num_linears == 2
-        shapes = {
-            "gate_up": (config.gate_up_size, config.hidden_size) if two else None,
-            "down": (config.hidden_size, config.intermediate_size),
-            "gate_up_bias": (config.gate_up_size,) if two and config.mlp_bias else None,
-            "down_bias": (config.hidden_size,) if config.mlp_bias else None,
-        }
-        for name, shape in shapes.items():
-            param = None if shape is None else mark_expert_param(nn.Parameter(torch.empty(
-                num_local_experts, *shape, device=device, dtype=dtype)))
-            self.register_parameter(name, param)
-        self._problems: dict[torch.dtype, list["GemmProblem"]] = {}  # kernel_configs' cache of problems()
 
     def tensor_names(self) -> tuple[str, ...]:
         """Names of the stacked tensors there are (of :data:`EXPERT_TENSORS`), in order."""
@@ -130,31 +124,6 @@ class GroupedExperts(_LocalExperts):
         """The stacked tensors there are, in :meth:`tensor_names` order: what
         :meth:`on_routed_rows` takes after the routing."""
         return tuple(getattr(self, name) for name in self.tensor_names())
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """The stacked tensor whose experts the state dict holds as ``{name}.{g}``."""
-        return getattr(self, name)
-
-    @property
-    def first_weight(self) -> torch.Tensor:
-        """A weight of the experts: its dtype and device are the experts'."""
-        return self.down
-
-    @torch.no_grad()
-    def reset_parameters(self, std: float, seed: int) -> None:
-        """N(0, std) weights, zero biases; expert g drawn from a generator seeded with
-        ``seed + g``, so the global weights are the same at every EP size for the same
-        ``seed``. No-op on the meta device (deferred init)."""
-        if self.down.is_meta:
-            return
-        for j, g in enumerate(self.global_ids()):
-            gen = torch.Generator(device=self.down.device).manual_seed(seed + g)
-            for weight in (self.gate_up, self.down):
-                if weight is not None:
-                    weight[j].normal_(0.0, std, generator=gen)
-        for bias in (self.gate_up_bias, self.down_bias):
-            if bias is not None:
-                bias.zero_()
 
     def problems(self, dtype: torch.dtype) -> list["GemmProblem"]:
         """The grouped GEMMs of these experts in ``dtype``, as :mod:`ep_moe.autotune` keys
@@ -227,8 +196,62 @@ class GroupedExperts(_LocalExperts):
                           slots_per_token=slots_per_token)
 
 
+class GroupedExperts(StackedExpertsMath, _LocalExperts):
+    """The e local experts as stacked weights; math only (no communication).
+
+    ``gate_up`` is [e, 2I, H] (gated activation) or [e, I, H], ``down`` is [e, H, I], both
+    ``out_features`` before ``in_features`` as :func:`ep_moe.grouped_gemm` expects; with
+    ``num_linears=1`` there is no ``gate_up`` (None) and ``down`` [e, H, H] is the one
+    Linear. With ``mlp_bias``, ``gate_up_bias`` [e, 2I or I] and ``down_bias`` [e, H]
+    (else None). Local expert j is global expert ``first_expert + j``; the state dict
+    holds each tensor per global id (``gate_up.{g}``, ``down_bias.{g}``, ...).
+    """
+
+    def __init__(self, config: MoEConfig, num_local_experts: int, first_expert: int,
+                 device=None, dtype=None) -> None:
+        super().__init__(config, num_local_experts, first_expert)
+        self.activation = config.activation
+        two = config.num_linears == 2
+        shapes = {
+            "gate_up": (config.gate_up_size, config.hidden_size) if two else None,
+            "down": (config.hidden_size, config.intermediate_size),
+            "gate_up_bias": (config.gate_up_size,) if two and config.mlp_bias else None,
+            "down_bias": (config.hidden_size,) if config.mlp_bias else None,
+        }
+        for name, shape in shapes.items():
+            param = None if shape is None else mark_expert_param(nn.Parameter(torch.empty(
+                num_local_experts, *shape, device=device, dtype=dtype)))
+            self.register_parameter(name, param)
+        self._problems: dict[torch.dtype, list["GemmProblem"]] = {}  # kernel_configs' cache of problems()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The stacked tensor whose experts the state dict holds as ``{name}.{g}``."""
+        return getattr(self, name)
+
+    @property
+    def first_weight(self) -> torch.Tensor:
+        """A weight of the experts: its dtype and device are the experts'."""
+        return self.down
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, seed: int) -> None:
+        """N(0, std) weights, zero biases; expert g drawn from a generator seeded with
+        ``seed + g``, so the global weights are the same at every EP size for the same
+        ``seed``. No-op on the meta device (deferred init)."""
+        if self.down.is_meta:
+            return
+        for j, g in enumerate(self.global_ids()):
+            gen = torch.Generator(device=self.down.device).manual_seed(seed + g)
+            for weight in (self.gate_up, self.down):
+                if weight is not None:
+                    weight[j].normal_(0.0, std, generator=gen)
+        for bias in (self.gate_up_bias, self.down_bias):
+            if bias is not None:
+                bias.zero_()
+
+
 def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Tensor, m_sizes_e: torch.Tensor, *,
-               activation: Activation, gate_up_bias: Optional[torch.Tensor] = None,
+               activation: ActivationArg, gate_up_bias: Optional[torch.Tensor] = None,
                down_bias: Optional[torch.Tensor] = None, gather_index: Optional[torch.Tensor] = None,
                scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
                backend: str = "torch",

@@ -1,0 +1,313 @@
+"""ep_moe as the experts of Hugging Face transformers' MoE models, with expert parallelism.
+
+transformers 5 routes the experts of its MoE families through one registry (its
+``ExpertsInterface``): an experts module (``@use_experts_implementation``) holds the stacked
+weights and calls the registered function ``(module, hidden_states [T, H], top_k_index
+[T, K], top_k_weights [T, K]) -> [T, H]``. Importing this module registers ``"ep_moe"``
+there::
+
+    import ep_moe.integrations.transformers as ep_hf
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="ep_moe")
+    ep_hf.expert_parallel(model, ep_group)      # optional: each rank keeps 1/P of the experts
+
+The experts then run on the module's own parameters, in their own layout (no copy: a
+transposed layout is read through its strides): the fused permutation and grouped GEMMs
+(forward, dX, dW, the top-k weight gradient) on a GPU, the small-call path for few tokens,
+the plain-PyTorch grouped GEMM on the CPU. The activation between the GEMMs is ep_moe's
+fused SwiGLU/GeGLU where the module's gate is the default ``act(gate) * up`` with SiLU or
+the exact GELU; any other gate (GPT-OSS's clamped, interleaved SwiGLU, say) runs as the
+module's own ``_apply_gate`` in torch between the two GEMMs. A module ep_moe cannot compute
+exactly (:func:`unsupported_reason`) raises naming why; it never gives another result.
+
+Expert parallelism (:func:`expert_parallel`) keeps the router and everything dense
+replicated: each rank runs its own tokens (data parallel) and exchanges them with ep_moe's
+dispatchers (``dispatch="auto"``: the all-gather or the all-to-all, :mod:`ep_moe.ep`).
+transformers' own expert parallelism (``DistributedConfig``) calls the experts with local
+ids and its sentinel id (``>= num_experts``) for slots of other ranks; those slots are left
+out here as there (no output, no gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from ep_moe.config import Dispatch, MoEConfig, check_experts_divide
+from ep_moe.ep import build_dispatcher
+from ep_moe.ep.base import group_size
+from ep_moe.experts import ActivationArg, StackedExpertsMath
+from ep_moe.parallel import mark_expert_param, resolve_ep_group
+from ep_moe.routing import RouterOutput, count_ids
+
+try:
+    from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
+except ImportError as err:  # pragma: no cover - the message is the point
+    raise ImportError("ep_moe.integrations.transformers needs transformers 5 or newer (its ExpertsInterface); "
+                      "install it with pip install 'ep-moe[transformers]'") from err
+
+IMPLEMENTATION = "ep_moe"
+"""The name ``from_pretrained(experts_implementation=...)`` and ``set_experts_implementation``
+take once this module is imported."""
+
+Backend = Literal["auto", "triton", "torch"]
+
+
+@dataclass(frozen=True)
+class ExpertsOptions:
+    """How ep_moe runs one experts module (set by :func:`expert_parallel`)."""
+
+    dispatch: Dispatch = "auto"
+    """At EP>1, how the tokens reach the experts (:attr:`ep_moe.MoEConfig.dispatch`)."""
+    backend: Backend = "auto"
+    """The grouped GEMM: Triton kernels, the torch reference, or ``"auto"`` (Triton on CUDA)."""
+    all_gather_row_bound: Optional[float] = None
+    """The all-gather dispatches' row bound (:attr:`ep_moe.MoEConfig.all_gather_row_bound`)."""
+
+
+def unsupported_reason(module: nn.Module) -> Optional[str]:
+    """Why ep_moe cannot run this experts module exactly as transformers' ``"eager"`` does,
+    or None when it can."""
+    if not hasattr(module, "has_gate"):
+        return (f"{type(module).__name__} is not an experts module of transformers' ExpertsInterface "
+                "(no @use_experts_implementation)")
+    if getattr(module, "has_post_expert_norm", False):
+        return (f"{type(module).__name__} normalises each expert's output before the routing weight "
+                "(has_post_expert_norm), which the grouped GEMM's epilogue does not compute")
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    for name in (first, "down_proj"):
+        weight = getattr(module, name, None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+            return f"{type(module).__name__}.{name} is not a 3-D [experts, out, in] tensor"
+    if module.has_bias:
+        for name in (f"{first}_bias", "down_proj_bias"):
+            if not isinstance(getattr(module, name, None), torch.Tensor):
+                return f"{type(module).__name__} has has_bias=True but no {name}"
+    return None
+
+
+def _check_supported(module: nn.Module) -> None:
+    reason = unsupported_reason(module)
+    if reason is not None:
+        raise NotImplementedError(f"experts_implementation='{IMPLEMENTATION}' cannot run this module: {reason}; "
+                                  "use experts_implementation='grouped_mm' for this model")
+
+
+def _named_activation(act: nn.Module, gated: bool) -> Optional[str]:
+    """ep_moe's name for a transformers activation module (fused on the Triton path), or None."""
+    silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    exact_gelu = ((isinstance(act, nn.GELU) and act.approximate == "none")
+                  or (type(act).__name__ == "GELUActivation" and getattr(act, "act", None) is F.gelu))
+    if gated:
+        return "swiglu" if silu else "geglu" if exact_gelu else None
+    if silu or exact_gelu:
+        return "silu" if silu else "gelu"
+    if isinstance(act, nn.GELU) and act.approximate == "tanh":
+        return "gelu_tanh"
+    return "relu" if isinstance(act, nn.ReLU) else None
+
+
+def _activation(module: nn.Module) -> ActivationArg:
+    """What runs between the GEMMs: a fused ep_moe activation where the module's is one, else
+    the module's own gate (or activation), in torch."""
+    if module.has_gate:
+        default_gate = getattr(type(module)._apply_gate, "__func__", type(module)._apply_gate) is _default_apply_gate
+        name = _named_activation(module.act_fn, gated=True) if default_gate and module.is_concatenated else None
+        return name or module._apply_gate
+    return _named_activation(module.act_fn, gated=False) or module.act_fn
+
+
+class HFExperts(StackedExpertsMath):
+    """One transformers experts module seen as ep_moe's stacked experts: the tensors are the
+    module's own parameters, read on every call (views where the module stores them
+    transposed), so loading, casting or sharding the module needs nothing here.
+
+    Holds the :class:`ep_moe.MoEConfig` its GEMMs are tuned and dispatched by, and the
+    dispatcher (:func:`ep_moe.ep.build_dispatcher`) for its EP group."""
+
+    def __init__(self, module: nn.Module, top_k: int, num_experts: int, group: Optional[ProcessGroup],
+                 options: ExpertsOptions) -> None:
+        self.module = module
+        self.activation = _activation(module)
+        local = self.down.shape[0]
+        hidden, inter = self.down.shape[1], self.down.shape[2]
+        gate_up_size = self.gate_up.shape[1]
+        gated = gate_up_size == 2 * inter
+        if not gated and gate_up_size != inter:
+            raise NotImplementedError(f"{type(module).__name__}: the first projection has {gate_up_size} outputs "
+                                      f"and the down projection {inter} inputs; ep_moe runs gate_up [E, 2I or I, H] "
+                                      "with down [E, H, I]")
+        self.config = MoEConfig(
+            hidden_size=hidden, intermediate_size=inter, num_experts=num_experts, top_k=top_k,
+            activation=self.activation if isinstance(self.activation, str) else ("swiglu" if gated else "identity"),
+            mlp_bias=module.has_bias, dispatch=options.dispatch, backend=options.backend,
+            all_gather_row_bound=options.all_gather_row_bound, ep_size=group_size(group))
+        self.num_local_experts = local
+        self.ep_rank = 0 if group is None else dist.get_rank(group)
+        self.dispatcher = build_dispatcher(self.config, group, self.ep_rank, group_size(group), local)
+        self._problems = {}
+
+    def _weight(self, name: str) -> torch.Tensor:
+        weight = getattr(self.module, name)
+        return weight.transpose(1, 2) if self.module.is_transposed else weight
+
+    @property
+    def gate_up(self) -> torch.Tensor:
+        """[e, F, H]: ``gate_up_proj`` (``up_proj`` without a gate), as stored or transposed."""
+        return self._weight("gate_up_proj" if self.module.has_gate else "up_proj")
+
+    @property
+    def down(self) -> torch.Tensor:
+        """[e, H, I]: ``down_proj``, as stored or transposed."""
+        return self._weight("down_proj")
+
+    @property
+    def gate_up_bias(self) -> Optional[torch.Tensor]:
+        if not self.module.has_bias:
+            return None
+        return self.module.gate_up_proj_bias if self.module.has_gate else self.module.up_proj_bias
+
+    @property
+    def down_bias(self) -> Optional[torch.Tensor]:
+        return self.module.down_proj_bias if self.module.has_bias else None
+
+    __call__ = StackedExpertsMath.forward
+
+
+@dataclass
+class _ModuleState:
+    """What :func:`expert_parallel` attached to one experts module."""
+
+    group: Optional[ProcessGroup]
+    options: ExpertsOptions
+    num_experts: int
+    """E over the EP group (the module holds E / P of them)."""
+    runners: dict = dataclasses.field(default_factory=dict)
+    """top_k -> :class:`HFExperts`."""
+
+
+_STATE_ATTR = "_ep_moe_state"
+
+
+def _state(module: nn.Module) -> _ModuleState:
+    state = module.__dict__.get(_STATE_ATTR)
+    if state is None:
+        state = _ModuleState(None, ExpertsOptions(), module.num_experts)
+        object.__setattr__(module, _STATE_ATTR, state)
+    return state
+
+
+def _weight_experts(module: nn.Module) -> int:
+    return getattr(module, "down_proj").shape[0]
+
+
+def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"ep_moe"`` experts implementation: ``hidden_states`` [T, H] through the experts
+    ``top_k_index`` [T, K] names, weighted by ``top_k_weights`` [T, K] and summed per token:
+    [T, H] in ``hidden_states``' dtype (computed in autocast's dtype where it is on, else the
+    weights')."""
+    _check_supported(module)
+    state = _state(module)
+    top_k = top_k_index.shape[-1]
+    runner = state.runners.get(top_k)
+    if runner is None:
+        runner = state.runners[top_k] = HFExperts(module, top_k, state.num_experts, state.group, state.options)
+    weight = runner.down
+    compute_dtype = (torch.get_autocast_dtype(weight.device.type) if torch.is_autocast_enabled(weight.device.type)
+                     else weight.dtype)
+    x_TH = hidden_states.reshape(-1, hidden_states.shape[-1]).to(compute_dtype)
+    ids_TK = top_k_index.reshape(-1, top_k).long()
+    weights_TK = top_k_weights.reshape(-1, top_k)
+    keep_TK = None
+    if module._is_expert_parallel:  # transformers' EP: ids >= num_experts are other ranks' slots
+        keep_TK = ids_TK < module.num_experts
+        ids_TK = ids_TK.clamp(max=module.num_experts - 1)
+    counts_E = count_ids((ids_TK if keep_TK is None else ids_TK[keep_TK]).flatten(), runner.config.num_experts)
+    zero = weights_TK.new_zeros(())
+    router = RouterOutput(topk_ids_TK=ids_TK, topk_weights_TK=weights_TK, topk_scores_TK=weights_TK.detach(),
+                          counts_E=counts_E, aux_loss=zero, z_loss=zero)
+    backend = runner.config.backend
+    if backend == "auto":
+        backend = "triton" if x_TH.is_cuda else "torch"
+    dispatcher = runner.dispatcher
+    dispatcher.start(x_TH.shape[0], x_TH.device)
+    routed = dispatcher.dispatch(x_TH, router, keep_TK, backend)
+    y_TH = dispatcher.combine(routed, dispatcher.experts(routed, runner))
+    return y_TH.to(hidden_states.dtype).view(hidden_states.shape)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every transformers experts module in ``model``
+    (``@use_experts_implementation`` classes), in module order."""
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "has_gate") and hasattr(m, "_apply_gate")]
+
+
+_EXPERT_TENSOR_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
+                        "down_proj_bias")
+
+
+def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, DeviceMesh], *,
+                    dispatch: Dispatch = "auto", backend: Backend = "auto",
+                    all_gather_row_bound: Optional[float] = None) -> nn.Module:
+    """Split every experts module of ``model`` over ``ep_group`` (a ProcessGroup, a 1-D
+    DeviceMesh, or None for EP=1, which only sets the options) and run it with ep_moe.
+
+    Rank p keeps experts ``p*e .. p*e+e-1`` (``e = E / P``) of each module: its stacked
+    tensors are cut to them in place (tagged as expert parameters for
+    :func:`ep_moe.parallel.sync_gradients`). Everything else stays replicated. Each rank
+    feeds its own tokens; the router's global expert ids reach the right rank through
+    ``dispatch``. Sets ``experts_implementation="ep_moe"``. Call on every rank of the group,
+    with the same model, before building the optimizer. Returns ``model``.
+    """
+    group = resolve_ep_group(ep_group)
+    size = group_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    options = ExpertsOptions(dispatch=dispatch, backend=backend, all_gather_row_bound=all_gather_row_bound)
+    modules = experts_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no transformers experts module (@use_experts_implementation); "
+                         "expert_parallel splits the experts of a transformers MoE model")
+    for name, module in modules:
+        reason = unsupported_reason(module)
+        if reason is not None:
+            raise NotImplementedError(f"expert_parallel: {name}: {reason}")
+        if module._is_expert_parallel:
+            raise ValueError(f"expert_parallel: {name} is already split by transformers' own expert parallelism "
+                             "(DistributedConfig / tp_plan); load the model without it")
+        if _STATE_ATTR in module.__dict__ and module.__dict__[_STATE_ATTR].group is not None:
+            raise ValueError(f"expert_parallel: {name} is already split over an EP group; call it once per model")
+        num_experts = _weight_experts(module)
+        check_experts_divide(num_experts, size, f"the ep_group size {size} ({name})")
+        local = num_experts // size
+        first = rank * local
+        for tensor_name in _EXPERT_TENSOR_NAMES:
+            param = module._parameters.get(tensor_name)
+            if param is None:
+                continue
+            if size > 1:
+                param = nn.Parameter(param.detach()[first:first + local].clone(), requires_grad=param.requires_grad)
+                module._parameters[tensor_name] = param
+            mark_expert_param(param)
+        object.__setattr__(module, _STATE_ATTR, _ModuleState(group, options, num_experts))
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(IMPLEMENTATION)
+    return model
+
+
+def register() -> None:
+    """Register ``"ep_moe"`` in transformers' ``ExpertsInterface`` (done on import; idempotent)."""
+    ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+
+register()
+
+__all__ = ["ExpertsOptions", "HFExperts", "IMPLEMENTATION", "experts_forward", "experts_modules",
+           "expert_parallel", "register", "unsupported_reason"]
