@@ -29,7 +29,11 @@ out here as there (no output, no gradient).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import os
+import re
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -42,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ep_moe.config import Dispatch, MoEConfig, check_experts_divide
 from ep_moe.ep import build_dispatcher
-from ep_moe.ep.base import group_size
+from ep_moe.ep.base import all_gather_single, group_size
 from ep_moe.experts import ActivationArg, StackedExpertsMath
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
 from ep_moe.routing import RouterOutput, count_ids
@@ -302,6 +306,181 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
     return model
 
 
+# ---------------------------------------------------------------------------------------
+# Checkpoints: each rank reads its own experts; a save gathers them into one HF folder
+
+_PER_EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<rest>.+)$")
+"""A checkpoint key of one expert (transformers' original layout: ``...experts.{g}.gate_proj.weight``)."""
+_STACKED_KEY = re.compile(r"^.*\.experts\.(?:" + "|".join(_EXPERT_TENSOR_NAMES) + r")$")
+"""A checkpoint key of every expert stacked on the first dim (``...experts.gate_up_proj``)."""
+
+
+class _ExpertRows:
+    """Rows ``first:first+count`` of a stacked expert tensor in a safetensors file, read only
+    when transformers' loader materialises it (``value[...]``)."""
+
+    def __init__(self, file_slice, first: int, count: int) -> None:
+        self._slice, self._first, self._count = file_slice, first, count
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[self._first:self._first + self._count][index]
+
+    def get_shape(self) -> list[int]:
+        return [self._count, *self._slice.get_shape()[1:]]
+
+    def get_dtype(self) -> str:
+        return self._slice.get_dtype()
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of an HF folder (sharded with an index, or one file)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"{path} holds no model.safetensors nor model.safetensors.index.json; pass a folder "
+                            "written by save_pretrained (safetensors weights)")
+
+
+def _local_checkpoint(files: list, num_experts: int, first: int, count: int) -> dict:
+    """This rank's view of the checkpoint, lazily read: every key but other ranks' experts;
+    per-expert keys renumbered from 0 (as a checkpoint of ``count`` experts), stacked ones
+    cut to this rank's rows. ``files``: open safetensors handles."""
+    state = {}
+    for handle in files:
+        for key in handle.keys():
+            match = _PER_EXPERT_KEY.match(key)
+            if match is not None:
+                expert = int(match["expert"])
+                if first <= expert < first + count:
+                    state[f"{match['prefix']}.{expert - first}.{match['rest']}"] = handle.get_slice(key)
+                continue
+            value = handle.get_slice(key)
+            if _STACKED_KEY.match(key) and value.get_shape()[0] == num_experts and count != num_experts:
+                value = _ExpertRows(value, first, count)
+            state[key] = value
+    return state
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Parameters created inside go to the meta device (no memory); buffers stay real (a
+    rotary embedding's frequencies are computed at construction, not loaded)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def from_pretrained(model_class, path: str, ep_group: Union[None, ProcessGroup, DeviceMesh], *,
+                    dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
+                    dispatch: Dispatch = "auto", backend: Backend = "auto",
+                    all_gather_row_bound: Optional[float] = None, **config_kwargs) -> nn.Module:
+    """``model_class.from_pretrained(path)`` split over ``ep_group`` as :func:`expert_parallel`
+    splits it, each rank reading only its own experts from the safetensors files (and every
+    dense tensor). ``model_class``: an Auto class (``AutoModelForCausalLM``) or a model
+    class; ``path``: a local HF folder with safetensors weights; ``dtype``: of the
+    parameters (default: the checkpoint's); ``config_kwargs`` go to ``AutoConfig``. Returns
+    the model in eval mode, on ``device``, with ``experts_implementation="ep_moe"``. Raises
+    naming the tensors the checkpoint lacks or holds in another shape."""
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from safetensors import safe_open
+
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    if getattr(config, "quantization_config", None) is not None:
+        raise NotImplementedError(f"{path} is a quantized checkpoint ({config.quantization_config}); "
+                                  "ep_moe.integrations.transformers.from_pretrained loads bf16/fp32 weights")
+    config._experts_implementation = IMPLEMENTATION
+    build = getattr(model_class, "from_config", None) or model_class._from_config
+    with _parameters_on_meta():
+        model = build(config, dtype=dtype) if dtype is not None else build(config)
+    expert_parallel(model, ep_group, dispatch=dispatch, backend=backend, all_gather_row_bound=all_gather_row_bound)
+    for module in model.modules():  # the buffers (parameters stay on meta until loaded)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    group = resolve_ep_group(ep_group)
+    size, rank = group_size(group), (0 if group is None else dist.get_rank(group))
+    num_experts = {_state(m).num_experts for _, m in experts_modules(model)}
+    if len(num_experts) != 1:
+        raise NotImplementedError(f"{type(model).__name__} has experts modules of {sorted(num_experts)} experts; "
+                                  "from_pretrained renumbers the experts of models with one expert count")
+    total = num_experts.pop()
+    local = total // size
+    handles = [safe_open(f, framework="pt", device="cpu") for f in _checkpoint_files(path)]
+    try:
+        state = _local_checkpoint(handles, total, rank * local, local)
+        load_config = LoadStateDictConfig(pretrained_model_name_or_path=path, dtype=dtype,
+                                          device_map={"": torch.device(device)},
+                                          weight_mapping=get_model_conversion_mapping(model))
+        info, _ = convert_and_load_state_dict_in_model(model=model, state_dict=state, load_config=load_config)
+    finally:
+        for handle in handles:
+            handle.__exit__(None, None, None)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    unloaded = [name for name, p in model.named_parameters() if p.is_meta]
+    if info.mismatched_keys or unloaded:
+        shapes = "; ".join(f"{k}: checkpoint {tuple(a)}, model {tuple(b)}" for k, a, b in sorted(info.mismatched_keys))
+        raise ValueError(f"from_pretrained({path!r}): the checkpoint does not fill the model: missing "
+                         f"{unloaded[:8]}{' ...' if len(unloaded) > 8 else ''}; other shapes: {shapes or 'none'}. "
+                         "Load a checkpoint of this config (save it with ep_moe.integrations.transformers."
+                         "save_pretrained or transformers' save_pretrained)")
+    for _, module in experts_modules(model):
+        for tensor_name in _EXPERT_TENSOR_NAMES:
+            if module._parameters.get(tensor_name) is not None:
+                mark_expert_param(module._parameters[tensor_name])
+    return model.eval()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every expert tensor split by :func:`expert_parallel`
+    gathered whole over its EP group (a collective: call on every rank of it)."""
+    state = model.state_dict()
+    for name, module in experts_modules(model):
+        group = _state(module).group if _STATE_ATTR in module.__dict__ else None
+        if group_size(group) == 1:
+            continue
+        prefix = f"{name}." if name else ""
+        for tensor_name in _EXPERT_TENSOR_NAMES:
+            param = module._parameters.get(tensor_name)
+            if param is None:
+                continue
+            local = param.detach().contiguous()
+            whole = local.new_empty((local.shape[0] * group_size(group), *local.shape[1:]))
+            all_gather_single(whole, local, group=group)
+            state[prefix + tensor_name] = whole
+    return state
+
+
+def save_pretrained(model: nn.Module, path: str, **kwargs) -> None:
+    """Write ``model`` as an HF folder that plain transformers loads (``from_pretrained``)
+    with the same outputs: the experts split by :func:`expert_parallel` are gathered
+    (:func:`full_state_dict`, a collective: call on every rank), and rank 0 of the default
+    group writes (``kwargs`` go to transformers' ``save_pretrained``); every rank returns
+    once the folder is complete."""
+    state = full_state_dict(model)
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=state, is_main_process=True, **kwargs)
+    if distributed:
+        dist.barrier()
+
+
 def register() -> None:
     """Register ``"ep_moe"`` in transformers' ``ExpertsInterface`` (done on import; idempotent)."""
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
@@ -310,4 +489,5 @@ def register() -> None:
 register()
 
 __all__ = ["ExpertsOptions", "HFExperts", "IMPLEMENTATION", "experts_forward", "experts_modules",
-           "expert_parallel", "register", "unsupported_reason"]
+           "expert_parallel", "from_pretrained", "full_state_dict", "register", "save_pretrained",
+           "unsupported_reason"]
