@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.config import Dispatch, MoEConfig, check_experts_divide
+from ep_moe.config import Dispatch, MoEConfig, check_experts_divide, check_same_config
 from ep_moe.ep import build_dispatcher
 from ep_moe.ep.base import all_gather_single, group_size
 from ep_moe.experts import ActivationArg, StackedExpertsMath
@@ -154,9 +154,25 @@ class HFExperts(StackedExpertsMath):
             mlp_bias=module.has_bias, dispatch=options.dispatch, backend=options.backend,
             all_gather_row_bound=options.all_gather_row_bound, ep_size=group_size(group))
         self.num_local_experts = local
+        self.group = group
         self.ep_rank = 0 if group is None else dist.get_rank(group)
         self.dispatcher = build_dispatcher(self.config, group, self.ep_rank, group_size(group), local)
+        self.agreed = group is None
         self._problems = {}
+
+    def agree(self, x_TH: torch.Tensor) -> None:
+        """First call at EP>1: every rank of the group checks that all run the same experts
+        on inputs of the same width and dtype (:func:`ep_moe.config.check_same_config`), so
+        a mismatch raises on every rank instead of hanging an exchange."""
+        module = self.module
+        others = {"experts module": type(module).__qualname__, "compute dtype": x_TH.dtype,
+                  "input hidden size": x_TH.shape[-1],
+                  "gate": getattr(self.activation, "__qualname__", self.activation)}
+        try:
+            check_same_config(self.config, self.group, x_TH.device, others)
+        except ValueError as err:
+            raise ValueError(f"{type(module).__name__} under expert_parallel: {err}") from None
+        self.agreed = True
 
     def _weight(self, name: str) -> torch.Tensor:
         weight = getattr(self.module, name)
@@ -238,6 +254,8 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     zero = weights_TK.new_zeros(())
     router = RouterOutput(topk_ids_TK=ids_TK, topk_weights_TK=weights_TK, topk_scores_TK=weights_TK.detach(),
                           counts_E=counts_E, aux_loss=zero, z_loss=zero)
+    if not runner.agreed:
+        runner.agree(x_TH)
     backend = runner.config.backend
     if backend == "auto":
         backend = "triton" if x_TH.is_cuda else "torch"
@@ -303,6 +321,9 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
         object.__setattr__(module, _STATE_ATTR, _ModuleState(group, options, num_experts))
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(IMPLEMENTATION)
+    else:  # experts modules outside a transformers model: their configs pick the implementation
+        for _, module in modules:
+            module.config._experts_implementation = IMPLEMENTATION
     return model
 
 
