@@ -87,3 +87,20 @@ def test_warmup_and_train(tmp_path):
     assert first.startswith("warmup_and_train: configs from tuned,"), first
     _loss_falls(first)
     assert any(cache.glob("*.json"))
+
+
+def test_transformers_qwen3_moe(tmp_path):
+    pytest.importorskip("transformers")
+    line = _result_line(_run("transformers_qwen3_moe.py", tmp_path), "transformers_qwen3_moe")
+    assert line.startswith("transformers_qwen3_moe: world 1, 8 of 8 experts per rank,"), line
+    assert "model.safetensors" in line, line
+    _loss_falls(line)
+
+
+@pytest.mark.distributed
+@two_ranks
+def test_transformers_qwen3_moe_torchrun(tmp_path):
+    pytest.importorskip("transformers")
+    line = _result_line(_run("transformers_qwen3_moe.py", tmp_path, nproc=2), "transformers_qwen3_moe")
+    assert line.startswith("transformers_qwen3_moe: world 2, 4 of 8 experts per rank,"), line
+    _loss_falls(line)
