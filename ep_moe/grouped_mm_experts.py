@@ -80,14 +80,22 @@ def use_grouped_mm(x: torch.Tensor, weights: tuple[torch.Tensor, ...], num_rows:
     """Whether :func:`ep_moe.experts.expert_mlp` runs this call through
     :func:`grouped_mm_mlp`: a :func:`small_eager_call` of at least one routed row (for the
     all-gathers, the bound of rows: all are computed), each with its slot (dropless at EP=1,
-    any all-to-all or all-gather), on rows that have landed, with contiguous weights of
-    16-byte rows (``torch._grouped_mm``'s alignment)."""
+    any all-to-all or all-gather), on rows that have landed, with dense weights (contiguous,
+    or each expert's matrix transposed, as transformers' GPT-OSS stores them) of 16-byte rows
+    (``torch._grouped_mm``'s alignment)."""
     if num_rows == 0 or slot_index_R is None or arrival_of(x) is not None:
         return False
-    if x.shape[1] % 8 or any(w.shape[1] % 8 or w.shape[2] % 8 or not w.is_contiguous() for w in weights):
+    if x.shape[1] % 8 or any(w.shape[1] % 8 or w.shape[2] % 8 or not _dense_experts(w) for w in weights):
         return False
     recorded = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
     return small_eager_call(x, num_rows, recorded)
+
+
+def _dense_experts(w: torch.Tensor) -> bool:
+    """``w`` [e, N, K] is e dense matrices one after another, each row- or column-major."""
+    n, k = w.shape[1], w.shape[2]
+    per_expert = w.stride(0) == n * k or w.shape[0] == 1
+    return per_expert and ((w.stride(2) == 1 and w.stride(1) == k) or (w.stride(1) == 1 and w.stride(2) == n))
 
 
 def _eager_bf16_where_it_runs(x: torch.Tensor) -> bool:

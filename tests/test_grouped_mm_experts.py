@@ -183,7 +183,7 @@ def test_the_layer_uses_it_only_where_it_applies(monkeypatch):
 def test_the_path_takes_only_what_grouped_mm_can_run(monkeypatch):
     """With the device test passed (as on a Hopper GPU), the predicate still refuses: more rows
     than the bound (twice it for a call autograd records), rows without slots, misaligned or
-    non-contiguous weights."""
+    non-dense weights."""
     monkeypatch.setattr(small, "_eager_bf16_where_it_runs", lambda x: True)
     x, w, slots = torch.randn(4, 16), torch.randn(2, 24, 16), torch.arange(8)
     assert small.use_grouped_mm(x, (w,), 8, slots)
@@ -196,7 +196,10 @@ def test_the_path_takes_only_what_grouped_mm_can_run(monkeypatch):
     assert not small.use_grouped_mm(x, (w,), 0, slots)
     assert not small.use_grouped_mm(x, (w,), 8, None)
     assert not small.use_grouped_mm(x, (torch.randn(2, 20, 16),), 8, slots)  # 20 * 2 bytes: misaligned
-    assert not small.use_grouped_mm(x, (w.transpose(1, 2).contiguous().transpose(1, 2),), 8, slots)
+    # each expert's matrix transposed (transformers' GPT-OSS layout) is dense: torch._grouped_mm reads it
+    assert small.use_grouped_mm(x, (w.transpose(1, 2).contiguous().transpose(1, 2),), 8, slots)
+    assert not small.use_grouped_mm(x, (torch.randn(2, 24, 32)[:, :, ::2],), 8, slots)  # strided rows
+    assert not small.use_grouped_mm(x, (torch.randn(4, 24, 16)[::2],), 8, slots)  # every other expert
 
 
 def test_a_graph_warm_up_runs_the_fused_kernels(monkeypatch):

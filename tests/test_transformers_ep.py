@@ -13,41 +13,12 @@ pytest.importorskip("transformers")
 
 import ep_moe.integrations.transformers as ep_hf  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
+from hf_models import VOCAB, tiny_model  # noqa: E402
 from ep_moe.parallel import sync_gradients  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-VOCAB, TOKENS = 64, 7
-
-
-def tiny_model(family: str, seed: int = 0, num_experts: int = 8) -> torch.nn.Module:
-    """A tiny random float32 causal LM of ``family``, every weight and bias drawn N(0, 0.1)
-    (HF zero-initialises biases; random ones test their gradients), the same for a seed."""
-    import transformers
-
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, num_experts_per_tok=2)
-    if family == "gpt_oss":
-        config = transformers.GptOssConfig(intermediate_size=16, num_local_experts=num_experts,
-                                           layer_types=["full_attention"] * 2, **common)
-        model_class = transformers.GptOssForCausalLM
-    elif family == "deepseek_v3":
-        config = transformers.DeepseekV3Config(
-            intermediate_size=64, moe_intermediate_size=16, n_routed_experts=num_experts, n_shared_experts=1,
-            n_group=2, topk_group=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16,
-            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-            **{**common, "num_key_value_heads": 4})
-        model_class = transformers.DeepseekV3ForCausalLM
-    else:
-        config = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16,
-                                             num_experts=num_experts, **common)
-        model_class = transformers.Qwen3MoeForCausalLM
-    torch.manual_seed(seed)
-    model = model_class(config).float()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.1)
-    return model
+TOKENS = 7
 
 
 def _token_ids(world: int) -> torch.Tensor:
