@@ -26,7 +26,7 @@ def tiny_model(family: str, seed: int = 0, num_experts: int = 8, hidden: int = 3
             intermediate_size=4 * inter, moe_intermediate_size=inter, n_routed_experts=num_experts,
             n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-            **{**common, "num_key_value_heads": 4})
+            **{**common, "num_key_value_heads": 4, "head_dim": 8})  # MLA: heads of 8 + 8, the rotary's 8
         model_class = transformers.DeepseekV3ForCausalLM
     elif family == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=inter, num_local_experts=num_experts, **common)

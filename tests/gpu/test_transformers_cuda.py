@@ -22,8 +22,14 @@ from tolerance import rel_err, within  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-MAX_REL_ERR = 2e-2
-"""bf16 against the float32 reference: transformers' own grouped_mm is at about 5e-3 here."""
+FLOOR = 2e-2
+"""Relative error any bf16 result may have against float32 here (2-layer models of random
+weights, bf16 keeping 8 bits: grouped_mm's own reach 1.1e-2)."""
+OVER_GROUPED_MM = 2.0
+"""ep_moe's error against float32 may exceed transformers' grouped_mm's (bf16 too, on the same
+weights) by at most this factor: both round the activations to bf16 between the GEMMs, in
+other places and orders (measured: at most 1.6x, on GPT-OSS's logits); a wrong result or
+gradient is off by 1e-1 and more."""
 
 
 def _run(model: torch.nn.Module, ids: torch.Tensor, implementation: str):
@@ -31,12 +37,14 @@ def _run(model: torch.nn.Module, ids: torch.Tensor, implementation: str):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    return out.logits.float(), [p.grad.float() for p in model.parameters()]
+    return [out.logits.float()] + [p.grad.float() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("tokens", [300, 5], ids=["fused", "small-call"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_bf16_model_matches_float32_eager(family, tokens, monkeypatch):
+    """Logits and every gradient of a bf16 model with ep_moe's experts, against the float32
+    eager model on the same weights: within what transformers' own grouped_mm loses in bf16."""
     if tokens > 16:  # the fused kernels, not torch._grouped_mm's small-call path
         monkeypatch.setattr(grouped_mm_experts, "GROUPED_MM_MAX_ROWS", 0)
     model = tiny_model(family, num_experts=16, hidden=256, inter=384, top_k=4, std=0.05).cuda()
@@ -47,9 +55,9 @@ def test_bf16_model_matches_float32_eager(family, tokens, monkeypatch):
             ref.copy_(param.float())  # the same (bf16-rounded) weights
     ids = torch.randint(0, VOCAB, (1, tokens), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     want = _run(reference, ids, "eager")
-    for implementation in ("ep_moe", "grouped_mm"):
-        logits, grads = _run(model, ids, implementation)
-        source = __name__ if implementation == "ep_moe" else f"{__name__} (grouped_mm)"
-        assert within(rel_err(logits, want[0]), MAX_REL_ERR, f"{family} logits", source)
-        for (name, _), grad, ref in zip(model.named_parameters(), grads, want[1]):
-            assert within(rel_err(grad, ref), MAX_REL_ERR, f"{family} {name}", source), (implementation, name)
+    ours, theirs = _run(model, ids, "ep_moe"), _run(model, ids, "grouped_mm")
+    names = ["logits"] + [name for name, _ in model.named_parameters()]
+    for name, got, base, ref in zip(names, ours, theirs, want):
+        bound = max(FLOOR, OVER_GROUPED_MM * rel_err(base, ref))
+        assert within(rel_err(got, ref) / bound, 1.0, f"{family} {name} (error / bound)", __name__), (
+            name, rel_err(got, ref), rel_err(base, ref))
