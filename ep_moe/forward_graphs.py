@@ -1,4 +1,7 @@
-"""CUDA graphs of a layer's small eager forwards without autograd (inference, evaluation) at EP=1.
+"""CUDA graphs of a layer's small eager forwards without autograd (inference, evaluation) at EP=1:
+an :class:`ep_moe.MoELayer`'s, and a Hugging Face experts module's under ``"ep_moe"``
+(:mod:`ep_moe.integrations.transformers`). The owner of the graphs says what its forward
+reads and what else a call hands out (:class:`GraphedForward`).
 
 Such a forward is host-bound: its ~35 torch ops cost the host more than the GPU takes to run
 them. Without autograd, dropless and with no EP group it has no host sync and its shapes
@@ -23,11 +26,10 @@ stream each call comes on.
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Protocol, Union
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -37,7 +39,30 @@ from ep_moe.grouped_mm_experts import fused_kernels_only
 from ep_moe.kernels.ops import debug_enabled
 
 if TYPE_CHECKING:
-    from ep_moe.layer import MoELayer, MoEStats
+    from ep_moe.layer import MoELayer
+
+Inputs = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+"""A graphed forward's input: one tensor, or several (copied in, each, before a replay)."""
+
+
+class GraphedForward(Protocol):
+    """What owns a :class:`ForwardGraphs`: the forward it graphs is the owner's."""
+
+    training: bool
+    """Part of a graph's key (a capture fixes the forward's behaviour in that mode)."""
+
+    def graphed_tensors(self) -> Iterable[torch.Tensor]:
+        """Every tensor the forward reads, or writes in place (their addresses key a graph)."""
+
+    def uncounted(self) -> ContextManager:
+        """Around a capture: the capture's forwards leave the owner's state as it was."""
+
+    def call_outputs(self) -> Any:
+        """What the last forward handed out besides its result (a graph keeps the capture's),
+        or None."""
+
+    def take_replayed(self, outputs: Any) -> None:
+        """After a replay: copies of the graph's :meth:`call_outputs`, as a forward hands them out."""
 
 MAX_GRAPHED_TOKENS = 256
 """Most tokens a graphed forward takes (up to there, on an H200 with qwen3-30b-a3b's experts,
@@ -53,9 +78,21 @@ MAX_RECAPTURES = 2
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    x_in: torch.Tensor
+    x_in: tuple[torch.Tensor, ...]
     y_out: torch.Tensor
-    stats: "MoEStats"
+    outputs: Any
+    """The owner's :meth:`GraphedForward.call_outputs` of the captured forward."""
+
+
+def graphable(x: torch.Tensor) -> bool:
+    """The conditions every graphed forward shares, on its main input ``x`` [..., H]: a
+    plain CUDA tensor of 1 to :data:`MAX_GRAPHED_TOKENS` tokens, autograd off (forward
+    mode too), not compiled or captured already, no debug checks."""
+    if torch.is_grad_enabled() or type(x) is not torch.Tensor or not x.is_cuda or not x.dim():
+        return False
+    tokens = x.numel() // max(1, x.shape[-1])
+    return (0 < tokens <= MAX_GRAPHED_TOKENS and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing() and not _under_a_transform() and not debug_enabled())
 
 
 class ForwardGraphs:
@@ -74,25 +111,22 @@ class ForwardGraphs:
 
     @staticmethod
     def takes(layer: "MoELayer", x: torch.Tensor) -> bool:
-        """Whether this call of ``layer`` may run graphed: a plain CUDA tensor of 1 to
-        :data:`MAX_GRAPHED_TOKENS` tokens, autograd off (forward mode too), not compiled or
-        captured already, dropless, the grouped experts on the Triton backend, no debug
-        checks, and only the layer's own modules with no hooks inside (module docstring)."""
-        if torch.is_grad_enabled() or type(x) is not torch.Tensor or not x.is_cuda or not x.dim():
-            return False
-        tokens = x.numel() // max(1, x.shape[-1])
-        return (0 < tokens <= MAX_GRAPHED_TOKENS and layer.config.capacity_factor is None
-                and layer.config.backend != "torch" and isinstance(layer.experts, GroupedExperts)
-                and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
-                and not _under_a_transform() and not debug_enabled() and _only_own_modules(layer))
+        """Whether this call of ``layer`` may run graphed: :func:`graphable`, dropless, the
+        grouped experts on the Triton backend, and only the layer's own modules with no
+        hooks inside (module docstring)."""
+        return (graphable(x) and layer.config.capacity_factor is None and layer.config.backend != "torch"
+                and isinstance(layer.experts, GroupedExperts) and only_own_modules(layer))
 
-    def __call__(self, layer: "MoELayer", x: torch.Tensor, eager: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``eager(x)`` (the layer's forward), through a graph once the shape is common."""
+    def __call__(self, owner: GraphedForward, x: Inputs, eager: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """``eager(*x)`` (the owner's forward), through a graph once the shape is common."""
+        xs = x if isinstance(x, tuple) else (x,)
         if not self.enabled:
-            return eager(x)
-        shape_key = (tuple(x.shape), x.stride(), x.dtype, x.device, torch.is_autocast_enabled("cuda"),
-                     torch.get_autocast_dtype("cuda"), torch.is_inference_mode_enabled(), layer.training)
-        addresses = tuple(t.data_ptr() for t in _tensors(layer))
+            return eager(*xs)
+        device = xs[0].device
+        shape_key = (tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in xs),
+                     torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+                     torch.is_inference_mode_enabled(), owner.training)
+        addresses = tuple(t.data_ptr() for t in owner.graphed_tensors())
         key = shape_key + addresses
         graph = self._graphs.get(key)
         if graph is not None:
@@ -101,53 +135,47 @@ class ForwardGraphs:
             seen = self._calls.pop(key, 0) + 1
             if seen <= CAPTURE_AFTER_CALLS:
                 _remember(self._calls, key, seen)
-                return eager(x)
-            graph = self._capture(layer, x, eager, shape_key, addresses)
+                return eager(*xs)
+            graph = self._capture(owner, xs, eager, shape_key, addresses)
             if graph is None:
-                return eager(x)
+                return eager(*xs)
             self._graphs[key] = graph
             if len(self._graphs) > MAX_GRAPHS:
                 self._wait_for_replays()  # its memory may be in use on another stream
                 self._graphs.popitem(last=False)
-        current = torch.cuda.current_stream(x.device)
+        current = torch.cuda.current_stream(device)
         if self._replayed is not None:  # the graphs' buffers are shared: one replay at a time
             current.wait_event(self._replayed)
-        graph.x_in.copy_(x)
+        for x_in, t in zip(graph.x_in, xs):
+            x_in.copy_(t)
         graph.graph.replay()
-        stats = graph.stats  # the graph's own tensors, overwritten by its next replay: copied out
-        layer.last_stats = replace(stats, aux_loss=stats.aux_loss.clone(), z_loss=stats.z_loss.clone(),
-                                   tokens_per_expert=stats.tokens_per_expert.clone(),
-                                   num_dropped=stats.num_dropped.clone())
+        owner.take_replayed(graph.outputs)  # the graph's own tensors, overwritten by its next replay
         y = graph.y_out.clone()
         if self._replayed is None:
             self._replayed = torch.cuda.Event()
         self._replayed.record(current)
         return y
 
-    def _capture(self, layer: "MoELayer", x: torch.Tensor, eager: Callable[[torch.Tensor], torch.Tensor],
+    def _capture(self, owner: GraphedForward, xs: tuple[torch.Tensor, ...], eager: Callable[..., torch.Tensor],
                  shape_key: tuple, addresses: tuple) -> Optional[_Graph]:
-        """A graph of ``eager`` on ``x``'s shape; None (and eager from now on) where the
-        layer's tensors moved too often or the capture fails."""
+        """A graph of ``eager`` on the inputs' shapes; None (and eager from now on) where the
+        owner's tensors moved too often or the capture fails."""
         if self._addresses.get(shape_key, addresses) != addresses:
             _remember(self._recaptures, shape_key, self._recaptures.get(shape_key, 0) + 1)
             if self._recaptures[shape_key] > MAX_RECAPTURES:
-                self._disable(f"its tensors moved {self._recaptures[shape_key]} times between forwards of one shape "
-                              "(as FSDP's or ZeRO-3's parameters do)")
+                self._disable(owner, f"its tensors moved {self._recaptures[shape_key]} times between forwards of "
+                                     "one shape (as FSDP's or ZeRO-3's parameters do)")
                 return None
-        load = layer._load_since_update
-        saved_load = None if load is None else load.clone()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            graph = _capture(layer, x, eager, self._pool)
+            with owner.uncounted():  # the capture's forwards are not calls
+                graph = _capture(owner, xs, eager, self._pool)
         except (ValueError, TypeError):  # the input's own errors, from the eager warm-up: the caller's to see
             raise
         except Exception as error:  # noqa: BLE001 - whatever the capture hit, the layer still runs eagerly
-            self._disable(f"capturing a CUDA graph of a forward without autograd failed ({error!r})")
+            self._disable(owner, f"capturing a CUDA graph of a forward without autograd failed ({error!r})")
             return None
-        finally:
-            if load is not None:  # the capture's forwards are not calls: their token counts undone
-                load.copy_(saved_load)
         _remember(self._addresses, shape_key, addresses)
         return graph
 
@@ -155,8 +183,8 @@ class ForwardGraphs:
         if self._replayed is not None:
             self._replayed.synchronize()
 
-    def _disable(self, why: str) -> None:
-        warnings.warn(f"MoELayer: {why}; this layer's small forwards without autograd run eagerly from now on",
+    def _disable(self, owner: GraphedForward, why: str) -> None:
+        warnings.warn(f"{type(owner).__name__}: {why}; its small forwards without autograd run eagerly from now on",
                       stacklevel=5)
         self._wait_for_replays()
         self.enabled = False
@@ -182,20 +210,14 @@ def _remember(memory: dict, key: tuple, value) -> None:
     memory[key] = value
 
 
-def _tensors(layer: "MoELayer"):
-    """Every tensor a layer's forward reads, or writes in place."""
-    extra = () if layer._load_since_update is None else (layer._load_since_update,)
-    return itertools.chain(layer.parameters(), layer.buffers(), extra)
-
-
-def _only_own_modules(layer: "MoELayer") -> bool:
-    """No global module hook, and below ``layer`` only this library's and torch.nn's modules,
-    none with a forward hook: what a replay would not run."""
+def only_own_modules(module: torch.nn.Module, libraries: tuple[str, ...] = ("ep_moe.", "torch.nn.")) -> bool:
+    """No global module hook, and below ``module`` only ``libraries``' modules, none with a
+    forward hook: what a replay would not run."""
     if getattr(nn_module, "_global_forward_hooks", None) or getattr(nn_module, "_global_forward_pre_hooks", None):
         return False
-    for name, submodule in layer.named_modules():
+    for name, submodule in module.named_modules():
         if name and (submodule._forward_hooks or submodule._forward_pre_hooks
-                     or not type(submodule).__module__.startswith(("ep_moe.", "torch.nn."))):
+                     or not type(submodule).__module__.startswith(libraries)):
             return False
     return True
 
@@ -209,26 +231,27 @@ def _under_a_transform() -> bool:
     return current_level is not None and current_level() is not None
 
 
-def _capture(layer: "MoELayer", x: torch.Tensor, eager: Callable[[torch.Tensor], torch.Tensor], pool) -> _Graph:
+def _capture(owner: GraphedForward, xs: tuple[torch.Tensor, ...], eager: Callable[..., torch.Tensor],
+             pool) -> _Graph:
     """One warm-up forward on a side stream, on the fused kernels the capture will run (an
     invalid input raises there), then the capture on that stream into ``pool``. Both without
     autocast's cast cache: a cached cast lives only as long as the caller's autocast region,
     and a graph must cast the weights itself."""
-    x_in = x.clone()
-    current, stream = torch.cuda.current_stream(x.device), torch.cuda.Stream(x.device)
+    x_in = tuple(t.clone() for t in xs)
+    current, stream = torch.cuda.current_stream(xs[0].device), torch.cuda.Stream(xs[0].device)
     stream.wait_stream(current)
     no_cast_cache = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                                    enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
     with torch.cuda.stream(stream), no_cast_cache:
         with fused_kernels_only():
-            eager(x_in)
+            eager(*x_in)
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread-local: CUDA calls of other threads (a data loader's) stay legal meanwhile
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
-            y_out = eager(x_in)
+            y_out = eager(*x_in)
         finally:
             graph.capture_end()
     current.wait_stream(stream)
-    return _Graph(graph, x_in, y_out, layer.last_stats)
+    return _Graph(graph, x_in, y_out, owner.call_outputs())

@@ -26,7 +26,9 @@ experts: each rank picks its experts' keys and ignores the others (resharding on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
@@ -280,6 +282,32 @@ class MoELayer(nn.Module):
         if self.forward_graphs is not None and route_fn is None and ForwardGraphs.takes(self, x):
             return self.forward_graphs(self, x, self._eager_forward)
         return self._eager_forward(x, route_fn)
+
+    # what ForwardGraphs asks of the layer it graphs (ep_moe.forward_graphs.GraphedForward)
+    def graphed_tensors(self):
+        """Every tensor the forward reads, or writes in place (the load count)."""
+        extra = () if self._load_since_update is None else (self._load_since_update,)
+        return itertools.chain(self.parameters(), self.buffers(), extra)
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """The forwards inside count no tokens towards the expert-bias update."""
+        saved = None if self._load_since_update is None else self._load_since_update.clone()
+        try:
+            yield
+        finally:
+            if saved is not None:
+                self._load_since_update.copy_(saved)
+
+    def call_outputs(self) -> Optional[MoEStats]:
+        """The last forward's stats."""
+        return self.last_stats
+
+    def take_replayed(self, stats: MoEStats) -> None:
+        """A graph's stats as the layer's last (copies: the graph overwrites its own)."""
+        object.__setattr__(self, "last_stats", dataclasses.replace(
+            stats, aux_loss=stats.aux_loss.clone(), z_loss=stats.z_loss.clone(),
+            tokens_per_expert=stats.tokens_per_expert.clone(), num_dropped=stats.num_dropped.clone()))
 
     def _eager_forward(self, x: torch.Tensor, route_fn: Optional[RouteFn] = None) -> torch.Tensor:
         """Steps 1-6 of :meth:`forward`, op by op."""

@@ -33,10 +33,10 @@ class _ReplayRerunsTheForward:
 
     def replay(self):
         assert _state(self.layer) == self.state, "a graph replayed in another state than it was captured in"
-        y = self.eager(self.graph.x_in)
+        y = self.eager(*self.graph.x_in)
         self.graph.y_out.copy_(y)
         for name in ("aux_loss", "z_loss", "tokens_per_expert", "num_dropped"):
-            getattr(self.graph.stats, name).copy_(getattr(self.layer.last_stats, name))
+            getattr(self.graph.outputs, name).copy_(getattr(self.layer.last_stats, name))
 
 
 class _NoStream:
@@ -58,15 +58,15 @@ def captures(monkeypatch):
     records each captured input shape."""
     made = []
 
-    def fake_capture(layer, x, eager, pool):
-        x_in = x.clone()
-        y_out = eager(x_in).clone()
-        stats = layer.last_stats
+    def fake_capture(layer, xs, eager, pool):
+        x_in = tuple(t.clone() for t in xs)
+        y_out = eager(*x_in).clone()
+        stats = layer.call_outputs()
         graph = fg._Graph(None, x_in, y_out, dataclasses.replace(
             stats, aux_loss=stats.aux_loss.clone(), z_loss=stats.z_loss.clone(),
             tokens_per_expert=stats.tokens_per_expert.clone(), num_dropped=stats.num_dropped.clone()))
         graph.graph = _ReplayRerunsTheForward(layer, eager, graph)
-        made.append(tuple(x.shape))
+        made.append(tuple(xs[0].shape))
         return graph
 
     monkeypatch.setattr(fg, "_capture", fake_capture)
@@ -112,7 +112,7 @@ def test_the_least_recently_used_graph_is_dropped(captures, monkeypatch):
     for tokens in (1, 2, 1, 3):  # 1 used after 2: 2 is dropped when 3 comes
         for _ in range(fg.CAPTURE_AFTER_CALLS + 1):
             _call(layer, torch.randn(tokens, H))
-    assert [key[0] for key in layer.forward_graphs._graphs] == [(1, H), (3, H)]
+    assert [key[0][0][0] for key in layer.forward_graphs._graphs] == [(1, H), (3, H)]
     assert captures == [(1, H), (2, H), (3, H)]
 
 
@@ -137,7 +137,7 @@ def test_moved_tensors_capture_anew_and_a_layer_whose_tensors_keep_moving_stays_
 
 
 def test_a_failed_capture_leaves_the_layer_eager(captures, monkeypatch):
-    def failing_capture(layer, x, eager, pool):
+    def failing_capture(layer, xs, eager, pool):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(fg, "_capture", failing_capture)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import os
 import re
@@ -48,6 +50,7 @@ from ep_moe.config import Dispatch, MoEConfig, check_experts_divide, check_same_
 from ep_moe.ep import build_dispatcher
 from ep_moe.ep.base import all_gather_single, group_size
 from ep_moe.experts import ActivationArg, StackedExpertsMath
+from ep_moe.forward_graphs import ForwardGraphs, graphable, only_own_modules
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
 from ep_moe.routing import RouterOutput, count_ids
 
@@ -62,6 +65,8 @@ IMPLEMENTATION = "ep_moe"
 take once this module is imported."""
 
 Backend = Literal["auto", "triton", "torch"]
+_GRAPHABLE_LIBRARIES = ("transformers.", "torch.nn.", "ep_moe.")
+"""Modules a graphed call may run below the experts module (its activation)."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,8 @@ class HFExperts(StackedExpertsMath):
         self.ep_rank = 0 if group is None else dist.get_rank(group)
         self.dispatcher = build_dispatcher(self.config, group, self.ep_rank, group_size(group), local)
         self.agreed = group is None
+        self.forward_graphs = ForwardGraphs() if group is None else None
+        """At EP=1, the CUDA graphs of small calls without autograd (:mod:`ep_moe.forward_graphs`)."""
         self._problems = {}
 
     def agree(self, x_TH: torch.Tensor) -> None:
@@ -173,6 +180,33 @@ class HFExperts(StackedExpertsMath):
         except ValueError as err:
             raise ValueError(f"{type(module).__name__} under expert_parallel: {err}") from None
         self.agreed = True
+
+    # what ForwardGraphs asks of what it graphs (ep_moe.forward_graphs.GraphedForward)
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def graphed_tensors(self):
+        """The module's parameters and buffers: what a call reads."""
+        return itertools.chain(self.module.parameters(), self.module.buffers())
+
+    def uncounted(self):
+        """A call changes no state of the module."""
+        return contextlib.nullcontext()
+
+    def call_outputs(self) -> None:
+        """A call hands out its result alone."""
+
+    def take_replayed(self, outputs: None) -> None:
+        """Nothing besides the result to hand out."""
+
+    def takes_graphs(self, x: torch.Tensor, backend: str) -> bool:
+        """Whether this call may replay a CUDA graph: EP=1 without transformers' own EP
+        (whose sentinels cost a host sync), the Triton backend, a call
+        :func:`ep_moe.forward_graphs.graphable` allows, and nothing below the module but
+        transformers' and torch's modules, with no hooks."""
+        return (self.forward_graphs is not None and backend == "triton" and not self.module._is_expert_parallel
+                and graphable(x) and only_own_modules(self.module, _GRAPHABLE_LIBRARIES))
 
     def _weight(self, name: str) -> torch.Tensor:
         weight = getattr(self.module, name)
@@ -233,13 +267,28 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     """The ``"ep_moe"`` experts implementation: ``hidden_states`` [T, H] through the experts
     ``top_k_index`` [T, K] names, weighted by ``top_k_weights`` [T, K] and summed per token:
     [T, H] in ``hidden_states``' dtype (computed in autocast's dtype where it is on, else the
-    weights')."""
-    _check_supported(module)
+    weights'). At EP=1 a small call without autograd replays a CUDA graph once its shapes
+    recur (:mod:`ep_moe.forward_graphs`)."""
     state = _state(module)
     top_k = top_k_index.shape[-1]
     runner = state.runners.get(top_k)
     if runner is None:
+        _check_supported(module)
         runner = state.runners[top_k] = HFExperts(module, top_k, state.num_experts, state.group, state.options)
+    backend = runner.config.backend
+    if backend == "auto":
+        backend = "triton" if hidden_states.is_cuda else "torch"
+    call = functools.partial(_routed_experts, runner, backend)
+    if runner.takes_graphs(hidden_states, backend):
+        return runner.forward_graphs(runner, (hidden_states, top_k_index, top_k_weights), call)
+    return call(hidden_states, top_k_index, top_k_weights)
+
+
+def _routed_experts(runner: HFExperts, backend: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`experts_forward`'s call, op by op: the router's choice as a
+    :class:`~ep_moe.routing.RouterOutput`, then the dispatcher's steps."""
+    module, top_k = runner.module, runner.config.top_k
     weight = runner.down
     compute_dtype = (torch.get_autocast_dtype(weight.device.type) if torch.is_autocast_enabled(weight.device.type)
                      else weight.dtype)
@@ -256,9 +305,6 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
                           counts_E=counts_E, aux_loss=zero, z_loss=zero)
     if not runner.agreed:
         runner.agree(x_TH)
-    backend = runner.config.backend
-    if backend == "auto":
-        backend = "triton" if x_TH.is_cuda else "torch"
     dispatcher = runner.dispatcher
     dispatcher.start(x_TH.shape[0], x_TH.device)
     routed = dispatcher.dispatch(x_TH, router, keep_TK, backend)

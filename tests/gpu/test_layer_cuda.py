@@ -147,7 +147,7 @@ def test_small_forwards_without_autograd_replay_a_cuda_graph(monkeypatch):
 
     captured = []
     capture = forward_graphs._capture
-    monkeypatch.setattr(forward_graphs, "_capture", lambda *args: captured.append(args[1].shape) or capture(*args))
+    monkeypatch.setattr(forward_graphs, "_capture", lambda *args: captured.append(args[1][0].shape) or capture(*args))
     for params in ("bf16", "fp32_autocast"):
         dtype = torch.bfloat16 if params == "bf16" else torch.float32
         layer = _layer(dtype, num_shared_experts=1, expert_bias=True)
