@@ -105,7 +105,9 @@ def _api_key(model: nn.Module, name: str) -> str:
 
 def _stacked_experts(model: nn.Module) -> dict[str, _StackedExperts]:
     """The stacked expert parameters of ``model``, by key: those of every experts module
-    (:class:`~ep_moe.experts.GroupedExperts`, or another that tells its ``global_ids()``)."""
+    (:class:`~ep_moe.experts.GroupedExperts`, or another that tells its ``global_ids()`` and
+    ``num_global_experts``, as :func:`ep_moe.integrations.transformers.expert_parallel` has
+    a transformers experts module tell them)."""
     found, covered = {}, set()
     for name, module in model.named_modules():
         if not callable(getattr(module, "global_ids", None)):
@@ -113,7 +115,7 @@ def _stacked_experts(model: nn.Module) -> dict[str, _StackedExperts]:
         for leaf, param in module.named_parameters():
             if is_expert_param(param):
                 key = _api_key(model, f"{name}.{leaf}" if name else leaf)
-                found[key] = _StackedExperts(key, module.global_ids(), module.config.num_experts)
+                found[key] = _StackedExperts(key, module.global_ids(), module.num_global_experts)
                 covered.add(id(param))
     stray = [name for name, param in model.named_parameters() if is_expert_param(param) and id(param) not in covered]
     if stray:
@@ -136,7 +138,8 @@ def moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     Returns ``{"model": ..., "optimizer": ..., "moe_configs": ...}``. The model's part is
     ``model.state_dict()`` keyed as ``get_model_state_dict(model)`` keys it (without the
     ``module.`` and ``_orig_mod.`` of wrappers; computed here, so that the per-expert keys of
-    any experts module work, not only those whose attributes resolve them). The optimizer's
+    any experts module work, not only those whose attributes resolve them), each stacked expert
+    tensor that the module's state dict holds whole split per global expert here. The optimizer's
     part is ``get_optimizer_state_dict(model, optimizer)`` with each stacked expert
     parameter's state split per global expert (see the module docstring); it is absent
     when ``optimizer`` is None. The tensors share memory with the model and the
@@ -146,11 +149,10 @@ def moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     """
     experts = _stacked_experts(model)
     model_state = _rekey(model.state_dict(), {name: _api_key(model, name) for name, _ in model.named_modules()})
-    stacked = sorted(experts.keys() & model_state.keys())
-    if stacked:
-        raise ValueError(f"the model's state dict holds the stacked expert parameters {stacked}: each rank holds "
-                         "other experts under that key, so DCP would keep one rank's. Split them per global expert "
-                         "in a state-dict hook, as ep_moe.experts.GroupedExperts does for gate_up and down")
+    for key in sorted(experts.keys() & model_state.keys()):  # a module that does not split its own
+        stacked = gathered_expert_rows(model_state.pop(key))
+        for j, g in enumerate(experts[key].global_ids):
+            model_state[f"{key}.{g}"] = stacked[j]
     state = {"model": model_state, CONFIGS_KEY: json.dumps(_moe_configs(model), sort_keys=True)}
     if optimizer is not None:
         state["optimizer"] = _split_per_expert(get_optimizer_state_dict(model, optimizer), experts)
@@ -167,7 +169,12 @@ def load_moe_state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimi
     under a DDP or torch.compile wrapper it looks up each parameter by its own key and finds
     the stacked experts' missing (they are saved per expert)."""
     own_names = {_api_key(model, name): name for name, _ in model.named_modules()}  # a wrapper's inner module wins
-    model.load_state_dict(_rekey(state_dict["model"], own_names))
+    model_state = dict(state_dict["model"])
+    own_keys = _rekey(model.state_dict(), {name: _api_key(model, name) for name, _ in model.named_modules()}).keys()
+    for key, info in _stacked_experts(model).items():
+        if key in own_keys:  # split by moe_state_dict, not by the module: stacked back here
+            model_state[key] = torch.stack([model_state.pop(f"{key}.{g}") for g in info.global_ids])
+    model.load_state_dict(_rekey(model_state, own_names))
     if optimizer is not None:
         if "optimizer" not in state_dict:
             raise ValueError("state_dict holds no optimizer state: build it with moe_state_dict(model, optimizer), "

@@ -100,6 +100,11 @@ class _LocalExperts(nn.Module):
         """Global ids of the local experts."""
         return range(self.first_expert, self.first_expert + self.num_local_experts)
 
+    @property
+    def num_global_experts(self) -> int:
+        """The experts over the EP group (E)."""
+        return self.config.num_experts
+
 
 class StackedExpertsMath:
     """The expert math over stacked tensors, for any owner of them: :class:`GroupedExperts`

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import types
 
 import pytest
 import torch
@@ -27,7 +26,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
-from ep_moe.checkpoint import is_complete, latest_checkpoint, load_checkpoint, moe_state_dict, save_checkpoint
+from ep_moe.checkpoint import (
+    is_complete,
+    latest_checkpoint,
+    load_checkpoint,
+    load_moe_state_dict,
+    moe_state_dict,
+    save_checkpoint,
+)
 from ep_moe.layer import moe_aux_loss
 from ep_moe.parallel import (
     build_ep_groups,
@@ -324,20 +330,34 @@ def test_model_only_checkpoint_names_the_missing_optimizer_state(tmp_path):
 
 
 class _UnsplitExperts(nn.Module):
-    """Experts whose state dict keeps the stacked tensor (no per-expert hook)."""
+    """Experts whose state dict keeps the stacked tensor (no per-expert hook), rows 2 and 3
+    of 4 experts, as a transformers experts module under expert_parallel."""
+
+    num_global_experts = 4
 
     def __init__(self) -> None:
         super().__init__()
-        self.config = types.SimpleNamespace(num_experts=4)
-        self.w = mark_expert_param(nn.Parameter(torch.zeros(2, 3)))
+        self.w = mark_expert_param(nn.Parameter(torch.arange(6.0).view(2, 3)))
 
     def global_ids(self) -> range:
         return range(2, 4)
 
 
-def test_expert_parameters_that_dcp_would_merge_raise():
-    with pytest.raises(ValueError, match=r"stacked expert parameters \['experts.w'\].*DCP would keep one rank's"):
-        moe_state_dict(nn.ModuleDict({"experts": _UnsplitExperts()}))
+def test_stacked_experts_a_module_keeps_whole_are_split_per_expert_and_stacked_back():
+    """DCP would keep one rank's copy of a stacked tensor that every rank keys alike: the
+    state is keyed per global expert instead, and loads back stacked."""
+    model = nn.ModuleDict({"experts": _UnsplitExperts()})
+    state = moe_state_dict(model)
+    assert sorted(state["model"]) == ["experts.w.2", "experts.w.3"]
+    assert torch.equal(state["model"]["experts.w.3"], torch.tensor([3.0, 4.0, 5.0]))
+    loaded = nn.ModuleDict({"experts": _UnsplitExperts()})
+    with torch.no_grad():
+        loaded.experts.w.zero_()
+    load_moe_state_dict(loaded, None, state)
+    assert torch.equal(loaded.experts.w, model.experts.w)
+
+
+def test_expert_parameters_in_no_experts_module_raise():
     stray = nn.Linear(2, 2)
     mark_expert_param(stray.weight)
     with pytest.raises(ValueError, match=r"expert parameters \['weight'\] are in no experts module"):

@@ -365,6 +365,9 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
                 module._parameters[tensor_name] = param
             mark_expert_param(param)
         object.__setattr__(module, _STATE_ATTR, _ModuleState(group, options, num_experts))
+        # what ep_moe.checkpoint asks of an experts module: its rows' global experts
+        module.global_ids = functools.partial(range, first, first + local)
+        module.num_global_experts = num_experts
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(IMPLEMENTATION)
     else:  # experts modules outside a transformers model: their configs pick the implementation
