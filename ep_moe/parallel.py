@@ -401,8 +401,25 @@ def _default_blocks(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module
     return blocks
 
 
+def called_experts(model: nn.Module) -> list[nn.Module]:
+    """The experts modules of ``model`` that its own code calls, not an MoE layer
+    (transformers' under :func:`ep_moe.integrations.transformers.expert_parallel`): modules
+    that tell both their rows' global experts (``global_ids()``, as an MoE layer's experts
+    do) and their EP group (``ep_group``, ``ep_size``, as an MoE layer does)."""
+    return [m for m in model.modules() if callable(getattr(m, "global_ids", None)) and hasattr(m, "ep_group")]
+
+
+def _add_to_block(block_experts: dict[int, list[nn.Module]], blocks: list[nn.Module], experts: nn.Module) -> None:
+    """Note ``experts`` (sharded on its own) under the block that holds it, for the prefetch."""
+    for block in blocks:
+        if any(m is experts for m in block.modules()):
+            block_experts[id(block)].append(experts)
+            return
+
+
 def _check_layers(layers: list[nn.Module], pm: ParallelMesh) -> None:
-    """Raise unless every MoE layer splits its experts over the mesh's "ep" axis (local: no collective)."""
+    """Raise unless every MoE layer (or experts module the model calls) splits its experts over
+    the mesh's "ep" axis (local: no collective)."""
     mesh_ranks = pm.ep.mesh.flatten().tolist()
     for layer in layers:
         if layer.ep_size != pm.ep_size:
@@ -461,8 +478,10 @@ def apply_fsdp(
     - Dense parameters (every parameter not tagged by :func:`mark_expert_param`: router,
       shared experts, the rest of the model) are sharded over ``mesh.dp_shard`` (all ranks),
       one FSDP group per block, plus one for what no block holds (the root, ``model``).
-    - At EP > 1 each MoE layer's local experts (its stacked expert tensors) are one FSDP
-      group sharded over ``mesh.edp``, the replicas of those experts. Their all-gather and
+    - At EP > 1 each MoE layer's local experts (its stacked expert tensors), and each experts
+      module the model calls itself (:func:`called_experts`: transformers' under
+      :func:`ep_moe.integrations.transformers.expert_parallel`), are one FSDP group sharded
+      over ``mesh.edp``, the replicas of those experts. Their all-gather and
       reduce-scatter run around the layer's forward and backward (the layer reads the
       stacked tensors directly, so FSDP's hooks are moved from the experts' ``forward`` to
       the layer's; the layer's output, a view, is then copied once, so that an in-place op
@@ -499,13 +518,19 @@ def apply_fsdp(
     if offload_policy is not None:
         common["offload_policy"] = offload_policy
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    _check_layers(layers, pm)
+    called = called_experts(model)
+    _check_layers(layers + called, pm)
     expert_names = set(expert_param_names(model))
-    blocks = _default_blocks(model, layers) if blocks is None else list(blocks)
+    blocks = _default_blocks(model, layers + called) if blocks is None else list(blocks)
     blocks = [b for b in blocks if b is not model]
     block_experts: dict[int, list[nn.Module]] = {id(b): [] for b in blocks}
 
     if pm.ep_size > 1:
+        for experts in called:  # called by the model: FSDP's forward hooks run as they are
+            fully_shard(experts, mesh=pm.edp, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=_experts_placement(pm.edp_size), **common)
+            _divide_gradients_by(experts, pm.dp_size, pm.edp)
+            _add_to_block(block_experts, blocks, experts)
         for layer in layers:
             experts = layer.experts
             fully_shard(experts, mesh=pm.edp, reshard_after_forward=reshard_after_forward,
@@ -516,10 +541,7 @@ def apply_fsdp(
             setattr(experts, _FSDP_CALL, _call)
             register_fsdp_forward_method(experts, _FSDP_CALL)
             layer.forward = functools.partial(getattr(experts, _FSDP_CALL), layer.forward)
-            for block in blocks:
-                if any(m is layer for m in block.modules()):
-                    block_experts[id(block)].append(experts)
-                    break
+            _add_to_block(block_experts, blocks, experts)
     for block in blocks:
         fully_shard(block, mesh=pm.dp_shard, reshard_after_forward=reshard_after_forward, **common)
     fully_shard(model, mesh=pm.dp_shard, **common)

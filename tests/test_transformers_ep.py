@@ -219,6 +219,52 @@ def test_distributed_checkpoint_reshards(tmp_path):
             assert max(diffs) < 1e-6, (rank, layout, diffs)
 
 
+def _fsdp_worker(rank: int, world: int, ep: int) -> dict:
+    """A qwen3_moe model split over the mesh's "ep" axis, trained 2 AdamW steps with FSDP2
+    (apply_fsdp: experts over "edp", the rest over every rank) and replicated
+    (sync_gradients): the worst relative difference of the losses and final weights."""
+    from torch.distributed.tensor import DTensor
+
+    from ep_moe.parallel import apply_fsdp, init_parallel_mesh
+
+    pm = init_parallel_mesh(ep, num_experts=8, device_type="cpu")
+    groups = pm.groups()
+    ids = _token_ids(world)
+
+    def train(model, sync) -> tuple[list[float], dict]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(2):
+            loss = model(input_ids=ids[rank], labels=ids[rank]).loss
+            loss.backward()
+            sync(model)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+        return losses, full
+
+    replicated = train(ep_hf.expert_parallel(tiny_model("qwen3_moe"), groups.ep_group),
+                       lambda m: sync_gradients(m, groups.ep_group, groups.edp_group))
+    sharded = apply_fsdp(ep_hf.expert_parallel(tiny_model("qwen3_moe"), pm.ep), pm)
+    fsdp = train(sharded, lambda m: None)
+    worst = {"loss": max(_relative(a, b) for a, b in zip(fsdp[0], replicated[0]))}
+    worst.update({name: _relative(fsdp[1][name], replicated[1][name]) for name in replicated[1]})
+    experts = ep_hf.experts_modules(sharded)[0][1]
+    worst["experts sharded over edp"] = float(experts.down_proj.device_mesh.mesh_dim_names != ("edp",))
+    return worst
+
+
+@pytest.mark.parametrize("world, ep", [(2, 2), (4, 2)])
+def test_fsdp_matches_replicated(world, ep):
+    """FSDP2 of a transformers model under expert_parallel (experts sharded over the
+    expert-data-parallel ranks, called by the model itself) trains as the replicated model
+    with sync_gradients: losses and weights after 2 AdamW steps."""
+    for rank, worst in enumerate(run_distributed(_fsdp_worker, world, ep)):
+        bad = {name: diff for name, diff in worst.items() if diff > 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+
+
 def _error_worker(rank: int, world: int, case: str) -> str:
     try:
         if case == "indivisible":

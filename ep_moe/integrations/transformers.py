@@ -308,8 +308,10 @@ def _routed_experts(runner: HFExperts, backend: str, hidden_states: torch.Tensor
     dispatcher = runner.dispatcher
     dispatcher.start(x_TH.shape[0], x_TH.device)
     routed = dispatcher.dispatch(x_TH, router, keep_TK, backend)
-    y_TH = dispatcher.combine(routed, dispatcher.experts(routed, runner))
-    return y_TH.to(hidden_states.dtype).view(hidden_states.shape)
+    y_TH = dispatcher.combine(routed, dispatcher.experts(routed, runner)).to(hidden_states.dtype)
+    # no view when the shape is the same: FSDP hooks the experts' backward unshard on this
+    # output, which an in-place op on a view would drop
+    return y_TH if hidden_states.dim() == 2 else y_TH.view(hidden_states.shape)
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -365,9 +367,11 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
                 module._parameters[tensor_name] = param
             mark_expert_param(param)
         object.__setattr__(module, _STATE_ATTR, _ModuleState(group, options, num_experts))
-        # what ep_moe.checkpoint asks of an experts module: its rows' global experts
+        # what ep_moe.checkpoint and apply_fsdp ask of an experts module: its rows' global
+        # experts and its EP group
         module.global_ids = functools.partial(range, first, first + local)
         module.num_global_experts = num_experts
+        module.ep_group, module.ep_size = group, size
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(IMPLEMENTATION)
     else:  # experts modules outside a transformers model: their configs pick the implementation
