@@ -20,7 +20,7 @@ from torch import nn
 
 from ep_moe.config import GATED_ACTIVATIONS, Activation, MoEConfig
 from ep_moe.grouped_mm_experts import grouped_mm_mlp, use_grouped_mm
-from ep_moe.kernels.activation import gated
+from ep_moe.kernels.activation import ClampedSwiGLU, gated
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.kernels.ops import layer_grouped_gemm, layer_grouped_gemm_slot_sum
@@ -37,9 +37,10 @@ ConfigsArg = Union[KernelConfigs, Callable[[], KernelConfigs]]
 """Kernel configs, or a function that looks them up, called only if the kernels run."""
 
 
-ActivationArg = Union[Activation, Callable[[torch.Tensor], torch.Tensor]]
-"""An :data:`Activation` name, or a function of GEMM1's [R, F] rows ([R, I] out) run in torch
-between the GEMMs (a Hugging Face model's own gate, e.g. GPT-OSS's clamped SwiGLU)."""
+ActivationArg = Union[Activation, ClampedSwiGLU, Callable[[torch.Tensor], torch.Tensor]]
+"""An :data:`Activation` name, GPT-OSS's clamped SwiGLU (fused on the Triton backend), or a
+function of GEMM1's [R, F] rows ([R, I] out) run in torch between the GEMMs (a Hugging Face
+model's own gate)."""
 
 
 def activate(h_RF: torch.Tensor, activation: ActivationArg, backend: str,
@@ -47,6 +48,8 @@ def activate(h_RF: torch.Tensor, activation: ActivationArg, backend: str,
     """The expert activation (:attr:`MoEConfig.activation`, or a function of the rows);
     ``num_rows`` (device count): only the first rows are in use (the rest are neither
     computed nor given a gradient on the Triton gated path)."""
+    if isinstance(activation, ClampedSwiGLU):
+        return activation.fused(h_RF, num_rows) if backend == "triton" else activation.reference(h_RF)
     if callable(activation):
         return activation(h_RF)
     if activation in GATED_ACTIVATIONS:

@@ -51,6 +51,7 @@ from ep_moe.ep import build_dispatcher
 from ep_moe.ep.base import all_gather_single, group_size
 from ep_moe.experts import ActivationArg, StackedExpertsMath
 from ep_moe.forward_graphs import ForwardGraphs, graphable, only_own_modules
+from ep_moe.kernels.activation import ClampedSwiGLU
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
 from ep_moe.routing import RouterOutput, count_ids
 
@@ -123,13 +124,36 @@ def _named_activation(act: nn.Module, gated: bool) -> Optional[str]:
     return "relu" if isinstance(act, nn.ReLU) else None
 
 
+def _clamped_swiglu(module: nn.Module) -> Optional[ClampedSwiGLU]:
+    """GPT-OSS's gate as ep_moe's fused :class:`~ep_moe.kernels.activation.ClampedSwiGLU`
+    where the module's ``_apply_gate`` is that function (its ``alpha`` and ``limit``): checked
+    on values on both sides of the limits, float64, so that a gate that only looks like it
+    keeps running as the module's own."""
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float, type(None))):
+        return None
+    form = ClampedSwiGLU(alpha=float(alpha), clamp_at=None if limit is None else float(limit))
+    bound = 2.0 * (abs(limit) if limit else 4.0)
+    probe = torch.linspace(-bound, bound, 2 * 3 * 37, dtype=torch.float64).view(3, -1)
+    probe = probe[:, torch.randperm(probe.shape[1], generator=torch.Generator().manual_seed(0))]
+    try:
+        theirs = module._apply_gate(probe)
+    except Exception:  # noqa: BLE001 - a gate that does not take such a tensor is not this one
+        return None
+    return form if theirs.shape == (3, 37) and torch.allclose(theirs, form.reference(probe), rtol=1e-12,
+                                                             atol=1e-12) else None
+
+
 def _activation(module: nn.Module) -> ActivationArg:
-    """What runs between the GEMMs: a fused ep_moe activation where the module's is one, else
-    the module's own gate (or activation), in torch."""
+    """What runs between the GEMMs: a fused ep_moe activation where the module's is one (the
+    default gate with SiLU or the exact GELU, GPT-OSS's clamped SwiGLU), else the module's own
+    gate (or activation), in torch."""
     if module.has_gate:
         default_gate = getattr(type(module)._apply_gate, "__func__", type(module)._apply_gate) is _default_apply_gate
-        name = _named_activation(module.act_fn, gated=True) if default_gate and module.is_concatenated else None
-        return name or module._apply_gate
+        if default_gate:
+            name = _named_activation(module.act_fn, gated=True) if module.is_concatenated else None
+            return name or module._apply_gate
+        return _clamped_swiglu(module) or module._apply_gate
     return _named_activation(module.act_fn, gated=False) or module.act_fn
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ep_moe.kernels.activation import _launch, geglu, swiglu
+from ep_moe.kernels.activation import ClampedSwiGLU, _launch, geglu, swiglu
 from ep_moe.kernels.grouped_gemm import row_block_programs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,3 +75,34 @@ def test_swiglu_rejects_a_bad_row_count():
 def test_integer_input_is_refused():
     with pytest.raises(ValueError, match="swiglu expects floating-point activations, got torch.int32"):
         swiglu(torch.ones(2, 4, dtype=torch.int32))
+
+
+def _gpt_oss_gate(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """transformers' GptOssExperts._apply_gate, written out: the oracle of ClampedSwiGLU."""
+    gate, up = h[..., ::2], h[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, inter", [(1, 8), (37, 300)])
+def test_clamped_swiglu_matches_gpt_oss_gate(rows, inter, dtype):
+    """GPT-OSS's gate (interleaved, clamped, alpha, up + 1) fused, forward and backward,
+    against autograd of transformers' formula in float64; a third of the values past the
+    limits (clamped: no gradient there), a few exactly at them (the gradient passes)."""
+    alpha, limit = 1.702, 1.5
+    h = torch.randn(rows, 2 * inter, device=DEVICE) * 2
+    h.view(-1)[::7] = limit
+    h = h.to(dtype).requires_grad_()
+    form = ClampedSwiGLU(alpha=alpha, clamp_at=limit)
+    a = form.fused(h)
+    da = torch.randn_like(a)
+    (dh,) = torch.autograd.grad(a, h, da)
+    h64 = h.detach().double().requires_grad_()
+    a_ref = _gpt_oss_gate(h64, alpha, limit)
+    (dh_ref,) = torch.autograd.grad(a_ref, h64, da.double())
+    for got, ref in ((a, a_ref), (dh, dh_ref)):
+        assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
+    assert torch.equal(dh[h.detach() > limit], torch.zeros_like(dh[h.detach() > limit]))
+    torch.testing.assert_close(form.reference(h64), a_ref, rtol=0, atol=0)
