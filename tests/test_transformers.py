@@ -6,7 +6,6 @@ against transformers' own ``"eager"`` loop in float32 on the CPU: the sparse MoE
 and the refusal of a module ep_moe cannot compute. Every class of the installed
 transformers, one by one: tests/test_transformers_families.py."""
 
-import contextlib
 import importlib
 from typing import Optional
 
@@ -16,24 +15,13 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers", minversion="5")
 
-import transformers.integrations.moe as hf_moe  # noqa: E402
-
-import ep_moe.experts as experts_mod  # noqa: E402
 import ep_moe.integrations.transformers as ep_hf  # noqa: E402
+from hf_models import (ATOL, RTOL, VOCAB, E, H, K, Routed, default_kernel_configs,  # noqa: E402,F401
+                       ep_moe_calls, forward_backward, grad_of, mismatches, routing, run_with,
+                       set_implementation, tiny_model)
 
-ATOL = RTOL = 1e-5
-H, E, K = 32, 8, 2
-
-
-@pytest.fixture(autouse=True)
-def _default_kernel_configs(monkeypatch):
-    """Triton runs on the kernels' default configs (fast in the interpreter); no autotune
-    cache is read."""
-    monkeypatch.setattr(experts_mod, "_kernel_configs", lambda problem, num_rows, device: None)
-
-
-# ---------------------------------------------------------------------------------------
-# Helpers (tests/test_transformers_families.py uses them too).
+pytestmark = pytest.mark.usefixtures("default_kernel_configs")
+"""Triton on the kernels' default configs (fast in the interpreter)."""
 
 
 def modeling(model_type: str):
@@ -52,66 +40,6 @@ def randomize(module: nn.Module, std: float = 0.1, seed: int = 0) -> nn.Module:
     return module
 
 
-def set_implementation(module: nn.Module, impl: str) -> None:
-    """Run every experts module under ``module`` with ``impl`` (a bare module or block has
-    no ``set_experts_implementation``; the decorated forward reads its config)."""
-    if hasattr(module, "set_experts_implementation"):
-        module.set_experts_implementation(impl)
-    for _, experts in ep_hf.experts_modules(module):
-        experts.config._experts_implementation = impl
-
-
-@contextlib.contextmanager
-def ep_moe_calls():
-    """The list of calls the ``"ep_moe"`` experts function gets meanwhile (a counting wrapper
-    registered in its place), so a test cannot compare eager with itself unnoticed."""
-    calls = []
-    mapping = hf_moe.ExpertsInterface._global_mapping
-    original = mapping[ep_hf.IMPLEMENTATION]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(mapping, ep_hf.IMPLEMENTATION, lambda *a, **kw: calls.append(1) or original(*a, **kw))
-        yield calls
-
-
-def run_with(module: nn.Module, impl: str, *args, **kwargs):
-    """``module(*args, **kwargs)`` with experts implementation ``impl``, checking that the
-    experts ran ep_moe exactly when ``impl`` names it."""
-    set_implementation(module, impl)
-    with ep_moe_calls() as calls:
-        out = module(*args, **kwargs)
-    assert bool(calls) == (impl == ep_hf.IMPLEMENTATION), f"{impl}: ep_moe called {len(calls)} times"
-    return out
-
-
-def grad_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A leaf's gradient; zeros where it took no part (an expert no token chose)."""
-    return torch.zeros_like(tensor) if tensor.grad is None else tensor.grad.clone()
-
-
-def forward_backward(module: nn.Module, impl: str, *inputs: torch.Tensor) -> dict:
-    """One forward of ``module(*inputs)`` (the first element of a tuple output) with
-    experts implementation ``impl`` and one backward of ``sum(y * c)``, ``c`` fixed random.
-    Returns the output, the gradient of every input (``input.i``) and of every parameter
-    (by name)."""
-    module.zero_grad(set_to_none=True)
-    inputs = [x.detach().clone().requires_grad_() for x in inputs]
-    out = run_with(module, impl, *inputs)
-    y = out[0] if isinstance(out, tuple) else out
-    (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(1))).sum().backward()
-    result = {"output": y.detach()}
-    result.update({f"input.{i}": grad_of(x) for i, x in enumerate(inputs)})
-    result.update({name: grad_of(p) for name, p in module.named_parameters()})
-    return result
-
-
-def mismatches(actual: dict, expected: dict, atol: float = ATOL, rtol: float = RTOL) -> dict:
-    """{name: max abs difference} of the entries that differ beyond the tolerance."""
-    assert actual.keys() == expected.keys()
-    return {name: (actual[name] - expected[name]).abs().max().item() for name in expected
-            if actual[name].shape != expected[name].shape
-            or not torch.allclose(actual[name], expected[name], atol=atol, rtol=rtol)}
-
-
 def assert_ep_moe_matches(module: nn.Module, *inputs, backend: Optional[str] = "torch", reference: str = "eager",
                           atol: float = ATOL, rtol: float = RTOL) -> dict:
     """``"ep_moe"`` (on ``backend``; None: as the module is, without :func:`expert_parallel`)
@@ -123,27 +51,6 @@ def assert_ep_moe_matches(module: nn.Module, *inputs, backend: Optional[str] = "
     assert expected["output"].abs().max() > 0
     assert not mismatches(actual, expected, atol, rtol), mismatches(actual, expected, atol, rtol)
     return actual
-
-
-def routing(num_tokens: int, top_k: int = K, num_experts: int = E, empty: tuple = (5,), seed: int = 0):
-    """Random ``top_k_index`` [T, K] (distinct experts per token, none of ``empty``) and
-    positive ``top_k_weights`` [T, K]."""
-    gen = torch.Generator().manual_seed(seed)
-    allowed = torch.tensor([e for e in range(num_experts) if e not in empty])
-    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:top_k]] for _ in range(num_tokens)])
-    return ids.reshape(num_tokens, top_k), torch.rand(num_tokens, top_k, generator=gen) + 0.1
-
-
-class Routed(nn.Module):
-    """An experts module called with fixed expert ids: (hidden_states, top_k_weights) -> y,
-    so the runner differentiates the weights like any input."""
-
-    def __init__(self, experts: nn.Module, ids: torch.Tensor):
-        super().__init__()
-        self.experts, self.ids = experts, ids
-
-    def forward(self, hidden_states, top_k_weights):
-        return self.experts(hidden_states, self.ids, top_k_weights)
 
 
 # ---------------------------------------------------------------------------------------
@@ -189,36 +96,14 @@ def test_moe_block_matches_eager(model_type, backend):
 # ---------------------------------------------------------------------------------------
 # (b) Whole tiny models.
 
-TINY_MODEL = dict(vocab_size=64, hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=K, initializer_range=0.1,
-                  tie_word_embeddings=False)
-MODELS = {
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=E, moe_intermediate_size=16, norm_topk_prob=True)),
-    "gpt_oss": ("GptOssForCausalLM", dict(num_local_experts=E, head_dim=8, sliding_window=4, swiglu_limit=1.0,
-                                          layer_types=["sliding_attention", "full_attention"])),
-    # the first layer dense, the second MoE; MLA at small ranks
-    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(n_routed_experts=E, moe_intermediate_size=16, n_group=4,
-                                                  topk_group=2, first_k_dense_replace=1, q_lora_rank=16,
-                                                  kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                                                  v_head_dim=8, num_key_value_heads=4,
-                                                  rope_parameters=dict(rope_type="default", rope_theta=1e4))),
-}
-
-
-def tiny_model(model_type: str) -> nn.Module:
-    """The family's causal LM with two layers at hidden size 32, 8 experts, top-2."""
-    name, overrides = MODELS[model_type]
-    config_cls = transformers.AutoConfig.for_model(model_type).__class__
-    config = config_cls(**{**TINY_MODEL, **overrides})
-    torch.manual_seed(0)
-    model = getattr(transformers, name)(config).float().eval()
-    for seed, (_, experts) in enumerate(ep_hf.experts_modules(model)):
-        randomize(experts, seed=seed)  # its init leaves GPT-OSS's biases zero
-    return model
+MODELS = {"qwen3_moe": {}, "gpt_oss": {}, "deepseek_v3": dict(dense_layers=1)}
+"""The families of the whole-model tests (tests/hf_models.py: GPT-OSS with a sliding-window
+and a full-attention layer; DeepSeek-V3 with its first layer dense, the second MoE): the
+tiny_model arguments of each."""
 
 
 def _tokens(batch: int = 2, seq: int = 7):
-    return torch.randint(0, TINY_MODEL["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(3))
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(3))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -226,7 +111,7 @@ def _tokens(batch: int = 2, seq: int = 7):
 def test_tiny_model_logits_and_gradients_match_eager(model_type, backend):
     """Logits and the loss gradient of every parameter (embeddings, attention, routers,
     experts, shared experts) with ep_moe as with eager."""
-    model = tiny_model(model_type)
+    model = tiny_model(model_type, **MODELS[model_type]).eval()
     tokens = _tokens()
     ep_hf.expert_parallel(model, None, backend=backend)
     expected = _model_run(model, "eager", tokens)
@@ -245,7 +130,7 @@ def _model_run(model: nn.Module, impl: str, tokens: torch.Tensor) -> dict:
 def test_from_pretrained_with_ep_moe_gives_the_same_logits(tmp_path):
     """save_pretrained of a tiny model, then from_pretrained(experts_implementation="ep_moe"):
     the experts run ep_moe (every experts module's config says so) and give eager's logits."""
-    model = tiny_model("qwen3_moe")
+    model = tiny_model("qwen3_moe").eval()
     tokens = _tokens()
     with torch.no_grad():
         expected = run_with(model, "eager", input_ids=tokens).logits

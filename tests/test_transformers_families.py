@@ -4,9 +4,10 @@ with ``"ep_moe"`` it either gives ``"eager"``'s output and every gradient (hidde
 top-k weights, each expert tensor and bias) in float32, or is refused
 (:func:`ep_moe.integrations.transformers.unsupported_reason`, and the call raises naming
 why). One class of each kind (layout, bias, gate) also on the Triton backend. The counts
-of matched, refused and not-constructible classes are pinned, so a transformers upgrade or
-an ep_moe change that moves a class is noticed; ``pytest -s`` prints the table. Focused
-tests (blocks, models, edge cases): tests/test_transformers.py."""
+of matched, refused and not-constructible classes are pinned to the transformers version
+they were recorded with (:data:`RECORDED_WITH`; on another the summary test skips, saying to
+re-record), so an ep_moe change that moves a class is noticed; ``pytest -s`` prints the
+table. Focused tests (blocks, models, edge cases): tests/test_transformers.py."""
 
 import functools
 import importlib
@@ -24,11 +25,17 @@ import transformers.integrations.moe as hf_moe  # noqa: E402
 import transformers.models  # noqa: E402
 
 import ep_moe.integrations.transformers as ep_hf  # noqa: E402
-from test_transformers import (E, H, K, Routed, _default_kernel_configs, forward_backward,  # noqa: E402,F401
-                               mismatches, routing)
+from hf_models import (E, H, K, Routed, default_kernel_configs, forward_backward, mismatches,  # noqa: E402,F401
+                       routing)
 
-EXPECTED_COUNTS = {"matched": 64, "refused": 1, "not constructible": 0}
-"""Observed with transformers 5.23.0 (65 classes)."""
+pytestmark = pytest.mark.usefixtures("default_kernel_configs")
+"""Triton on the kernels' default configs (fast in the interpreter)."""
+
+RECORDED_WITH = "5.24.0"
+"""The transformers version the expected outcomes below were observed with: the summary test
+checks them on that version only (another has other classes; each class is still checked)."""
+EXPECTED_COUNTS = {"matched": 67, "refused": 1, "not constructible": 0}
+"""Observed with transformers :data:`RECORDED_WITH` (68 classes)."""
 EXPECTED_REFUSED = {"MuseSparkExperts": "has_post_expert_norm"}
 """Class -> a word of its refusal."""
 EXPECTED_NOT_CONSTRUCTIBLE: dict = {}
@@ -85,10 +92,7 @@ CLASSES = experts_classes()
 def test_discovery_finds_every_decorated_class():
     """The classes found by their forward are exactly those the source decorates."""
     in_text = sorted(name for _, text in _modeling_files() for name in DECORATED.findall(text))
-    assert sorted(cls.__name__ for cls in CLASSES) == in_text
-    assert len(CLASSES) == sum(EXPECTED_COUNTS.values()), (
-        f"transformers {transformers.__version__} has {len(CLASSES)} experts classes; check the new ones "
-        "and update EXPECTED_COUNTS")
+    assert CLASSES and sorted(cls.__name__ for cls in CLASSES) == in_text
 
 
 # ---------------------------------------------------------------------------------------
@@ -241,8 +245,9 @@ def test_one_class_of_each_kind_matches_eager_on_triton(cls):
 
 
 def test_sweep_counts_are_the_observed_ones():
-    """How many classes match, are refused (and which, why) and cannot be built; prints the
-    table (``pytest -s``)."""
+    """How many classes match, are refused (and which, why) and cannot be built, as observed
+    with transformers :data:`RECORDED_WITH` (skipped on another version); prints the table
+    (``pytest -s``) on any."""
     outcomes = {cls: outcome(cls) for cls in CLASSES}
     lines = [f"{kind:18} {cls.__module__.split('.')[2]:24} {cls.__name__:34} {detail}"
              for cls, (kind, detail) in sorted(outcomes.items(), key=lambda item: (item[1][0], item[0].__name__))]
@@ -251,6 +256,11 @@ def test_sweep_counts_are_the_observed_ones():
     print(f"\ntransformers {transformers.__version__}: {counts}; on Triton: "
           f"{[cls.__name__ for cls in TRITON_CLASSES]}\n" + "\n".join(lines))
     table = "\n".join(lines)
+    installed = transformers.__version__
+    if installed != RECORDED_WITH:
+        pytest.skip(f"counts recorded with transformers {RECORDED_WITH}, installed {installed} ({len(CLASSES)} "
+                    f"classes: {counts}): re-record EXPECTED_COUNTS, EXPECTED_REFUSED, EXPECTED_NOT_CONSTRUCTIBLE "
+                    f"and RECORDED_WITH on {installed} (pytest -s prints the table)")
     assert counts == {**EXPECTED_COUNTS, "MISMATCH": 0}, table
     refused = {cls.__name__: detail for cls, (kind, detail) in outcomes.items() if kind == "refused"}
     assert refused.keys() == EXPECTED_REFUSED.keys(), table

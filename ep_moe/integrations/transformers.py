@@ -110,6 +110,12 @@ def _check_supported(module: nn.Module) -> None:
                                   "use experts_implementation='grouped_mm' for this model")
 
 
+def _transformers_ep(module: nn.Module) -> bool:
+    """Whether transformers' own expert parallelism split this module (its experts are then
+    called with local ids and a sentinel; the flag is absent before transformers 5.18)."""
+    return getattr(module, "_is_expert_parallel", False)
+
+
 def _named_activation(act: nn.Module, gated: bool) -> Optional[str]:
     """ep_moe's name for a transformers activation module (fused on the Triton path), or None."""
     silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
@@ -229,7 +235,7 @@ class HFExperts(StackedExpertsMath):
         (whose sentinels cost a host sync), the Triton backend, a call
         :func:`ep_moe.forward_graphs.graphable` allows, and nothing below the module but
         transformers' and torch's modules, with no hooks."""
-        return (self.forward_graphs is not None and backend == "triton" and not self.module._is_expert_parallel
+        return (self.forward_graphs is not None and backend == "triton" and not _transformers_ep(self.module)
                 and graphable(x) and only_own_modules(self.module, _GRAPHABLE_LIBRARIES))
 
     def _weight(self, name: str) -> torch.Tensor:
@@ -320,7 +326,7 @@ def _routed_experts(runner: HFExperts, backend: str, hidden_states: torch.Tensor
     ids_TK = top_k_index.reshape(-1, top_k).long()
     weights_TK = top_k_weights.reshape(-1, top_k)
     keep_TK = None
-    if module._is_expert_parallel:  # transformers' EP: ids >= num_experts are other ranks' slots
+    if _transformers_ep(module):  # transformers' EP: ids >= num_experts are other ranks' slots
         keep_TK = ids_TK < module.num_experts
         ids_TK = ids_TK.clamp(max=module.num_experts - 1)
     counts_E = count_ids((ids_TK if keep_TK is None else ids_TK[keep_TK]).flatten(), runner.config.num_experts)
@@ -373,7 +379,7 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
         reason = unsupported_reason(module)
         if reason is not None:
             raise NotImplementedError(f"expert_parallel: {name}: {reason}")
-        if module._is_expert_parallel:
+        if _transformers_ep(module):
             raise ValueError(f"expert_parallel: {name} is already split by transformers' own expert parallelism "
                              "(DistributedConfig / tp_plan); load the model without it")
         if _STATE_ATTR in module.__dict__ and module.__dict__[_STATE_ATTR].group is not None:
