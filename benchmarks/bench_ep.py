@@ -86,7 +86,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -95,7 +94,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import PlainEPMoE, deepspeed_moe_like  # noqa: E402
-from common import REPO, SHAPES, MoEShape, environment, save_results  # noqa: E402
+from common import REPO, SHAPES, MoEShape, call_times, environment, save_results, synchronize  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
 from ep_moe.ep.all_to_all import gather_counts, rank_splits, start_combine, start_dispatch  # noqa: E402
@@ -180,12 +179,6 @@ def print0(*args) -> None:
         print(*args, flush=True)
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queued work (no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def median_ms(run, setup, iters: int, warmup: int, device: torch.device) -> float:
     """Median time of ``run()`` in ms (CUDA events on GPU, wall clock on CPU); ``setup()``
     runs before each iteration, outside the timed region."""
@@ -194,22 +187,7 @@ def median_ms(run, setup, iters: int, warmup: int, device: torch.device) -> floa
         run()
     synchronize(device)
     dist.barrier()
-    times = []
-    for _ in range(iters):
-        setup()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            times.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e3)
-    synchronize(device)
-    if device.type == "cuda":
-        times = [start.elapsed_time(end) for start, end in times]
+    times = call_times(run, setup, iters, device)
     return statistics.median(times)
 
 

@@ -59,7 +59,6 @@ import importlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -70,7 +69,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import transformers  # noqa: E402
-from common import environment, save_results  # noqa: E402
+from common import call_times, environment, save_results  # noqa: E402
 
 import ep_moe.integrations.transformers  # noqa: E402,F401  (registers "ep_moe")
 
@@ -141,11 +140,6 @@ SMOKE_DEFAULTS = dict(device="cpu", dtype="float32", tokens=64, small_tokens="1,
 
 # --- helpers -------------------------------------------------------------------------------
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -215,26 +209,6 @@ def resident_gb(device: torch.device) -> float:
 
 def billions(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
-
-
-def call_times(fn: Callable, setup: Optional[Callable], iters: int, device: torch.device) -> list[float]:
-    """Milliseconds of each of ``iters`` calls of ``fn`` (``setup`` before each, untimed)."""
-    marks = []
-    for _ in range(iters):
-        if setup is not None:
-            setup()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            marks.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            marks.append((time.perf_counter() - t0) * 1e3)
-    synchronize(device)
-    return [s.elapsed_time(e) for s, e in marks] if device.type == "cuda" else marks
 
 
 def measure(fns: dict[str, Callable], setup: Optional[Callable], args, device: torch.device) -> dict[str, dict]:

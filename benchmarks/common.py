@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,33 @@ def fixed_median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
         events.append((start, end))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def call_times(fn, setup, iters: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn`` (CUDA events on a GPU, the wall clock
+    on the CPU); ``setup()``, when given, runs before each call, outside the timed region."""
+    marks = []
+    for _ in range(iters):
+        if setup is not None:
+            setup()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            marks.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            marks.append((time.perf_counter() - t0) * 1e3)
+    synchronize(device)
+    return [s.elapsed_time(e) for s, e in marks] if device.type == "cuda" else marks
 
 
 def environment() -> dict:
