@@ -71,7 +71,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import transformers  # noqa: E402
 from common import call_times, environment, save_results  # noqa: E402
 
-import ep_moe.integrations.transformers  # noqa: E402,F401  (registers "ep_moe")
+import ep_moe.integrations.transformers as ep_hf  # noqa: E402  (registers "ep_moe")
 
 OURS = "ep_moe"
 HF_IMPLS = ("grouped_mm", "batched_mm", "eager")
@@ -169,10 +169,6 @@ def build_block(shape: BlockShape, device: torch.device, dtype: torch.dtype) -> 
     return block
 
 
-def experts_of(module: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in module.modules() if hasattr(m, "has_gate") and hasattr(m, "_apply_gate")]
-
-
 def use(experts: list[torch.nn.Module], impl: str) -> None:
     for m in experts:
         m.config._experts_implementation = impl
@@ -253,7 +249,7 @@ def warn(warnings: list[str], message: str) -> None:
 
 def bench_block(block, shape: BlockShape, args, device, dtype, warnings: list[str]) -> dict:
     """Forward+backward of the whole block at ``args.tokens`` tokens, each implementation."""
-    experts = experts_of(block)
+    experts = [module for _, module in ep_hf.experts_modules(block)]
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
     dy = torch.randn(1, args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
@@ -333,7 +329,7 @@ def speedup(impls: dict) -> Optional[float]:
 
 def bench_small(block, shape: BlockShape, args, device, dtype, warnings: list[str]) -> list[dict]:
     """Forward without grad at few tokens, each implementation."""
-    experts = experts_of(block)
+    experts = [module for _, module in ep_hf.experts_modules(block)]
     per_expert = sum(p.numel() * p.element_size() for m in experts for p in m.parameters()) / shape.experts
     rows = []
     for tokens in args.small_tokens:

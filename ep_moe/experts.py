@@ -37,6 +37,14 @@ ConfigsArg = Union[KernelConfigs, Callable[[], KernelConfigs]]
 """Kernel configs, or a function that looks them up, called only if the kernels run."""
 
 
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype experts with this ``weight`` compute in: autocast's when it is on for the
+    weight's device (as ``nn.Linear`` does), else the weight's own."""
+    if torch.is_autocast_enabled(weight.device.type):
+        return torch.get_autocast_dtype(weight.device.type)
+    return weight.dtype
+
+
 ActivationArg = Union[Activation, ClampedSwiGLU, Callable[[torch.Tensor], torch.Tensor]]
 """An :data:`Activation` name, GPT-OSS's clamped SwiGLU (fused on the Triton backend), or a
 function of GEMM1's [R, F] rows ([R, I] out) run in torch between the GEMMs (a Hugging Face

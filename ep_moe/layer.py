@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ep_moe.config import MoEConfig, check_experts_divide, check_same_config
 from ep_moe.ep import build_dispatcher, resolve_dispatch
 from ep_moe.ep.base import group_size
-from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts
+from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts, compute_dtype
 from ep_moe.forward_graphs import ForwardGraphs
 from ep_moe.kernels.ops import debug_enabled
 from ep_moe.parallel import resolve_ep_group
@@ -216,10 +216,7 @@ class MoELayer(nn.Module):
     def compute_dtype(self) -> torch.dtype:
         """The dtype the experts compute in: autocast's when it is on for the parameters'
         device (as ``nn.Linear`` does), else the parameters' own."""
-        param = self.experts.first_weight
-        if torch.is_autocast_enabled(param.device.type):
-            return torch.get_autocast_dtype(param.device.type)
-        return param.dtype
+        return compute_dtype(self.experts.first_weight)
 
     def gemm_problems(self) -> list["GemmProblem"]:
         """The two grouped GEMMs of this layer, as :mod:`ep_moe.autotune` keys them (in

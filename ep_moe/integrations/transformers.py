@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ep_moe.config import Dispatch, MoEConfig, check_experts_divide, check_same_config
 from ep_moe.ep import build_dispatcher
 from ep_moe.ep.base import all_gather_single, group_size
-from ep_moe.experts import ActivationArg, StackedExpertsMath
+from ep_moe.experts import ActivationArg, StackedExpertsMath, compute_dtype
 from ep_moe.forward_graphs import ForwardGraphs, graphable, only_own_modules
 from ep_moe.kernels.activation import ClampedSwiGLU
 from ep_moe.parallel import mark_expert_param, resolve_ep_group
@@ -288,10 +288,6 @@ def _state(module: nn.Module) -> _ModuleState:
     return state
 
 
-def _weight_experts(module: nn.Module) -> int:
-    return getattr(module, "down_proj").shape[0]
-
-
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``"ep_moe"`` experts implementation: ``hidden_states`` [T, H] through the experts
@@ -319,17 +315,18 @@ def _routed_experts(runner: HFExperts, backend: str, hidden_states: torch.Tensor
     """:func:`experts_forward`'s call, op by op: the router's choice as a
     :class:`~ep_moe.routing.RouterOutput`, then the dispatcher's steps."""
     module, top_k = runner.module, runner.config.top_k
-    weight = runner.down
-    compute_dtype = (torch.get_autocast_dtype(weight.device.type) if torch.is_autocast_enabled(weight.device.type)
-                     else weight.dtype)
-    x_TH = hidden_states.reshape(-1, hidden_states.shape[-1]).to(compute_dtype)
+    x_TH = hidden_states.reshape(-1, hidden_states.shape[-1]).to(compute_dtype(module.down_proj))
     ids_TK = top_k_index.reshape(-1, top_k).long()
     weights_TK = top_k_weights.reshape(-1, top_k)
     keep_TK = None
     if _transformers_ep(module):  # transformers' EP: ids >= num_experts are other ranks' slots
         keep_TK = ids_TK < module.num_experts
         ids_TK = ids_TK.clamp(max=module.num_experts - 1)
-    counts_E = count_ids((ids_TK if keep_TK is None else ids_TK[keep_TK]).flatten(), runner.config.num_experts)
+    num_experts = runner.config.num_experts
+    if keep_TK is None:
+        counts_E = count_ids(ids_TK.flatten(), num_experts)
+    else:  # the sentinel slots counted in a bin past the experts: no mask index, no host sync
+        counts_E = count_ids(torch.where(keep_TK, ids_TK, num_experts).flatten(), num_experts + 1)[:num_experts]
     zero = weights_TK.new_zeros(())
     router = RouterOutput(topk_ids_TK=ids_TK, topk_weights_TK=weights_TK, topk_scores_TK=weights_TK.detach(),
                           counts_E=counts_E, aux_loss=zero, z_loss=zero)
@@ -384,7 +381,7 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
                              "(DistributedConfig / tp_plan); load the model without it")
         if _STATE_ATTR in module.__dict__ and module.__dict__[_STATE_ATTR].group is not None:
             raise ValueError(f"expert_parallel: {name} is already split over an EP group; call it once per model")
-        num_experts = _weight_experts(module)
+        num_experts = module.down_proj.shape[0]
         check_experts_divide(num_experts, size, f"the ep_group size {size} ({name})")
         local = num_experts // size
         first = rank * local
