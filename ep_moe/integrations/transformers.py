@@ -189,9 +189,8 @@ class HFExperts(StackedExpertsMath):
             mlp_bias=module.has_bias, dispatch=options.dispatch, backend=options.backend,
             all_gather_row_bound=options.all_gather_row_bound, ep_size=group_size(group))
         self.num_local_experts = local
-        self.group = group
-        self.ep_rank = 0 if group is None else dist.get_rank(group)
-        self.dispatcher = build_dispatcher(self.config, group, self.ep_rank, group_size(group), local)
+        rank = 0 if group is None else dist.get_rank(group)
+        self.dispatcher = build_dispatcher(self.config, group, rank, group_size(group), local)
         self.agreed = group is None
         self.forward_graphs = ForwardGraphs() if group is None else None
         """At EP=1, the CUDA graphs of small calls without autograd (:mod:`ep_moe.forward_graphs`)."""
@@ -206,7 +205,7 @@ class HFExperts(StackedExpertsMath):
                   "input hidden size": x_TH.shape[-1],
                   "gate": getattr(self.activation, "__qualname__", self.activation)}
         try:
-            check_same_config(self.config, self.group, x_TH.device, others)
+            check_same_config(self.config, self.dispatcher.group, x_TH.device, others)
         except ValueError as err:
             raise ValueError(f"{type(module).__name__} under expert_parallel: {err}") from None
         self.agreed = True
@@ -267,12 +266,11 @@ class HFExperts(StackedExpertsMath):
 
 @dataclass
 class _ModuleState:
-    """What :func:`expert_parallel` attached to one experts module."""
+    """What ep_moe keeps on one experts module: :func:`expert_parallel`'s options, and the
+    :class:`HFExperts` built per top-k. The EP group and the expert count are the module's
+    own attributes (``ep_group``, ``num_global_experts``), which :func:`expert_parallel` sets."""
 
-    group: Optional[ProcessGroup]
     options: ExpertsOptions
-    num_experts: int
-    """E over the EP group (the module holds E / P of them)."""
     runners: dict = dataclasses.field(default_factory=dict)
     """top_k -> :class:`HFExperts`."""
 
@@ -283,9 +281,14 @@ _STATE_ATTR = "_ep_moe_state"
 def _state(module: nn.Module) -> _ModuleState:
     state = module.__dict__.get(_STATE_ATTR)
     if state is None:
-        state = _ModuleState(None, ExpertsOptions(), module.num_experts)
+        state = _ModuleState(ExpertsOptions())
         object.__setattr__(module, _STATE_ATTR, state)
     return state
+
+
+def _num_experts(module: nn.Module) -> int:
+    """E over the module's EP group (transformers' own EP: its local count, which its ids index)."""
+    return getattr(module, "num_global_experts", module.num_experts)
 
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -300,7 +303,8 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     runner = state.runners.get(top_k)
     if runner is None:
         _check_supported(module)
-        runner = state.runners[top_k] = HFExperts(module, top_k, state.num_experts, state.group, state.options)
+        runner = state.runners[top_k] = HFExperts(module, top_k, _num_experts(module),
+                                                  getattr(module, "ep_group", None), state.options)
     backend = runner.config.backend
     if backend == "auto":
         backend = "triton" if hidden_states.is_cuda else "torch"
@@ -379,7 +383,7 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
         if _transformers_ep(module):
             raise ValueError(f"expert_parallel: {name} is already split by transformers' own expert parallelism "
                              "(DistributedConfig / tp_plan); load the model without it")
-        if _STATE_ATTR in module.__dict__ and module.__dict__[_STATE_ATTR].group is not None:
+        if getattr(module, "ep_group", None) is not None:
             raise ValueError(f"expert_parallel: {name} is already split over an EP group; call it once per model")
         num_experts = module.down_proj.shape[0]
         check_experts_divide(num_experts, size, f"the ep_group size {size} ({name})")
@@ -393,7 +397,7 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
                 param = nn.Parameter(param.detach()[first:first + local].clone(), requires_grad=param.requires_grad)
                 module._parameters[tensor_name] = param
             mark_expert_param(param)
-        object.__setattr__(module, _STATE_ATTR, _ModuleState(group, options, num_experts))
+        object.__setattr__(module, _STATE_ATTR, _ModuleState(options))
         # what ep_moe.checkpoint and apply_fsdp ask of an experts module: its rows' global
         # experts and its EP group
         module.global_ids = functools.partial(range, first, first + local)
@@ -516,7 +520,7 @@ def from_pretrained(model_class, path: str, ep_group: Union[None, ProcessGroup, 
                 module._buffers[name] = buffer.to(device)
     group = resolve_ep_group(ep_group)
     size, rank = group_size(group), (0 if group is None else dist.get_rank(group))
-    num_experts = {_state(m).num_experts for _, m in experts_modules(model)}
+    num_experts = {_num_experts(m) for _, m in experts_modules(model)}
     if len(num_experts) != 1:
         raise NotImplementedError(f"{type(model).__name__} has experts modules of {sorted(num_experts)} experts; "
                                   "from_pretrained renumbers the experts of models with one expert count")
@@ -553,7 +557,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     gathered whole over its EP group (a collective: call on every rank of it)."""
     state = model.state_dict()
     for name, module in experts_modules(model):
-        group = _state(module).group if _STATE_ATTR in module.__dict__ else None
+        group = getattr(module, "ep_group", None)
         if group_size(group) == 1:
             continue
         prefix = f"{name}." if name else ""
