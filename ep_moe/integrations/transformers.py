@@ -195,6 +195,8 @@ class HFExperts(StackedExpertsMath):
         self.forward_graphs = ForwardGraphs() if group is None else None
         """At EP=1, the CUDA graphs of small calls without autograd (:mod:`ep_moe.forward_graphs`)."""
         self._problems = {}
+        self.last_tokens_per_expert: Optional[torch.Tensor] = None
+        """[E] tokens of this rank per global expert in the last call (:func:`expert_load`)."""
 
     def agree(self, x_TH: torch.Tensor) -> None:
         """First call at EP>1: every rank of the group checks that all run the same experts
@@ -291,6 +293,24 @@ def _num_experts(module: nn.Module) -> int:
     return getattr(module, "num_global_experts", module.num_experts)
 
 
+def _runner(module: nn.Module, top_k: int) -> HFExperts:
+    """The module's :class:`HFExperts` for calls of ``top_k`` experts per token (built once)."""
+    state = _state(module)
+    runner = state.runners.get(top_k)
+    if runner is None:
+        _check_supported(module)
+        runner = state.runners[top_k] = HFExperts(module, top_k, _num_experts(module),
+                                                  getattr(module, "ep_group", None), state.options)
+    return runner
+
+
+def gemm_problems(model: nn.Module, top_k: int, dtype: torch.dtype) -> list:
+    """The grouped GEMMs of every experts module of ``model`` called with ``top_k`` experts
+    per token in ``dtype``, as :mod:`ep_moe.autotune` keys them: what to hand
+    :func:`ep_moe.autotune.warmup` before the first step (after :func:`expert_parallel`)."""
+    return list(dict.fromkeys(p for _, module in experts_modules(model) for p in _runner(module, top_k).problems(dtype)))
+
+
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``"ep_moe"`` experts implementation: ``hidden_states`` [T, H] through the experts
@@ -298,13 +318,7 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     [T, H] in ``hidden_states``' dtype (computed in autocast's dtype where it is on, else the
     weights'). At EP=1 a small call without autograd replays a CUDA graph once its shapes
     recur (:mod:`ep_moe.forward_graphs`)."""
-    state = _state(module)
-    top_k = top_k_index.shape[-1]
-    runner = state.runners.get(top_k)
-    if runner is None:
-        _check_supported(module)
-        runner = state.runners[top_k] = HFExperts(module, top_k, _num_experts(module),
-                                                  getattr(module, "ep_group", None), state.options)
+    runner = _runner(module, top_k_index.shape[-1])
     backend = runner.config.backend
     if backend == "auto":
         backend = "triton" if hidden_states.is_cuda else "torch"
@@ -331,6 +345,7 @@ def _routed_experts(runner: HFExperts, backend: str, hidden_states: torch.Tensor
         counts_E = count_ids(ids_TK.flatten(), num_experts)
     else:  # the sentinel slots counted in a bin past the experts: no mask index, no host sync
         counts_E = count_ids(torch.where(keep_TK, ids_TK, num_experts).flatten(), num_experts + 1)[:num_experts]
+    runner.last_tokens_per_expert = counts_E
     zero = weights_TK.new_zeros(())
     router = RouterOutput(topk_ids_TK=ids_TK, topk_weights_TK=weights_TK, topk_scores_TK=weights_TK.detach(),
                           counts_E=counts_E, aux_loss=zero, z_loss=zero)
@@ -555,21 +570,39 @@ def from_pretrained(model_class, path: str, ep_group: Union[None, ProcessGroup, 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every expert tensor split by :func:`expert_parallel`
     gathered whole over its EP group (a collective: call on every rank of it)."""
-    state = model.state_dict()
+    return gather_experts(model, model.state_dict())
+
+
+def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state``, a state dict of ``model`` holding each rank's own expert rows (as
+    ``model.state_dict()``, or FSDP's full state dict, ``get_model_state_dict(...,
+    full_state_dict=True)``, holds them), with every expert tensor split by
+    :func:`expert_parallel` gathered whole over its EP group, in place (a collective: call
+    on every rank of the group). Returns ``state``."""
     for name, module in experts_modules(model):
         group = getattr(module, "ep_group", None)
         if group_size(group) == 1:
             continue
         prefix = f"{name}." if name else ""
         for tensor_name in _EXPERT_TENSOR_NAMES:
-            param = module._parameters.get(tensor_name)
-            if param is None:
+            if module._parameters.get(tensor_name) is None:
                 continue
-            local = param.detach().contiguous()
+            local = state[prefix + tensor_name].detach().contiguous()
             whole = local.new_empty((local.shape[0] * group_size(group), *local.shape[1:]))
             all_gather_single(whole, local, group=group)
             state[prefix + tensor_name] = whole
     return state
+
+
+def expert_load(model: nn.Module) -> torch.Tensor:
+    """[num_modules, E] int64 tokens per global expert of each experts module's last call
+    under ``"ep_moe"`` (this rank's tokens: all-reduce over every rank for the whole job);
+    modules not yet called are skipped, as :func:`ep_moe.layer.expert_load` skips layers."""
+    counts = [runner.last_tokens_per_expert for _, module in experts_modules(model)
+              for runner in _state(module).runners.values() if runner.last_tokens_per_expert is not None]
+    if not counts:
+        return torch.zeros((0, 0), dtype=torch.int64)
+    return torch.stack(counts)
 
 
 def save_pretrained(model: nn.Module, path: str, **kwargs) -> None:
@@ -593,6 +626,6 @@ def register() -> None:
 
 register()
 
-__all__ = ["ExpertsOptions", "HFExperts", "IMPLEMENTATION", "experts_forward", "experts_modules",
-           "expert_parallel", "from_pretrained", "full_state_dict", "register", "save_pretrained",
-           "unsupported_reason"]
+__all__ = ["ExpertsOptions", "HFExperts", "IMPLEMENTATION", "experts_forward", "experts_modules", "expert_load",
+           "expert_parallel", "from_pretrained", "full_state_dict", "gather_experts", "gemm_problems", "register",
+           "save_pretrained", "unsupported_reason"]
