@@ -110,6 +110,10 @@ class CheckpointConfig:
     """``""``: start fresh; ``"latest"``: the newest complete checkpoint in ``dir`` that
     loads (fresh start if there is none, so a preempted job can be resubmitted unchanged);
     or a path to one ``step_XXXXXXXX`` directory."""
+    export_hf: str = "auto"
+    """Where an HF model (``model.hf``) is written as an HF folder at the end of the run, which
+    plain transformers loads (with the model folder's tokenizer): ``"auto"``: ``{dir}/hf``;
+    ``""``: nowhere. The built-in model is not exported."""
     format: Literal["dcp", "native"] = "dcp"
     """How checkpoints are written: ``dcp`` (``torch.distributed.checkpoint``, each tensor
     under a global key, experts per global id) or ``native`` (this trainer's own files).
@@ -504,6 +508,9 @@ def _load_native(path: Path, meta: dict[str, Any], layout: Layout, model: nn.Mod
     model_state, optim_state = dict(dense["model"]), dict(dense["optimizer"])
     diffs = _config_diff(meta.get("config"), config)
     owners = _expert_modules(model)
+    if any(not hasattr(m, "first_expert") for m in owners.values()):
+        raise _not_this_model(path, diffs, "a native checkpoint holds the built-in model's MoE layers, and this "
+                                           "model's experts are not those")
     if owners:
         num_experts = next(iter(owners.values())).num_local_experts * layout.ep_size
         if num_experts % meta["ep_size"]:
@@ -639,12 +646,23 @@ def _config_diff(saved: Any, current: Optional[dict[str, Any]]) -> list[str]:
         return []
     diffs = []
     for section in ("model", "moe"):
-        old, new = saved.get(section) or {}, current.get(section) or {}
+        old, new = _flat(saved.get(section) or {}, section), _flat(current.get(section) or {}, section)
         for key in sorted(old.keys() | new.keys()):
             before, now = old.get(key, _UNSET), new.get(key, _UNSET)
             if before != now:
-                diffs.append(f"{section}.{key}={_shown(before)} in the checkpoint, {_shown(now)} in this run")
+                diffs.append(f"{key}={_shown(before)} in the checkpoint, {_shown(now)} in this run")
     return diffs
+
+
+def _flat(table: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``table`` with nested tables (an HF model's ``model.hf_config``) as dotted keys."""
+    flat = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}.{key}"))
+        else:
+            flat[f"{prefix}.{key}"] = value
+    return flat
 
 
 def _shown(value: Any) -> str:

@@ -10,8 +10,10 @@ Overrides, applied in order after the file:
 - ``--set SECTION.KEY=VALUE`` (repeatable): VALUE is parsed as a TOML value, and taken as a
   plain string when it does not parse: ``--set moe.num_experts=16``,
   ``--set training.lr=1e-3``, ``--set data.path=corpus.txt``.
-- shorthands for the common ones: ``--steps``, ``--ep-size``, ``--data``, ``--resume``,
-  ``--checkpoint-dir``, ``--metrics-file``, ``--tensorboard``.
+- shorthands for the common ones: ``--steps``, ``--ep-size``, ``--hf-model``, ``--data``,
+  ``--eval-data``, ``--resume``, ``--checkpoint-dir``, ``--export-hf``, ``--metrics-file``,
+  ``--tensorboard``. Without ``--config`` the file is ``configs/train/tiny.toml``, or
+  ``configs/train/hf.toml`` with ``--hf-model``.
 
 Every value (file or override) must have its field's type, checked before anything is
 built: an integer where the field is an int (``steps = 1e3`` is an error), a number where
@@ -52,6 +54,8 @@ from model import ModelConfig
 from ep_moe import MoEConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.toml"
+DEFAULT_HF_CONFIG = DEFAULT_CONFIG.with_name("hf.toml")
+"""The config of ``--hf-model DIR`` when no ``--config`` is given."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +88,12 @@ class TrainingConfig:
     """Seeds initialisation, the data order and the embedded corpus."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: CUDA (NCCL, Triton kernels) when a GPU is visible, else CPU (gloo, torch)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The precision regime's storage: ``float32`` keeps fp32 master weights, gradients and
+    AdamW state (with ``dtype = 'bfloat16'``: computed under bf16 autocast); ``bfloat16``
+    is pure bf16, as Hugging Face fine-tuning often runs: parameters, gradients and AdamW
+    state in bf16, no autocast (needs ``dtype = 'bfloat16'``). The optimizer step is fused
+    either way on CUDA."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: ``bfloat16`` autocasts attention and projections (weights and optimizer
     stay fp32); the MoE layers' experts compute in the autocast dtype too, their routers in
@@ -124,6 +134,9 @@ class TrainingConfig:
             raise ValueError(f"training.device={self.device!r}: use 'auto', 'cpu' or 'cuda'")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"training.dtype={self.dtype!r}: use 'float32' or 'bfloat16'")
+        if self.param_dtype == "bfloat16" and self.dtype != "bfloat16":
+            raise ValueError("training.param_dtype='bfloat16' computes in bf16: set training.dtype='bfloat16' too "
+                             "(or training.param_dtype='float32' for fp32 training)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,14 +212,18 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def moe_config(self) -> MoEConfig:
-        """The MoE layer config, its hidden size tied to the model's."""
+        """The built-in model's MoE layer config, its hidden size tied to the model's."""
         if "hidden_size" in self.moe:
             raise ValueError("moe.hidden_size is set from model.dim; remove it from [moe]")
         return MoEConfig(hidden_size=self.model.dim, **self.moe)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict (for logs and checkpoints)."""
-        return dataclasses.asdict(self)
+        """Plain nested dict (for logs and checkpoints); with ``model.hf``, ``[model]`` holds
+        only it (the built-in model's defaults describe nothing of this run)."""
+        record = dataclasses.asdict(self)
+        if self.model.hf:
+            record["model"] = {"hf": self.model.hf}
+        return record
 
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(JobConfig)}
@@ -397,9 +414,50 @@ def build_job_config(raw: dict[str, Any], source: Union[Origins, str] = "config"
         kwargs[name] = dict(table) if name == "moe" else _section(name, _SECTIONS[name].default_factory,
                                                                     table, origins)
     job = JobConfig(**kwargs)
-    _check_moe(job.moe, job.model.dim, origins)  # now, not after process-group setup
+    if "hf" in raw.get("model", {}) and not job.model.hf:
+        raise ConfigError(f"{origins.of('model.hf')}: model.hf is empty: pass the Hugging Face model folder with "
+                          "--hf-model DIR (or use a config of the built-in model, such as configs/train/tiny.toml)")
+    if job.model.hf:
+        _check_hf(raw, job, origins)
+    else:
+        _check_moe(job.moe, job.model.dim, origins)  # now, not after process-group setup
     _check_combined(job, origins)
     return job
+
+
+HF_MOE_KEYS = ("dispatch", "backend", "all_gather_row_bound")
+"""The ``[moe]`` keys of an HF model (``model.hf``): how ep_moe runs its experts; the rest
+of the experts' shape comes from its config.json."""
+
+
+def _check_hf(raw: dict[str, Any], job: JobConfig, origins: Origins) -> None:
+    """``model.hf`` takes the model's shape from the folder's config.json: the built-in
+    model's keys are an error (naming who set them), ``[moe]`` takes ``HF_MOE_KEYS`` only,
+    and the data must be given (the embedded corpus is bytes, not the model's tokens)."""
+    hf = f"model.hf={job.model.hf!r} ({origins.of('model.hf')})"
+    others = sorted(set(raw.get("model", {})) - {"hf"})
+    if others:
+        raise ConfigError(f"{origins.of(f'model.{others[0]}')}: {', '.join(f'model.{k}' for k in others)} "
+                          f"describe the built-in model, but {hf} takes its shape from the folder's config.json: "
+                          "remove them (configs/train/hf.toml is a config for HF models)")
+    moe_table = dict(job.moe)
+    unknown = sorted(set(moe_table) - set(HF_MOE_KEYS))
+    if unknown:
+        raise ConfigError(f"{origins.of(f'moe.{unknown[0]}')}: {', '.join(f'moe.{k}' for k in unknown)} "
+                          f"describe the built-in model's MoE layers, but {hf} takes its experts from the "
+                          f"folder's config.json: remove them; [moe] takes {', '.join(HF_MOE_KEYS)} with model.hf")
+    try:
+        from ep_moe.integrations.transformers import ExpertsOptions
+    except ImportError as exc:
+        raise ConfigError(f"{hf} needs the transformers extra ({exc}): pip install 'ep-moe[transformers]'") from None
+    _section("moe", ExpertsOptions, moe_table, origins)
+    if job.checkpoint.format == "native":
+        raise ConfigError(f"{origins.of('checkpoint.format')}: checkpoint.format='native' saves the built-in model's "
+                          f"MoE layers; {hf} saves in checkpoint.format='dcp' (the default), which also loads at any "
+                          "(EP, DP) layout")
+    if not job.data.path:
+        raise ConfigError(f"{hf} needs data in the model's tokens: pass --data (text, .jsonl, a folder or glob of "
+                          "them, a dataset saved with save_to_disk, or a token file)")
 
 
 def _check_combined(job: JobConfig, origins: Origins) -> None:
@@ -457,13 +515,17 @@ def parse_args(argv: Optional[list[str]] = None) -> JobConfig:
     Raises ``ConfigError`` (before anything is built) for an unknown key, a wrong type or
     value, naming who set it: the file, or the command-line option."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML file (default: %(default)s)")
+    parser.add_argument("--config", type=Path, default=None,
+                        help=f"TOML file (default: {DEFAULT_CONFIG.name}, or {DEFAULT_HF_CONFIG.name} with --hf-model)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value; repeatable")
     shorthands = {
         "--steps": ("training.steps", int),
         "--ep-size": ("parallel.ep_size", int),
+        "--hf-model": ("model.hf", str),
         "--data": ("data.path", str),
+        "--eval-data": ("data.eval_path", str),
+        "--export-hf": ("checkpoint.export_hf", str),
         "--resume": ("checkpoint.resume", str),
         "--checkpoint-dir": ("checkpoint.dir", str),
         "--metrics-file": ("logging.metrics_file", str),
@@ -472,6 +534,8 @@ def parse_args(argv: Optional[list[str]] = None) -> JobConfig:
     for flag, (key, typ) in shorthands.items():
         parser.add_argument(flag, type=typ, default=None, help=f"same as --set {key}=...")
     args = parser.parse_args(argv)
+    if args.config is None:
+        args.config = DEFAULT_HF_CONFIG if args.hf_model else DEFAULT_CONFIG
     if not args.config.is_file():
         raise ConfigError(f"--config {args.config}: no such file; pass a TOML file such as "
                           f"{DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])}")

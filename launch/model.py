@@ -19,12 +19,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ep_moe import MoEConfig, MoELayer
+from ep_moe.layer import expert_load, moe_aux_loss
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape of the transformer around the MoE layers (those are set by ``[moe]``)."""
 
+    hf: str = ""
+    """A Hugging Face MoE model folder (``config.json``, optionally safetensors weights and a
+    tokenizer): train that model, its experts run by ep_moe (``launch/hf_model.py``), instead
+    of this built-in one. Its config.json then sets the shape: no other ``[model]`` key, and
+    ``[moe]`` takes only ``dispatch``, ``backend`` and ``all_gather_row_bound``."""
     vocab_size: int = 256
     """Token ids are in [0, vocab_size); 256 covers byte-level text."""
     dim: int = 128
@@ -132,7 +138,7 @@ class Block(nn.Module):
 
 class MoETransformer(nn.Module):
     """Token ids [B, L] -> next-token logits [B, L, V]. The MoE auxiliary losses of the last
-    forward are read with ``ep_moe.layer.moe_aux_loss(model)``."""
+    forward are read with :meth:`aux_loss`."""
 
     def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig, ep_group=None) -> None:
         super().__init__()
@@ -183,6 +189,14 @@ class MoETransformer(nn.Module):
             else:
                 x_BLD = block(x_BLD, cos_Lh, sin_Lh)
         return self.output(self.norm(x_BLD))
+
+    def aux_loss(self) -> torch.Tensor:
+        """The MoE layers' auxiliary losses of the last forward (``ep_moe.layer.moe_aux_loss``)."""
+        return moe_aux_loss(self)
+
+    def expert_load(self) -> torch.Tensor:
+        """[n_layers, E] tokens per global expert of the last forward, this rank's tokens."""
+        return expert_load(self)
 
     @torch.no_grad()
     def generate(self, prompt_L: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

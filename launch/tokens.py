@@ -72,7 +72,9 @@ PIECE_BYTES = 1 << 20
 BATCH_PIECES = 1000
 BATCH_BYTES = 16 << 20
 """One ``encode_batch`` call takes up to this many pieces or bytes of text."""
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja")
+"""Files of a Hugging Face tokenizer, any of which a model folder may hold."""
 _ARRAY_CODES = {"uint16": "H", "uint32": "I"}
 _TORCH_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 
@@ -123,6 +125,12 @@ class TextTokenizer:
         return hashlib.sha256(f"{type(self.hf).__name__}\n{state}\n{self.eos_id}".encode()).hexdigest()[:16]
 
 
+def tokenizer_files(folder: str) -> list[str]:
+    """The tokenizer files in the HF folder ``folder`` (none: it has no tokenizer, and
+    transformers' ``AutoTokenizer`` would build an empty one of the family's class)."""
+    return [name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
+
+
 def load_tokenizer(model_dir: str) -> TextTokenizer:
     """The tokenizer saved in ``model_dir`` (``AutoTokenizer.from_pretrained``)."""
     try:
@@ -131,7 +139,7 @@ def load_tokenizer(model_dir: str) -> TextTokenizer:
         raise DataError("text data for a Hugging Face model needs transformers: "
                         "pip install 'ep-moe[transformers]', or pass a token file") from None
     folder = Path(model_dir)
-    if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+    if folder.is_dir() and not tokenizer_files(model_dir):
         raise DataError(f"model.hf={model_dir!r} holds no tokenizer files (tokenizer.json, tokenizer_config.json): "
                         f"text data needs the model's tokenizer there (tokenizer.save_pretrained({model_dir!r})), "
                         f"or pass a token file as data.path")

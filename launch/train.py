@@ -23,8 +23,15 @@ checkpoint directory must be on a file system all nodes share)::
 ``HEAD_NODE=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)``). Fill every
 node's kernel cache before a large job with ``launch/warmup_node.sh``.
 
-Your own data: ``--data corpus.txt`` (bytes as tokens) or ``--data tokens.bin`` (flat
-uint16 ids; ``.i32`` for int32) with ``--set model.vocab_size=N``. Checkpoints go to
+A Hugging Face MoE model (``launch/hf_model.py``; ``configs/train/hf.toml``), fine-tuned
+from its safetensors weights or trained from its config, its experts run by ep_moe and split
+over the ranks, on text tokenized with its tokenizer (``launch/tokens.py``)::
+
+    torchrun --nproc-per-node 2 launch/train.py --hf-model DIR --data FILES [--eval-data FILES]
+
+Your own data for the built-in model: ``--data corpus.txt`` (bytes as tokens; ``.jsonl``,
+folders and globs too) or ``--data tokens.bin`` (flat uint16 ids; ``.u32`` uint32, ``.i32``
+int32) with ``--set model.vocab_size=N``. Checkpoints go to
 ``checkpoint.dir`` every ``checkpoint.interval`` steps and at the end; ``--resume latest``
 continues exactly where the newest one left off. ``--metrics-file run.jsonl`` records every
 logged step as JSON; ``--tensorboard runs/tiny`` writes the same to TensorBoard (``pip

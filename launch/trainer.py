@@ -47,12 +47,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from checkpoint import Layout, complete_checkpoints, newer_checkpoints, resume, save_checkpoint
 from config import JobConfig, TrainingConfig
-from data import TokenBatches, build_token_streams
+from data import TokenBatches, TokenStreams, build_token_streams, is_token_data, load_tokenizer
 from errors import ConfigError, DataError
 from graphs import GraphedBlocks, graphs_unsupported
+from hf_model import HFModelSpec, build_hf_model, inspect_hf_model
 from model import MoETransformer
 
-from ep_moe.layer import expert_load, moe_aux_loss, moe_layers, update_expert_biases
+from ep_moe.layer import moe_layers, update_expert_biases
 from ep_moe.parallel import (
     ParallelMesh,
     apply_fsdp,
@@ -91,21 +92,22 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def check_parallel(job: JobConfig, world_size: int) -> int:
+def check_parallel(job: JobConfig, world_size: int, num_experts: int) -> int:
     """The EP size ``job`` asks for on ``world_size`` ranks; ``ConfigError`` unless it
-    divides the world size and the number of experts, or when ``training.device='cuda'``
-    and no GPU is visible. Needs no process group, so every rank fails alike before one."""
+    divides the world size and ``num_experts`` (of each MoE layer), or when
+    ``training.device='cuda'`` and no GPU is visible. Needs no process group, so every rank
+    fails alike before one."""
     if job.training.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("training.device='cuda' but no CUDA GPU is visible; use 'auto' or 'cpu'")
     ep_size = job.parallel.ep_size or world_size
-    num_experts = job.moe_config().num_experts
+    experts = f"the model's {num_experts} experts (model.hf)" if job.model.hf else f"moe.num_experts ({num_experts})"
     if world_size % ep_size or num_experts % ep_size:
         raise ConfigError(f"parallel.ep_size={ep_size} must divide the world size ({world_size}) and "
-                          f"moe.num_experts ({num_experts}); pass --ep-size with a common divisor")
+                          f"{experts}; pass --ep-size with a common divisor")
     return ep_size
 
 
-def init_distributed(job: JobConfig) -> Ranks:
+def init_distributed(job: JobConfig, num_experts: int) -> Ranks:
     """Start torch.distributed (NCCL on CUDA, gloo on CPU) and build the EP groups (under
     ``parallel.fsdp``: the ``ParallelMesh`` they come from).
 
@@ -113,7 +115,7 @@ def init_distributed(job: JobConfig) -> Ranks:
     process forms a group of one, so the same code path serves both. The config is checked
     (:func:`check_parallel`) before the process group starts.
     """
-    ep_size = check_parallel(job, rank_and_world()[1])
+    ep_size = check_parallel(job, rank_and_world()[1], num_experts)
     use_cuda = job.training.device == "cuda" or (job.training.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -128,7 +130,7 @@ def init_distributed(job: JobConfig) -> Ranks:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_parallel_mesh(ep_size, num_experts=job.moe_config().num_experts, device_type=device.type)
+    mesh = init_parallel_mesh(ep_size, num_experts=num_experts, device_type=device.type)
     groups = mesh.groups()
     return Ranks(rank=rank, world_size=world, device=device, ep_size=ep_size, ep_rank=rank % ep_size,
                  ep_group=groups.ep_group if ep_size > 1 else None,
@@ -145,12 +147,13 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def mixed_precision_policy(dtype: str):
+def mixed_precision_policy(dtype: str, param_dtype: str = "float32"):
     """FSDP's ``MixedPrecisionPolicy`` for ``training.dtype``: bf16 weights in the forward
-    and backward with gradients reduced in fp32 (torchtitan's), or None (fp32 throughout).
+    and backward with gradients reduced in fp32 (torchtitan's), or None (fp32 throughout, or
+    pure bf16 parameters under ``param_dtype='bfloat16'``, which need no cast).
     Forward inputs are not cast: the blocks' activations are bf16 already (from the bf16
     embedding), and the rotary tables stay fp32, as under autocast."""
-    if dtype != "bfloat16":
+    if dtype != "bfloat16" or param_dtype == "bfloat16":
         return None
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -269,10 +272,9 @@ class Trainer:
         self.job = job
         tcfg = job.training
         rank, world = rank_and_world()
-        streams = build_token_streams(job.data, tcfg.seed)
-        if streams.vocab_size > job.model.vocab_size:
-            raise DataError(f"the data has token ids up to {streams.vocab_size - 1} but model.vocab_size="
-                            f"{job.model.vocab_size}; set model.vocab_size >= {streams.vocab_size}")
+        self.hf_spec: Optional[HFModelSpec] = inspect_hf_model(job.model.hf) if job.model.hf else None
+        """The HF model folder's config (``model.hf``), or None for the built-in model."""
+        streams = self._token_streams()
         self.byte_level = streams.byte_level
         dp = dict(seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, dp_rank=rank, dp_size=world)
         held_out = f"data.val_fraction={job.data.val_fraction} held out"
@@ -283,17 +285,17 @@ class Trainer:
                 streams.val, seed=tcfg.seed + 1, split=f"validation split ({held_out})",
                 hint="raise data.val_fraction, set logging.eval_interval=0 (no evaluation)", **dp)
         writer_class = tensorboard_writer_class() if job.logging.tensorboard_dir else None
-        self.ranks = init_distributed(job)
+        num_experts = self.hf_spec.num_experts if self.hf_spec else job.moe_config().num_experts
+        self.ranks = init_distributed(job, num_experts)
         if self.ranks.rank == 0:
             logger.info("config: %s", json.dumps(job.to_dict(), default=str))
-        torch.manual_seed(tcfg.seed)
-        self.model = MoETransformer(job.model, job.moe_config(), self.ranks.ep_group).to(self.ranks.device)
-        self.model.checkpoint_blocks = tcfg.activation_checkpointing
+        self.model = self._build_model()
         if tcfg.compile:
-            for block in self.model.layers:
+            blocks = self.model.decoder_layers() if self.hf_spec else self.model.layers
+            for block in blocks:
                 block.compile()  # in place: parameter names and checkpoints stay as they are
         if self.ranks.fsdp:  # sharded before the optimizer sees the parameters (it takes FSDP's DTensors)
-            apply_fsdp(self.model, self.ranks.mesh, mp_policy=mixed_precision_policy(tcfg.dtype))
+            apply_fsdp(self.model, self.ranks.mesh, mp_policy=mixed_precision_policy(tcfg.dtype, tcfg.param_dtype))
         self.optimizer = build_optimizer(self.model, tcfg, self.ranks.device)
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * self.ranks.world_size
         self.layout = Layout(rank=self.ranks.rank, world_size=self.ranks.world_size,
@@ -312,11 +314,54 @@ class Trainer:
 
     # --- setup -------------------------------------------------------------------------
 
+    def _token_streams(self) -> TokenStreams:
+        """The data's train and validation tokens, checked against the model's vocabulary: text
+        is tokenized with the HF model folder's tokenizer (bytes for the built-in model)."""
+        job, spec = self.job, self.hf_spec
+        tokenizer = load_tokenizer(spec.path) if spec is not None and not is_token_data(job.data) else None
+        streams = build_token_streams(job.data, job.training.seed, tokenizer)
+        vocab, option = (spec.vocab_size, f"the vocabulary of model.hf={spec.path!r}") if spec else (
+            job.model.vocab_size, "model.vocab_size")
+        if streams.vocab_size > vocab:
+            fix = ("tokenize the data with this model's tokenizer" if spec else
+                   f"set model.vocab_size >= {streams.vocab_size}")
+            raise DataError(f"the data ({streams.source}) has token ids up to {streams.vocab_size - 1}, past "
+                            f"{option} ({vocab} ids); {fix}")
+        if spec is not None and spec.max_positions and job.training.seq_len > spec.max_positions:
+            logger.warning("training.seq_len=%d is longer than the max_position_embeddings=%d of model.hf=%r",
+                           job.training.seq_len, spec.max_positions, spec.path)
+        return streams
+
+    def _build_model(self) -> torch.nn.Module:
+        """The built-in model or the HF model, split over the EP group, parameters in
+        ``training.param_dtype``; seeded alike on every rank."""
+        job, tcfg, ranks = self.job, self.job.training, self.ranks
+        dtype = torch.bfloat16 if tcfg.param_dtype == "bfloat16" else torch.float32
+        if self.hf_spec is not None:
+            model = build_hf_model(self.hf_spec, ranks.ep_group, device=ranks.device, dtype=dtype, seed=tcfg.seed,
+                                   **job.moe)
+            if tcfg.activation_checkpointing:
+                model.enable_activation_checkpointing()
+            return model
+        torch.manual_seed(tcfg.seed)
+        model = MoETransformer(job.model, job.moe_config(), ranks.ep_group).to(ranks.device, dtype)
+        model.checkpoint_blocks = tcfg.activation_checkpointing
+        return model
+
+    def config_record(self) -> dict:
+        """This run's config as checkpoints record it: with an HF model, its config.json's
+        architecture values under ``model.hf_config``, so that a checkpoint of another model
+        is named as such."""
+        record = self.job.to_dict()
+        if self.hf_spec is not None:
+            record["model"]["hf_config"] = self.hf_spec.architecture()
+        return record
+
     def _resume(self) -> None:
         """Load the checkpoint named by ``checkpoint.resume``, if any (see
         :func:`checkpoint.resume`: the newest that loads, for ``latest``)."""
         ccfg = self.job.checkpoint
-        found = resume(ccfg.resume, Path(ccfg.dir), self.layout, self.model, self.optimizer, self.job.to_dict())
+        found = resume(ccfg.resume, Path(ccfg.dir), self.layout, self.model, self.optimizer, self.config_record())
         if found is not None:
             _, extra = found
             self.step = int(extra["step"])
@@ -361,8 +406,11 @@ class Trainer:
         tcfg = self.job.training
         if tcfg.cuda_graphs == "off":
             return "training.cuda_graphs='off'"
-        reason = graphs_unsupported(moe_layers(self.model)[0].dispatch, self.ranks.device, compile=tcfg.compile,
-                                    activation_checkpointing=tcfg.activation_checkpointing, fsdp=self.ranks.fsdp)
+        if self.hf_spec is not None:
+            reason = "the trainer captures the built-in model's blocks; an HF model (model.hf) runs eagerly"
+        else:
+            reason = graphs_unsupported(moe_layers(self.model)[0].dispatch, self.ranks.device, compile=tcfg.compile,
+                                        activation_checkpointing=tcfg.activation_checkpointing, fsdp=self.ranks.fsdp)
         if reason is not None and tcfg.cuda_graphs == "on":
             raise ConfigError(f"training.cuda_graphs='on': {reason} (or set training.cuda_graphs='auto')")
         return reason
@@ -423,8 +471,10 @@ class Trainer:
 
     def _autocast(self):
         """The forward's autocast: bf16 under ``training.dtype='bfloat16'``, unless FSDP's
-        mixed precision casts the weights instead (``parallel.fsdp``)."""
-        if self.job.training.dtype == "bfloat16" and not self.ranks.fsdp:
+        mixed precision casts the weights instead (``parallel.fsdp``) or the parameters are
+        bf16 already (``training.param_dtype='bfloat16'``)."""
+        tcfg = self.job.training
+        if tcfg.dtype == "bfloat16" and tcfg.param_dtype == "float32" and not self.ranks.fsdp:
             # graph capture needs autocast without its weight-cast cache (the graphs replay the casts)
             return torch.autocast(self.ranks.device.type, dtype=torch.bfloat16,
                                   cache_enabled=self.graphs_off is not None)
@@ -436,7 +486,7 @@ class Trainer:
             logits_BLV = self.model(inputs_BL.to(self.ranks.device, non_blocking=True))
         ce = F.cross_entropy(logits_BLV.flatten(0, 1).float(),
                              targets_BL.to(self.ranks.device, non_blocking=True).flatten())
-        return ce, moe_aux_loss(self.model)
+        return ce, self.model.aux_loss()
 
     def _clip_gradients(self, loss: torch.Tensor, grad_divisor: int) -> tuple[torch.Tensor, bool]:
         """:func:`clip_gradients` of this run: the global grad norm, clipped to
@@ -528,12 +578,25 @@ class Trainer:
             bar.close()
             if lcfg.sample_prompt and self.byte_level:
                 self._sample(lcfg.sample_prompt, lcfg.sample_tokens)
+        if self.hf_spec is not None and ccfg.export_hf:
+            self.export_hf()
+
+    def export_hf(self) -> None:
+        """Write the HF model as an HF folder (``checkpoint.export_hf``; ``auto``: ``{dir}/hf``)
+        that plain transformers loads, with the model folder's tokenizer."""
+        ccfg = self.job.checkpoint
+        path = str(Path(ccfg.dir) / "hf") if ccfg.export_hf == "auto" else ccfg.export_hf
+        start = time.perf_counter()
+        self.model.export(path, tokenizer_dir=self.hf_spec.path)
+        if self.ranks.rank == 0:
+            logger.info("exported the model at step %d as an HF folder: %s (%.1fs)", self.step, path,
+                        time.perf_counter() - start)
 
     def _log(self, step: int, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor,
              steps_per_s: float) -> dict:
         """All-reduce this step's stats; rank 0 logs them and appends them to the metrics file."""
         means = _all_reduce_mean(torch.stack([loss.float(), aux.float()]))
-        load_LE = expert_load(self.model).to(self.ranks.device)
+        load_LE = self.model.expert_load().to(self.ranks.device)
         dist.all_reduce(load_LE)  # tokens of every rank per global expert
         loss_v, aux_v = means.tolist()
         record = {"step": step, "loss": loss_v, "aux_loss": aux_v, "lr": self._lr(step),
@@ -563,7 +626,7 @@ class Trainer:
         start = time.perf_counter()
         extra = {"step": step, "data": self.batches.state_dict()}
         path = save_checkpoint(Path(self.job.checkpoint.dir), step, self.layout, self.model, self.optimizer,
-                               extra, {"config": self.job.to_dict()}, self.job.checkpoint.keep,
+                               extra, {"config": self.config_record()}, self.job.checkpoint.keep,
                                format=self.job.checkpoint.format)
         if self.ranks.rank == 0:
             logger.info("saved %s in %.1fs", path, time.perf_counter() - start)
@@ -607,7 +670,7 @@ class Trainer:
         """Close the metrics file and the TensorBoard writer, and free the CUDA graphs (the
         caller then destroys the process group: graphs that captured NCCL collectives and
         are still alive make ``destroy_process_group`` hang, a known torch issue)."""
-        if self.model.graphed_blocks is not None:
+        if getattr(self.model, "graphed_blocks", None) is not None:
             self.release_graphs()
         if self.metrics is not None:
             self.metrics.close()

@@ -59,17 +59,18 @@ def _family_config(family: str, num_experts: int, inter: int, dense_layers: int)
 
 
 def tiny_model(family: str, *, num_experts: int = E, hidden: int = H, inter: int = 16, top_k: int = K,
-               std: float = 0.1, seed: int = 0, dense_layers: int = 0, unit_norms: bool = True) -> nn.Module:
+               std: float = 0.1, seed: int = 0, dense_layers: int = 0, unit_norms: bool = True,
+               vocab: int = VOCAB) -> nn.Module:
     """A random float32 causal LM of ``family`` (``"qwen3_moe"``, ``"mixtral"``, ``"gpt_oss"``,
     ``"deepseek_v3"``) with two layers, ``num_experts`` experts of width ``inter``, top-``top_k``,
-    the same for a seed and another for another: every parameter N(0, ``std``) (transformers
-    zero-initialises biases, GPT-OSS's expert biases among them: random ones take part in the
+    ``vocab`` token ids, the same for a seed and another for another: every parameter N(0,
+    ``std``) (transformers zero-initialises biases, GPT-OSS's expert biases among them: random ones take part in the
     output), the norms' weights 1 + N(0, ``std``) where ``unit_norms`` (activations of about
     unit scale), else N(0, ``std``) too (small activations: a nearly linear model, whose bf16
     rounding seldom flips a token's routing in the next layer). ``dense_layers``:
     DeepSeek-V3's first layers that are a dense MLP (width ``3 * inter``) instead of MoE."""
     name, overrides = _family_config(family, num_experts, inter, dense_layers)
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=3 * inter, num_hidden_layers=2,
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * inter, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=64,
                   num_experts_per_tok=top_k, initializer_range=std, tie_word_embeddings=False)
     config = transformers.AutoConfig.for_model(family, **{**common, **overrides})

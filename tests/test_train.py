@@ -319,7 +319,10 @@ def test_every_preset_parses(launch_modules):
     presets = sorted((REPO / "configs" / "train").glob("*.toml"))
     assert len(presets) >= 3
     for path in presets:
-        config.parse_args(["--config", str(path)])
+        hf = ["--hf-model", "some/folder", "--data", "corpus.txt"] if path.name == "hf.toml" else []
+        config.parse_args(["--config", str(path), *hf])
+    with pytest.raises(ValueError, match=r"model.hf is empty: pass the Hugging Face model folder with --hf-model"):
+        config.parse_args(["--config", str(REPO / "configs" / "train" / "hf.toml")])
 
 
 def test_latest_checkpoint_skips_partial_ones(launch_modules, tmp_path):

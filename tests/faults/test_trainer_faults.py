@@ -286,7 +286,7 @@ def test_ep_size_that_does_not_divide(launch, world, extra):
     """Checked from the world size alone, before any process group exists."""
     job = launch.config.parse_args([*TINY, *extra])
     with pytest.raises(launch.errors.ConfigError, match=r"parallel.ep_size=\d+ must divide the world size .*--ep-size"):
-        launch.trainer.check_parallel(job, world)
+        launch.trainer.check_parallel(job, world, job.moe_config().num_experts)
     assert not dist.is_initialized()
 
 
@@ -306,7 +306,8 @@ DATA_FAULTS = {
     "missing.txt": (None, r"data.path='.*missing.txt' is not a file"),
     "odd.bin": (b"\x01\x02\x03", r"has 3 bytes, not a multiple of 2 \(uint16\); set data.format"),
     "negative.i32": ((-5).to_bytes(4, "little", signed=True) * 64, r"holds negative token ids"),
-    "wide.bin": ((1000).to_bytes(2, "little") * 4096, r"token ids up to 1000 but model.vocab_size=256"),
+    "wide.bin": ((1000).to_bytes(2, "little") * 4096,
+                 r"token ids up to 1000, past model.vocab_size \(256 ids\); set model.vocab_size >= 1001"),
     "short.txt": (b"x" * 16, r"training split .* has 15 tokens, fewer than seq_len \+ 2 = 18"),
 }
 
