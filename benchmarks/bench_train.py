@@ -10,6 +10,9 @@ training step, for ONE parallel configuration per run (a driver runs the matrix:
         --set parallel.fsdp=true                                                   # EP=4, FSDP2
     python benchmarks/bench_train.py --plot benchmarks/results/train_*.json   # the scaling plot
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --device cpu --steps 2   # CPU smoke run (tiny.toml)
+    torchrun --nproc-per-node 1 benchmarks/bench_train.py --hf-model DIR --data FILES \
+        --set training.dtype=\'bfloat16\' --set training.param_dtype=\'bfloat16\'  # an HF model (hf.toml)
+    ... the same with --experts grouped_mm       # transformers' own experts: the baseline, same loop
 
 What runs is the trainer itself: ``launch/trainer.Trainer`` built from the config (with
 ``--set``/``--ep-size`` overrides as for ``launch/train.py``), its process groups, model,
@@ -159,6 +162,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 DEFAULT_CONFIG = REPO / "configs" / "train" / "tiny.toml"
+DEFAULT_HF_CONFIG = REPO / "configs" / "train" / "hf.toml"
 
 # --- kernel classification ------------------------------------------------------------
 
@@ -444,6 +448,42 @@ def model_flops(model_cfg: Any, moe_cfg: Any, seq_len: int) -> dict[str, Any]:
     }
 
 
+def hf_model_flops(hf_model: Any, seq_len: int, ep_size: int) -> dict[str, Any]:
+    """:func:`model_flops` of a Hugging Face MoE model (``model.hf``), from its parameters:
+    every matrix a token multiplies counts (the ``[e, ., .]`` expert tensors at ``top_k / E``
+    of the model's experts, this rank holding ``e = E / ep_size``), vectors (norms, biases)
+    and the input embedding do not; the attention scores as in the module docstring, over
+    every layer (sliding-window layers are counted as full ones)."""
+    from ep_moe.integrations.transformers import experts_modules
+
+    config = hf_model.config.get_text_config()
+    embedding = hf_model.get_input_embeddings().weight
+    expert_names = {f"{name}.{t}" for name, m in experts_modules(hf_model) for t, _ in m.named_parameters()}
+    dense_matrices = sum(p.numel() for n, p in hf_model.named_parameters()
+                         if p.dim() >= 2 and n not in expert_names and p is not embedding)
+    experts_local = sum(p.numel() for n, p in hf_model.named_parameters() if n in expert_names)
+    experts_total = experts_local * ep_size
+    E = experts_modules(hf_model)[0][1].num_global_experts
+    routed = experts_total * config.num_experts_per_tok // E
+    active = dense_matrices + routed
+    if config.tie_word_embeddings:
+        active += embedding.numel()  # the output head multiplies it
+    Hq = config.num_attention_heads
+    Dh = getattr(config, "head_dim", None) or config.hidden_size // Hq
+    attention_flops = 6 * config.num_hidden_layers * Hq * Dh * (seq_len + 1)
+    total = sum(p.numel() for n, p in hf_model.named_parameters() if n not in expert_names) + experts_total
+    return {
+        "total_params": total,
+        "expert_params": experts_total,
+        "active_params": active,
+        "active_params_by_part": {"dense_matrices": dense_matrices, "routed_experts": routed},
+        "dense_flops_per_token": 6 * active,
+        "attention_flops_per_token": attention_flops,
+        "flops_per_token": 6 * active + attention_flops,
+        "formula": "6 * active_params + 6 * n_layers * n_heads * head_dim * (seq_len + 1)",
+    }
+
+
 def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak_tflops: float) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s of one GPU over its peak."""
     return tokens_per_s_per_gpu * flops_per_token / (peak_tflops * 1e12)
@@ -532,6 +572,8 @@ def build_job(args: argparse.Namespace, total_steps: int):
     them, then what the benchmark needs (no evaluation, checkpoints, metrics, sample)."""
     train_config, _ = _import_launch()
     argv = ["--config", str(args.config)]
+    if args.hf_model:
+        argv += ["--hf-model", args.hf_model, "--data", args.data]
     for assignment in args.overrides:
         argv += ["--set", assignment]
     if args.ep_size is not None:
@@ -666,6 +708,11 @@ def run(args: argparse.Namespace) -> Optional[dict]:
     t_build = time.perf_counter()
     trainer = trainer_module.Trainer(job)
     try:
+        if args.experts != "ep_moe":
+            if trainer.ranks.ep_size > 1:
+                raise ValueError(f"--experts {args.experts}: transformers' own experts run at EP=1 only; "
+                                 "pass --ep-size 1")
+            trainer.model.hf.set_experts_implementation(args.experts)
         build_s = time.perf_counter() - t_build
         ranks, device = trainer.ranks, trainer.ranks.device
         cuda = device.type == "cuda"
@@ -704,10 +751,12 @@ def run(args: argparse.Namespace) -> Optional[dict]:
 
 
 def _dispatch_run(trainer) -> str:
-    """The dispatch the model's MoE layers run (``"auto"`` resolved; ``"local"`` at EP=1)."""
+    """The dispatch the model's MoE layers run (``"auto"`` resolved; ``"local"`` at EP=1;
+    an HF model's experts pick theirs per call, so the config's)."""
     from ep_moe.layer import moe_layers
 
-    return moe_layers(trainer.model)[0].dispatch
+    layers = moe_layers(trainer.model)
+    return layers[0].dispatch if layers else trainer.job.moe.get("dispatch", "auto")
 
 
 def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: str, peak_n: int,
@@ -717,7 +766,9 @@ def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: s
     step_ms = max(r["median_ms"] for r in every)
     tokens_per_s = trainer.tokens_per_step / (step_ms / 1e3)
     per_gpu = tokens_per_s / world
-    flops = model_flops(job.model, job.moe_config(), tcfg.seq_len)
+    hf = job.model.hf
+    flops = (hf_model_flops(trainer.model.hf, tcfg.seq_len, ep) if hf
+             else model_flops(job.model, job.moe_config(), tcfg.seq_len))
     dense, experts = every[0]["params"]
     counted = dense + experts * ep
     flops["counted_params"] = counted
@@ -731,10 +782,11 @@ def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: s
         "benchmark": "train",
         "environment": env,
         "device": env["device"], "torch": env["torch"], "triton": env["triton"],
-        "model": args.label or Path(args.config).stem, "config": str(args.config), "overrides": args.overrides,
+        "model": args.label or Path(args.hf_model or args.config).name.removesuffix(".toml"), "config": str(args.config), "overrides": args.overrides,
         "configuration": configuration_name(world, ep), "fsdp": job.parallel.fsdp,
         "world_size": world, "ep_size": ep, "dp_size": world, "edp_size": world // ep,
-        "dispatch": _dispatch_run(trainer), "dispatch_config": job.moe_config().dispatch,
+        "dispatch": _dispatch_run(trainer), "dispatch_config": job.moe.get("dispatch", "auto"),
+        "experts": args.experts if hf else "ep_moe", "param_dtype": tcfg.param_dtype,
         "cuda_graphs": "on" if trainer.graphs_off is None else f"off: {trainer.graphs_off}", "dtype": tcfg.dtype,
         "batch_size": tcfg.batch_size, "seq_len": tcfg.seq_len,
         "tokens_per_step": trainer.tokens_per_step, "tokens_per_step_per_gpu": trainer.tokens_per_step // world,
@@ -749,7 +801,7 @@ def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: s
         "mfu": mfu(per_gpu, flops["flops_per_token"], peak),
         "mfu_vs_measured_peak": mfu(per_gpu, flops["flops_per_token"], measured),
         "model_tflops_per_gpu": per_gpu * flops["flops_per_token"] / 1e12,
-        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "losses": losses, "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         "losses_finite": all(math.isfinite(r_loss) for r in every for r_loss in r["losses"]),
         "max_memory_gb": max(max(r["max_memory_steps_gb"], r["max_memory_setup_gb"]) for r in every)
         if ranks.device.type == "cuda" else None,
@@ -809,7 +861,13 @@ def plot_results(paths: Sequence[str | Path], out: Optional[str | Path] = None,
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="trainer TOML (default: %(default)s)")
+    parser.add_argument("--config", type=Path, default=None,
+                        help=f"trainer TOML (default: {DEFAULT_CONFIG.name}, with --hf-model {DEFAULT_HF_CONFIG.name})")
+    parser.add_argument("--hf-model", default="", help="train this HF model folder (launch/train.py --hf-model)")
+    parser.add_argument("--data", default="", help="with --hf-model: the data (launch/train.py --data)")
+    parser.add_argument("--experts", default="ep_moe", choices=("ep_moe", "grouped_mm", "batched_mm", "eager"),
+                        help="with --hf-model at EP=1: the experts implementation; anything but ep_moe is "
+                             "transformers' own, the baseline (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value, as launch/train.py's --set; repeatable")
     parser.add_argument("--ep-size", type=int, default=None,
@@ -834,6 +892,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--combined-out", type=Path, default=None,
                         help="with --plot: also write every run as one JSON list here")
     args = parser.parse_args(argv)
+    if args.config is None:
+        args.config = DEFAULT_HF_CONFIG if args.hf_model else DEFAULT_CONFIG
     if args.plot is None and (args.warmup < 0 or args.steps < 1 or args.profile_steps < 0):
         parser.error("--warmup and --profile-steps must be >= 0, --steps >= 1")
     return args

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The trainer on a Hugging Face model, one GPU: ep_moe's experts against transformers' own
+# grouped_mm in the same training loop (launch/trainer.py's step, timed by benchmarks/bench_train.py),
+# in both precision regimes, then 200-step loss curves of the two.
+#   model   Qwen3-30B-A3B's widths at LAYERS [4] layers, a 32k BPE (benchmarks/hf_train_fixture.py: generated
+#           English text, MEGABYTES [48], the tokenizer trained on it; no weights, so the model starts from its init)
+#   regimes pure bf16 (training.param_dtype = dtype = 'bfloat16': parameters and fused AdamW state in bf16),
+#           and fp32 master weights under bf16 autocast (training.dtype = 'bfloat16')
+#   batch   BATCH [8] x SEQ [1024] tokens a step; WARMUP [5] untimed, STEPS [20] timed, PROFILE_STEPS [3] profiled
+# Results (JSON per run, the loss curves, one log) go to $OUT (the device tool) or $WORK/results.
+#   bash benchmarks/run_train_hf_gpu.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LAYERS=${LAYERS:-4}
+MEGABYTES=${MEGABYTES:-48}
+BATCH=${BATCH:-8}
+SEQ=${SEQ:-1024}
+WARMUP=${WARMUP:-5}
+STEPS=${STEPS:-20}
+PROFILE_STEPS=${PROFILE_STEPS:-3}
+CURVE_STEPS=${CURVE_STEPS:-200}
+WORK=${WORK:-/tmp/train_hf_bench}
+RESULTS=${OUT:-$WORK/results}
+LOG=$RESULTS/run_train_hf_gpu.log
+mkdir -p "$RESULTS" && : > "$LOG"
+python3 benchmarks/hf_train_fixture.py --out "$WORK" --layers "$LAYERS" --megabytes "$MEGABYTES" 2>&1 | tail -n 2 | tee -a "$LOG"
+TAG=qwen3-30b-a3b-${LAYERS}l
+BF16=(--set "training.dtype='bfloat16'" --set "training.param_dtype='bfloat16'")
+MASTER=(--set "training.dtype='bfloat16'")
+bench() {  # bench NAME ARGS...: one bench_train.py run, its summary line in the log
+  local name=$1; shift
+  timeout 300 python3 -m torch.distributed.run --nproc-per-node 1 --standalone benchmarks/bench_train.py \
+    --hf-model "$WORK/model" --data "$WORK/text" --set training.batch_size="$BATCH" --set training.seq_len="$SEQ" \
+    --set training.lr=3e-4 --set training.warmup_steps=20 --label "$TAG" --out "$RESULTS/train_hf_$name.json" "$@" \
+    > "$WORK/$name.out" 2>&1
+  echo "== $name (exit $?)" | tee -a "$LOG"
+  grep -E "^train |Error|error:" "$WORK/$name.out" | tail -n 5 | tee -a "$LOG"
+}
+for regime in bf16 master; do
+  if [ $regime = bf16 ]; then args=("${BF16[@]}"); else args=("${MASTER[@]}"); fi
+  for experts in ep_moe grouped_mm; do
+    bench "${regime}_${experts}" "${args[@]}" --experts $experts --warmup "$WARMUP" --steps "$STEPS" \
+      --profile-steps "$PROFILE_STEPS"
+  done
+done
+for experts in ep_moe grouped_mm; do  # the loss curves: every step timed and its loss kept
+  bench "curve_bf16_${experts}" "${BF16[@]}" --experts $experts --warmup 0 --steps "$CURVE_STEPS" --profile-steps 0
+done
+bench "curve_bf16_ep_moe_seed1" "${BF16[@]}" --set training.seed=1 --warmup 0 --steps "$CURVE_STEPS" --profile-steps 0
