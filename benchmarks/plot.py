@@ -1,6 +1,6 @@
 """Plots of the benchmark results: the JSON files in ``benchmarks/results/`` in, PNGs out.
 
-    python benchmarks/plot.py                                  # all four, into benchmarks/results/plots/
+    python benchmarks/plot.py                                  # all five, into benchmarks/results/plots/
     python benchmarks/plot.py --results DIR --out DIR --only gemm,ep
 
 Each figure takes, per device, the most complete results (then the newest: git commit
@@ -22,6 +22,10 @@ time, else the file's mtime) and names the device and the files in its titles:
 - ``loss_curves.png``: training loss against step: the ``graphs_vs_eager`` runs of
   ``train_ep_levers_*.json``, and the trainer's metrics files ``train_*.jsonl``
   (``launch/train.py --metrics-file``).
+- ``train_hf.png``: an HF model in the trainer (``bench_train.py --hf-model``, the runs of
+  ``benchmarks/run_train_hf_gpu.sh`` in one ``hf_train_<device>.json``): tokens/s per GPU
+  with ep_moe's experts and transformers' ``grouped_mm`` per precision regime, and the
+  200-step loss curves of both.
 
 ``bench_train.py --plot`` draws its scaling figure with :func:`plot_train`.
 """
@@ -386,6 +390,59 @@ def plot_losses(levers: Optional[tuple[Path, dict]], metrics: list[tuple[Path, l
     return _save(fig, out)
 
 
+def hf_train_files(results: Path) -> Optional[tuple[Path, list[dict]]]:
+    """The newest ``hf_train_*.json``: bench_train runs of an HF model (``--hf-model``), ep_moe's
+    experts and transformers' own."""
+    files = sorted(results.glob("hf_train_*.json"), key=file_date)
+    return (files[-1], train_runs([files[-1]])) if files else None
+
+
+def plot_hf_train(chosen: tuple[Path, list[dict]], out: Path) -> Path:
+    """``train_hf.png``: tokens/s per GPU of each (precision regime, experts) run, the
+    speedup of ep_moe's experts over each baseline on its bar; beside it, the loss curves of
+    the long runs (every step's loss), which should lie on each other."""
+    path, runs = chosen
+    plt = _pyplot()
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(14, 4.8))
+    timed = [r for r in runs if len(r.get("losses") or []) < 50]
+    regimes = sorted({r["param_dtype"] for r in timed})
+    names = {"bfloat16": "pure bf16 params + AdamW", "float32": "fp32 master, bf16 autocast"}
+    width = 0.38
+    for j, experts in enumerate(("grouped_mm", "ep_moe")):
+        xs, ys = [], []
+        for i, regime in enumerate(regimes):
+            run = next((r for r in timed if r["param_dtype"] == regime and r["experts"] == experts), None)
+            if run is not None:
+                xs.append(i + (j - 0.5) * width)
+                ys.append(run["tokens_per_s_per_gpu"])
+                base = next((r for r in timed if r["param_dtype"] == regime and r["experts"] == "grouped_mm"), None)
+                note = f"{run['step_ms']:.1f} ms\nMFU {100 * run['mfu']:.1f}%"
+                if experts == "ep_moe" and base is not None:
+                    note += f"\n{base['step_ms'] / run['step_ms']:.2f}x"
+                bars.annotate(note, (xs[-1], ys[-1]), ha="center", va="bottom", fontsize=8)
+        label = "ep_moe experts" if experts == "ep_moe" else "transformers grouped_mm experts"
+        bars.bar(xs, ys, width, label=label)
+    bars.set_xticks(range(len(regimes)), [names.get(r, r) for r in regimes])
+    bars.set_ylabel("tokens/s per GPU")
+    bars.margins(y=0.25)
+    bars.legend(fontsize=8, loc="lower right")
+    first = timed[0] if timed else runs[0]
+    bars.set_title(textwrap.fill(f"{first['model']}, {first['tokens_per_step']} tokens/step, "
+                                 f"{device_name(first['device'])}: the trainer's step", 70), fontsize=9)
+    for run in (r for r in runs if len(r.get("losses") or []) >= 50):
+        seed = next((o.split("=", 1)[1] for o in run.get("overrides", []) if o.startswith("training.seed=")), "0")
+        curves.plot(range(1, len(run["losses"]) + 1), run["losses"], lw=1,
+                    label=f"{run['experts']} ({run['param_dtype']} params, seed {seed})")
+    curves.set_xlabel("step")
+    curves.set_ylabel("training loss")
+    curves.set_yscale("log")
+    curves.legend(fontsize=8)
+    curves.set_title("loss curves: the same data and init (seed 0), and another seed for scale", fontsize=9)
+    fig.suptitle(f"An HF model in the trainer ({path.name})")
+    fig.tight_layout()
+    return _save(fig, out)
+
+
 # --- command line --------------------------------------------------------------------------
 
 def _draw_train(chosen: dict[str, tuple[Path, list[dict]]], out: Path) -> Path:
@@ -403,6 +460,7 @@ FIGURES = {
     "ep": ("layer_vs_ep.png", "bench_ep ep_*.json", ep_series, plot_ep),
     "train": ("train_scaling.png", "bench_train train_*.json", train_files, _draw_train),
     "loss": ("loss_curves.png", "train_ep_levers_*.json or train_*.jsonl", loss_inputs, _draw_losses),
+    "hf_train": ("train_hf.png", "bench_train --hf-model hf_train_*.json", hf_train_files, plot_hf_train),
 }
 
 

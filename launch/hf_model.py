@@ -71,7 +71,8 @@ def _transformers():
 
         import ep_moe.integrations.transformers as ep_hf
     except ImportError as exc:
-        raise ConfigError(f"model.hf needs the transformers extra ({exc}): pip install 'ep-moe[transformers]'") from None
+        raise ConfigError(f"model.hf needs the transformers extra ({exc}): "
+                          "pip install 'ep-moe[transformers]'") from None
     return transformers, ep_hf
 
 

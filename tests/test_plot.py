@@ -1,5 +1,5 @@
 """``benchmarks/plot.py`` on small synthetic results: which file it picks per device for each
-figure, the four PNGs from the command line, and its errors. Drawing needs matplotlib (those
+figure, every PNG from the command line, and its errors. Drawing needs matplotlib (those
 tests skip without it)."""
 
 from __future__ import annotations
@@ -62,6 +62,13 @@ LEVERS = {
 }
 
 
+def _hf_run(experts: str, param_dtype: str, step_ms: float, losses: int = 3, seed: int = 0) -> dict:
+    return {"benchmark": "train", "device": DEVICE, "model": "qwen3-4l", "experts": experts,
+            "param_dtype": param_dtype, "step_ms": step_ms, "tokens_per_s_per_gpu": 8192e3 / step_ms, "mfu": 0.2,
+            "tokens_per_step": 8192, "overrides": [f"training.seed={seed}"],
+            "losses": [10.0 / (1 + i) for i in range(losses)]}
+
+
 @pytest.fixture
 def results(tmp_path) -> Path:
     """A results directory of one fake device: two grouped-GEMM files, two bench_ep series and
@@ -78,6 +85,10 @@ def results(tmp_path) -> Path:
     _write(res / "train_Fake_GPU_x2.json", [_train_run("tiny", 1, 1), _train_run("tiny", 2, 2)])
     _write(res / "train_ep_levers_Fake_GPU_x2.json", LEVERS)
     _write(res / "train_Fake_GPU_x1.jsonl", "\n".join(json.dumps({"step": s, "loss": 6.0 - s}) for s in (1, 2, 3)))
+    hf_runs = [_hf_run("ep_moe", "bfloat16", 78.0), _hf_run("grouped_mm", "bfloat16", 85.0),
+               _hf_run("ep_moe", "float32", 105.0), _hf_run("grouped_mm", "float32", 144.0),
+               _hf_run("ep_moe", "bfloat16", 78.0, losses=60), _hf_run("grouped_mm", "bfloat16", 85.0, losses=60)]
+    _write(res / "hf_train_Fake_GPU.json", hf_runs)
     return res
 
 
@@ -110,14 +121,14 @@ def _plot_py(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_command_line_writes_the_four_figures(results, tmp_path):
+def test_command_line_writes_every_figure(results, tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
 
     out = tmp_path / "plots"
     proc = _plot_py("--results", str(results), "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    names = ("gemm_tflops.png", "layer_vs_ep.png", "train_scaling.png", "loss_curves.png")
+    names = ("gemm_tflops.png", "layer_vs_ep.png", "train_scaling.png", "loss_curves.png", "train_hf.png")
     assert sorted(p.name for p in out.iterdir()) == sorted(names)
     for name in names:
         height, width, _ = imread(out / name).shape

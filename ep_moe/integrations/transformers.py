@@ -308,7 +308,8 @@ def gemm_problems(model: nn.Module, top_k: int, dtype: torch.dtype) -> list:
     """The grouped GEMMs of every experts module of ``model`` called with ``top_k`` experts
     per token in ``dtype``, as :mod:`ep_moe.autotune` keys them: what to hand
     :func:`ep_moe.autotune.warmup` before the first step (after :func:`expert_parallel`)."""
-    return list(dict.fromkeys(p for _, module in experts_modules(model) for p in _runner(module, top_k).problems(dtype)))
+    problems = (p for _, module in experts_modules(model) for p in _runner(module, top_k).problems(dtype))
+    return list(dict.fromkeys(problems))
 
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
