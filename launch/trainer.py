@@ -177,8 +177,7 @@ def _all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float, ep_group: Optional[ProcessGroup],
-                   loss: torch.Tensor, grad_scale: float = 1.0,
-                   scale_in: Optional[torch.optim.Optimizer] = None) -> tuple[torch.Tensor, bool]:
+                   loss: torch.Tensor, grad_scale: float = 1.0) -> tuple[torch.Tensor, bool]:
     """Global gradient norm over dense weights and every expert shard, after the gradient
     sync; clip to ``max_norm`` (0: no clipping). Dense gradients are equal on every rank;
     expert norms are summed (squared) over ``ep_group``, whose ranks hold disjoint experts.
@@ -192,11 +191,6 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, ep_group: Optional[P
     one-element all-reduce over all ranks, so every rank reaches the same verdict (a NaN
     on one rank stops or skips the step everywhere, no rank is left waiting). One host
     read per step; gradients are left unscaled and unclipped when the step is not finite.
-
-    ``scale_in``: a fused AdamW (``fused=True``) whose next step applies the scale and the
-    clip instead of a pass over the gradients: its kernel divides each gradient by
-    ``scale_in.grad_scale`` as it reads it (the hook of ``torch.amp.GradScaler``), which this
-    sets to ``1 / factor``; delete that attribute after the step. Plain gradients only.
 
     A model sharded with FSDP (DTensor gradients, ``ep_moe.parallel.apply_fsdp``): every
     element of every gradient lives on exactly one rank (dense ones sharded over all ranks,
@@ -219,10 +213,7 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, ep_group: Optional[P
         factor = torch.full_like(total, grad_scale)
         if max_norm > 0:  # as torch.nn.utils.clip_grads_with_norm_
             factor = factor * (max_norm / (total + 1e-6)).clamp(max=1.0)
-        if scale_in is not None and all(group.get("fused") for group in scale_in.param_groups):
-            scale_in.grad_scale = factor.float().reciprocal().reshape(1)
-        else:
-            _scale_gradients([p.grad for p in params], factor)
+        _scale_gradients([p.grad for p in params], factor)
     return total, finite
 
 
@@ -501,10 +492,9 @@ class Trainer:
         """:func:`clip_gradients` of this run: the global grad norm, clipped to
         ``training.grad_clip``, and whether the step is finite on every rank; the gradients
         come summed over ``grad_divisor`` replicas (1 under FSDP: averaged by its
-        reduce-scatters) and are averaged and clipped in place, or, for a fused AdamW, by
-        its next step (``scale_in``)."""
+        reduce-scatters), and leave averaged."""
         return clip_gradients(self.model, self.job.training.grad_clip, self.ranks.ep_group, loss,
-                              grad_scale=1.0 / grad_divisor, scale_in=self.optimizer)
+                              grad_scale=1.0 / grad_divisor)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step; returns this rank's (loss, aux loss, global grad norm)."""
@@ -524,7 +514,6 @@ class Trainer:
             self._non_finite_step(step, ce.detach(), aux.detach(), grad_norm)
             return ce.detach(), aux.detach(), grad_norm
         self.optimizer.step()
-        self.optimizer.__dict__.pop("grad_scale", None)  # the clip's, for this step only
         self.optimizer.zero_grad(set_to_none=True)
         update_expert_biases(self.model, dist.group.WORLD)  # no-op unless moe.expert_bias
         return ce.detach(), aux.detach(), grad_norm
