@@ -315,3 +315,27 @@ def test_checkpoint_of_another_model(launch_modules, hf_dir, corpus, tmp_path):
     step1 = str(tmp_path / "ckpt" / "step_00000001")
     _fails(launch_modules, ["--hf-model", str(other), "--data", str(corpus), *COMMON, *ckpt, "--resume", step1],
            "CheckpointError", r"model.hf_config.hidden_size=32 in the checkpoint, 48 in this run")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral", "deepseek_v3"])
+def test_other_families_train_and_export(launch_modules, family, corpus, tmp_path):
+    """GPT-OSS (transposed, interleaved experts with biases and the clamped gate), Mixtral
+    and DeepSeek-V3 (sigmoid group routing, a shared expert, a dense first layer) fine-tune
+    in the trainer, and their exports load in plain transformers with the trained logits."""
+    _, trainer_module = launch_modules
+    folder = tmp_path / family
+    tiny_model(family, vocab=VOCAB, std=0.05, dense_layers=1 if family == "deepseek_v3" else 0).save_pretrained(folder)
+    train_tokenizer(folder, sample_documents(60, seed=1))
+    metrics = tmp_path / "metrics.jsonl"
+    trainer = _in_process(launch_modules, ["--hf-model", str(folder), "--data", str(corpus), *COMMON, "--steps", "2",
+                                           "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(metrics)])
+    try:
+        inputs, _ = trainer.batches.batch(0)
+        trainer.train()
+        trained_logits = trainer.model(inputs).detach()
+    finally:
+        _close(trainer_module, trainer)
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf")
+    torch.testing.assert_close(reloaded(input_ids=inputs).logits, trained_logits, rtol=1e-5, atol=1e-5)
