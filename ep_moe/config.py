@@ -33,7 +33,10 @@ _REMOVED_FIELDS = {
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
-    """Shape and behaviour of one MoE layer. Validated on construction."""
+    """Shape and behaviour of one MoE layer. Validated on construction: each field's kind
+    and range (``_RULES``: numbers finite and within bounds that keep the layer's
+    arithmetic exact, e.g. ``hidden_size <= 2**20``, ``num_experts <= 2**16``), then the
+    rules between fields."""
 
     hidden_size: int
     """H, the model dimension (input and output features)."""
@@ -74,8 +77,8 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     """Step of the expert-bias update: ``bias += rate * sign(mean_load - load)``."""
     capacity_factor: Optional[float] = None
-    """None: dropless. Otherwise each expert keeps at most ``ceil(c * T * K / E)`` slots of
-    this rank's T tokens; dropped slots contribute 0 to the output (the token keeps its
+    """None: dropless. Otherwise (``0 < c <= MAX_CAPACITY_FACTOR``, 65536) each expert keeps at
+    most ``ceil(c * T * K / E)`` slots of this rank's T tokens; dropped slots contribute 0 to the output (the token keeps its
     other slots, whose weights are not renormalised). At EP=1 it costs one extra host sync."""
     drop_policy: DropPolicy = "probs"
     """Which slots an expert over capacity keeps: ``"probs"`` highest router score first,
@@ -173,6 +176,18 @@ def check_experts_divide(num_experts: int, ep_size: int, what: str) -> None:
                          "pick an EP size that divides num_experts")
 
 
+MAX_WIDTH = 2**20
+"""The most features of ``hidden_size`` and ``intermediate_size``: no model is a million wide."""
+MAX_EXPERTS = 2**16
+"""The most experts of a layer (and so the largest ``top_k``, ``ep_size``)."""
+MAX_CAPACITY_FACTOR = float(MAX_EXPERTS)
+"""The largest ``capacity_factor``: from ``num_experts / top_k`` on (at most
+:data:`MAX_EXPERTS`) every slot is kept already, and ``ceil(c * T * K / E)`` must stay an
+int64 for any token count; ``1e300`` overflowed in ``capacity_keep_mask``."""
+MAX_LOSS_COEF = 100.0
+"""The largest router-loss coefficient: past it the router's loss drowns the model's."""
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -185,71 +200,131 @@ def _is_float_dtype(value: Any) -> bool:
     return isinstance(value, torch.dtype) and value.is_floating_point
 
 
+def _number_text(value: float) -> str:
+    """A bound as an error message writes it: ``65536``, ``0.001``, ``1e+12``."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
 @dataclass(frozen=True)
 class _Rule:
     """What one field takes: a kind (checked first, so that a string from a config file or
-    ``--set`` is named, not compared), then a range or a set of choices."""
+    ``--set`` is named, not compared), then a range (``minimum``..``maximum``, which
+    ``valid`` defaults to) or a set of choices. A range error names the value, the range
+    (``allowed: 0 < capacity_factor <= 65536``) and the fix."""
 
     kind: Callable[[Any], bool]
     kind_text: str
     """How to say the kind in an error ("must be an int")."""
-    valid: Callable[[Any], bool] = lambda value: True
+    valid: Optional[Callable[[Any], bool]] = None
+    """None: within ``minimum`` and ``maximum``."""
     range_text: str = ""
+    """What the error says of a value below the range (or failing ``valid``)."""
     optional: bool = False
     """None is allowed (and skips the range check)."""
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    """The range's bounds; None: unbounded on that side (a number is still finite)."""
+    above_minimum: bool = False
+    """``minimum`` itself is outside the range (``> 0`` rather than ``>= 0``)."""
+    upper_text: str = ""
+    """What the error says of a value past ``maximum``; default ``must be <= maximum``."""
+    fix: str = ""
+    """What to do instead, appended to a range error."""
 
-    def check(self, name: str, value: Any) -> None:
+    def allowed(self, name: str) -> str:
+        """The range as an error message writes it (``0 < capacity_factor <= 65536, or None``)."""
+        if self.minimum is None and self.maximum is None:
+            return ""
+        low = "" if self.minimum is None else f"{_number_text(self.minimum)} {'<' if self.above_minimum else '<='} "
+        high = "" if self.maximum is None else f" <= {_number_text(self.maximum)}"
+        return f"{low}{name}{high}{', or None' if self.optional else ''}"
+
+    def in_range(self, value: Any) -> bool:
+        if self.valid is not None:
+            return self.valid(value)
+        if self.minimum is not None and (value <= self.minimum if self.above_minimum else value < self.minimum):
+            return False
+        return self.maximum is None or value <= self.maximum
+
+    def problem(self, name: str, value: Any) -> Optional[str]:
+        """What is wrong with ``value`` of field ``name`` (without the name), None if nothing."""
         if value is None and self.optional:
-            return
+            return None
+        allowed = self.allowed(name)
+        tail = (f"; allowed: {allowed}" if allowed else "") + (f"; {self.fix}" if self.fix else "")
         if not self.kind(value):
-            raise ValueError(f"MoEConfig.{name}={value!r}: {self.kind_text}{', or None' if self.optional else ''}")
-        if not self.valid(value):
-            raise ValueError(f"MoEConfig.{name}={value!r}: {self.range_text}")
+            number = isinstance(value, float) and not math.isfinite(value)  # nan, inf: say the range too
+            return f"{self.kind_text}{', or None' if self.optional else ''}{tail if number else ''}"
+        if self.in_range(value):
+            return None
+        if self.maximum is not None and value > self.maximum:
+            return f"{self.upper_text or f'must be <= {_number_text(self.maximum)}'}{tail}"
+        return f"{self.range_text}{tail}"
+
+    def check(self, name: str, value: Any, prefix: str = "MoEConfig.", sep: str = ": ") -> None:
+        """Raise ``ValueError("{prefix}{name}={value!r}{sep}{problem}")`` for a value outside
+        the rule; ``prefix`` and ``sep`` fit the message to its caller (the DeepSpeed
+        drop-in names its arguments bare: ``capacity_factor=nan must be ...``)."""
+        problem = self.problem(name, value)
+        if problem is not None:
+            raise ValueError(f"{prefix}{name}={value!r}{sep}{problem}")
 
 
 def _choice(*choices: str) -> _Rule:
     return _Rule(lambda value: value in choices, f"use one of {choices}")
 
 
-def _int_rule(minimum: int, range_text: str, optional: bool = False) -> _Rule:
-    return _Rule(_is_int, "must be an int", lambda value: value >= minimum, range_text, optional)
+def _int_rule(minimum: int, maximum: int, range_text: str, optional: bool = False, fix: str = "",
+              upper_text: str = "") -> _Rule:
+    return _Rule(_is_int, "must be an int", range_text=range_text, optional=optional, minimum=minimum,
+                 maximum=maximum, fix=fix, upper_text=upper_text)
 
 
-def _number_rule(valid: Callable[[float], bool], range_text: str, optional: bool = False) -> _Rule:
-    return _Rule(_is_number, "must be a finite number", valid, range_text, optional)
+def _number_rule(minimum: float, maximum: Optional[float], range_text: str, *, above_minimum: bool,
+                 optional: bool = False, fix: str = "") -> _Rule:
+    return _Rule(_is_number, "must be a finite number", range_text=range_text, optional=optional,
+                 minimum=minimum, maximum=maximum, above_minimum=above_minimum, fix=fix)
 
 
 _FLAG = _Rule(lambda value: isinstance(value, bool), "must be True or False")
-_POSITIVE_INT = _int_rule(1, "must be a positive int")
-_LOSS_COEF = _number_rule(lambda value: value >= 0, "must be >= 0 (0 disables it)")
+_WIDTH = _int_rule(1, MAX_WIDTH, "must be a positive int")
+_LOSS_COEF = _number_rule(0.0, MAX_LOSS_COEF, "must be >= 0 (0 disables it)", above_minimum=False,
+                          fix="0 disables it; the usual values are 1e-3 to 1e-2 (past 100 the router's loss drowns the "
+                              "model's)")
 
 _RULES: dict[str, _Rule] = {
-    "hidden_size": _POSITIVE_INT,
-    "intermediate_size": _POSITIVE_INT,
-    "num_experts": _POSITIVE_INT,
-    "top_k": _POSITIVE_INT,
+    "hidden_size": _WIDTH,
+    "intermediate_size": _WIDTH,
+    "num_experts": _int_rule(1, MAX_EXPERTS, "must be a positive int"),
+    "top_k": _int_rule(1, MAX_EXPERTS, "must be a positive int", fix="top_k is also at most num_experts"),
     "activation": _choice(*get_args(Activation)),
-    "num_linears": _Rule(_is_int, "must be an int", lambda value: value in (1, 2),
-                         "use 2 (gate_up, activation, down) or 1 (one Linear H -> H)"),
+    "num_linears": _int_rule(1, 2, "use 2 (gate_up, activation, down) or 1 (one Linear H -> H)",
+                             upper_text="use 2 (gate_up, activation, down) or 1 (one Linear H -> H)"),
     "mlp_bias": _FLAG,
     "score_func": _choice("softmax", "sigmoid"),
     "norm_topk_prob": _FLAG,
     "aux_loss_coef": _LOSS_COEF,
     "z_loss_coef": _LOSS_COEF,
     "expert_bias": _FLAG,
-    "bias_update_rate": _LOSS_COEF,
-    "capacity_factor": _number_rule(lambda value: value > 0, "must be > 0, or None for dropless routing",
-                                    optional=True),
+    "bias_update_rate": _number_rule(0.0, 1.0, "must be >= 0 (0 disables it)", above_minimum=False,
+                                     fix="the usual rate is 1e-3 (a step past 1 overturns every expert choice each update)"),
+    "capacity_factor": _number_rule(0.0, MAX_CAPACITY_FACTOR, "must be > 0, or None for dropless routing",
+                                    above_minimum=True, optional=True,
+                                    fix="pass None for dropless routing (from num_experts / top_k on, every slot is kept "
+                                        "already)"),
     "drop_policy": _choice("probs", "position"),
-    "num_shared_experts": _int_rule(0, "must be an int >= 0"),
-    "shared_intermediate_size": _int_rule(1, "must be a positive int", optional=True),
+    "num_shared_experts": _int_rule(0, 1024, "must be an int >= 0"),
+    "shared_intermediate_size": _int_rule(1, 16 * MAX_WIDTH, "must be a positive int", optional=True),
     "router_dtype": _Rule(_is_float_dtype, "use a float dtype, normally torch.float32"),
     "backend": _choice("auto", "triton", "torch"),
-    "init_std": _number_rule(lambda value: value > 0, "must be > 0"),
-    "ep_size": _int_rule(1, "must be a positive int that divides num_experts", optional=True),
+    "init_std": _number_rule(0.0, 1.0, "must be > 0", above_minimum=True,
+                             fix="the usual std is 0.02 (past 1, activations grow out of range in deep models)"),
+    "ep_size": _int_rule(1, MAX_EXPERTS, "must be a positive int that divides num_experts", optional=True),
     "dispatch": _choice("auto", "all_to_all", "all_gather", "all_gather_copy_engine"),
-    "all_gather_row_bound": _number_rule(lambda value: value > 0, "must be > 0, or None for the worst case",
-                                         optional=True),
+    "all_gather_row_bound": _number_rule(0.0, float(MAX_EXPERTS), "must be > 0, or None for the worst case",
+                                         above_minimum=True, optional=True,
+                                         fix="the worst case is at most ep_size times the average; pass None "
+                                             "for it"),
 }
 """One rule per field of :class:`MoEConfig` (checked at import below)."""
 assert set(_RULES) == {f.name for f in fields(MoEConfig)}, "every MoEConfig field needs a rule in _RULES"

@@ -37,6 +37,13 @@ from layer_helpers import _config
     (dict(top_k=2, num_shared_experts=1, shared_intermediate_size=12.5),
      r"shared_intermediate_size=12.5: must be an int, or None"),
     (dict(top_k=True), r"top_k=True: must be an int"),
+    # finite but absurd: each names its range (issue 46)
+    (dict(top_k=2, capacity_factor=1e300), r"capacity_factor=1e\+300: must be <= 65536; allowed: 0 < capacity_factor "
+                                           r"<= 65536, or None; pass None for dropless routing"),
+    (dict(top_k=2, intermediate_size=2**30), r"intermediate_size=1073741824: must be <= 1048576; allowed: 1 <= "),
+    (dict(top_k=2, bias_update_rate=2.0), r"bias_update_rate=2.0: must be <= 1; allowed: 0 <= bias_update_rate <= 1"),
+    (dict(top_k=2, num_linears=3), r"num_linears=3: use 2 .* or 1 .*; allowed: 1 <= num_linears <= 2"),
+    (dict(top_k=2, init_std=float("nan")), r"init_std=nan: must be a finite number; allowed: 0 < init_std <= 1"),
     (dict(top_k=2, expert_bias=1), r"expert_bias=1: must be True or False"),
 ])
 def test_config_errors(kwargs, pattern):
