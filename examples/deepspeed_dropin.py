@@ -1,5 +1,7 @@
-"""ep_moe's layer in a DeepSpeed model: ``ep_moe.integrations.deepspeed.MoE`` where the model
-used ``deepspeed.moe.layer.MoE``, trained by the DeepSpeed engine.
+"""ep_moe's layer in a DeepSpeed model (needs pip install 'ep-moe[deepspeed]').
+
+``ep_moe.integrations.deepspeed.MoE`` where the model used ``deepspeed.moe.layer.MoE``,
+trained by the DeepSpeed engine.
 
     torchrun --nproc-per-node 2 examples/deepspeed_dropin.py     # CPU (gloo) or 2 GPUs (NCCL)
     deepspeed --num_gpus 2 examples/deepspeed_dropin.py
@@ -19,7 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import deepspeed  # before the model is built, so the engine recognises the layers
+try:
+    import deepspeed  # before the model is built, so the engine recognises the layers
+except ImportError:
+    raise SystemExit("examples/deepspeed_dropin.py needs DeepSpeed: pip install 'ep-moe[deepspeed]'") from None
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from ep_moe.integrations.deepspeed import MoE  # instead of: from deepspeed.moe.layer import MoE
 

@@ -1,4 +1,6 @@
-"""A Hugging Face Qwen3-MoE model with ep_moe's experts, trained for a few steps.
+"""A Hugging Face Qwen3-MoE with ep_moe's experts (needs pip install 'ep-moe[transformers]').
+
+Trained for a few steps:
 
     python examples/transformers_qwen3_moe.py                          # one process
     torchrun --nproc-per-node 2 examples/transformers_qwen3_moe.py     # experts split over 2 ranks
@@ -15,7 +17,11 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+try:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+except ImportError:
+    raise SystemExit("examples/transformers_qwen3_moe.py needs transformers 5: "
+                     "pip install 'ep-moe[transformers]'") from None
 
 import ep_moe.integrations.transformers as ep_hf
 from ep_moe.parallel import sync_gradients

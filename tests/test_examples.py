@@ -104,3 +104,16 @@ def test_transformers_qwen3_moe_torchrun(tmp_path):
     line = _result_line(_run("transformers_qwen3_moe.py", tmp_path, nproc=2), "transformers_qwen3_moe")
     assert line.startswith("transformers_qwen3_moe: world 2, 4 of 8 experts per rank,"), line
     _loss_falls(line)
+
+
+@pytest.mark.parametrize("script, module, extra", [("deepspeed_dropin.py", "deepspeed", "deepspeed"),
+                                                   ("transformers_qwen3_moe.py", "transformers", "transformers")])
+def test_examples_name_their_extra_when_it_is_missing(script, module, extra, tmp_path):
+    """Without its extra's package, an example exits at once with one line naming the install."""
+    blocked = f"import runpy, sys; sys.modules[{module!r}] = None; runpy.run_path({str(EXAMPLES / script)!r}, " \
+              "run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", blocked], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (f"examples/{script} needs "
+                                                    f"{'DeepSpeed' if extra == 'deepspeed' else 'transformers 5'}: "
+                                                    f"pip install 'ep-moe[{extra}]'")
