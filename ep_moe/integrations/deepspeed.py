@@ -158,7 +158,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from ep_moe.config import Activation, MoEConfig
-from ep_moe.integrations.deepspeed_gate import DeepSpeedGate
+from ep_moe.integrations.deepspeed_gate import DeepSpeedGate, check_arguments
 from ep_moe.layer import MoELayer
 from ep_moe.parallel import build_ep_groups, ep_layout, is_expert_param
 
@@ -490,7 +490,10 @@ class MoE(nn.Module):
     drop_tokens, use_rts, use_tutel, enable_expert_tensor_parallelism,
     top2_2nd_expert_sampling``, with DeepSpeed's meaning; the gate's are checked by
     :class:`~ep_moe.integrations.deepspeed_gate.DeepSpeedGate`, kept as ``self.gate``), then,
-    keyword-only:
+    keyword-only (every numeric one has a range in
+    :data:`~ep_moe.integrations.deepspeed_gate.ARGUMENT_RULES`, checked first: a NaN,
+    infinite or absurd capacity factor is an error naming it; ``expert`` must be an
+    ``nn.Module`` or None):
 
         intermediate_size, activation: the expert MLP when ``expert`` does not tell them.
         ep_group: a ProcessGroup or 1-D DeviceMesh of ``ep_size`` ranks instead of the one
@@ -540,6 +543,16 @@ class MoE(nn.Module):
         dtype=None,
     ) -> None:
         nn.Module.__init__(self)  # not super(): under DeepSpeed the next class is DeepSpeed's MoE
+        if expert is not None and not isinstance(expert, nn.Module):
+            a_class = isinstance(expert, type) and issubclass(expert, nn.Module)
+            raise TypeError(f"expert must be an nn.Module: the expert MLP that every local expert copies, as "
+                            "DeepSpeed's Experts deep-copies it (e.g. nn.Sequential(nn.Linear(H, I), nn.GELU(), "
+                            "nn.Linear(I, H))), or None with intermediate_size= and activation=; got "
+                            + (f"the class {expert.__name__}: pass an instance of it" if a_class else
+                               f"{type(expert).__name__} {expert!r:.80}"))
+        check_arguments(hidden_size=hidden_size, num_experts=num_experts, ep_size=ep_size, k=k,
+                        capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
+                        min_capacity=min_capacity, intermediate_size=intermediate_size)
         self.expert_layout = self._layout(expert, hidden_size, intermediate_size, activation)
         expert_fields, expert_module = self._expert_form(expert, hidden_size, intermediate_size, activation)
         self.gate = DeepSpeedGate(num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,

@@ -60,6 +60,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ep_moe.config import MAX_CAPACITY_FACTOR, MAX_EXPERTS, MAX_WIDTH, _int_rule, _is_int, _number_rule, _Rule
 from ep_moe.routing import RouterOutput
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
@@ -68,11 +69,43 @@ NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 JITTER_EPSILON = 1e-2
 """DeepSpeed's ``multiplicative_jitter`` scale: the gate input times U(1 - eps, 1 + eps)."""
 
+MAX_MIN_CAPACITY = 2**31 - 1
+"""The largest ``min_capacity``: a floor of 2**31 slots per expert per rank is no floor."""
+
+_CAPACITY_NEGATIVE = ("is negative; DeepSpeed's capacity max(ceil(T / E * capacity_factor), min_capacity) needs "
+                      "both >= 0")
+_CAPACITY_FACTOR = _number_rule(
+    0.0, MAX_CAPACITY_FACTOR, _CAPACITY_NEGATIVE, above_minimum=False,
+    fix="DeepSpeed's default is 1.0; from num_experts / k on every token is kept already (or pass drop_tokens=False)")
+ARGUMENT_RULES: dict[str, _Rule] = {
+    "hidden_size": _int_rule(1, MAX_WIDTH, "must be a positive int"),
+    "num_experts": _int_rule(1, MAX_EXPERTS, "must be a positive int"),
+    "ep_size": _int_rule(1, MAX_EXPERTS, "must be a positive int that divides num_experts"),
+    # its range, [1, num_experts], is checked with num_experts (DeepSpeedGate)
+    "k": _Rule(_is_int, "must be an int"),
+    "capacity_factor": _CAPACITY_FACTOR,
+    "eval_capacity_factor": _CAPACITY_FACTOR,
+    "min_capacity": _int_rule(0, MAX_MIN_CAPACITY, _CAPACITY_NEGATIVE, fix="DeepSpeed's default is 4"),
+    "intermediate_size": _int_rule(1, MAX_WIDTH, "must be a positive int", optional=True),
+}
+"""One rule per numeric argument of the DeepSpeed drop-in (``MoE`` and its gate): what
+DeepSpeed takes, less what it would compute nonsense from (a NaN or infinite capacity
+factor drops all but ``min_capacity`` tokens of each expert, silently)."""
+
+
+def check_arguments(**values) -> None:
+    """Raise ``ValueError`` naming the argument, its value, the allowed range and the fix
+    for a value of ``ARGUMENT_RULES`` outside its rule (``capacity_factor=nan must be a
+    finite number; allowed: 0 <= capacity_factor <= 65536; ...``)."""
+    for name, value in values.items():
+        ARGUMENT_RULES[name].check(name, value, prefix="", sep=" ")
+
 
 @dataclass(frozen=True)
 class DeepSpeedGate:
     """``TopKGate``'s arguments (DeepSpeed's ``MoE`` defaults); checked on construction as
-    DeepSpeed checks them, and where DeepSpeed would fail later or compute nonsense."""
+    DeepSpeed checks them, and where DeepSpeed would fail later or compute nonsense
+    (:data:`ARGUMENT_RULES`: a capacity factor must be finite, in [0, 65536])."""
 
     num_experts: int
     """E, experts over the EP group."""
@@ -94,16 +127,14 @@ class DeepSpeedGate:
     """k=2: the second expert is sampled with Gumbel noise on the logits."""
 
     def __post_init__(self) -> None:
+        check_arguments(num_experts=self.num_experts, k=self.k, capacity_factor=self.capacity_factor,
+                        eval_capacity_factor=self.eval_capacity_factor, min_capacity=self.min_capacity)
         if self.noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(f"noisy_gate_policy={self.noisy_gate_policy!r} is not one of DeepSpeed's "
                              f"{NOISY_GATE_POLICIES} (DeepSpeed: 'Unsupported noisy_gate_policy'); pass one of them")
         if not 1 <= self.k <= self.num_experts:
             raise ValueError(f"k={self.k} must be in [1, num_experts={self.num_experts}]: each token goes to k "
                              "distinct experts; lower k or add experts")
-        for name in ("capacity_factor", "eval_capacity_factor", "min_capacity"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} is negative; DeepSpeed's capacity "
-                                 "max(ceil(T / E * capacity_factor), min_capacity) needs both >= 0")
 
     def route(self, x_TH: torch.Tensor, weight_EH: torch.Tensor, *, training: bool,
               used_token: Optional[torch.Tensor] = None) -> tuple[RouterOutput, Optional[torch.Tensor]]:
@@ -233,4 +264,4 @@ def _output(ids_TK: torch.Tensor, weights_TK: torch.Tensor, gates_TE: torch.Tens
                         aux_loss=l_aux, z_loss=l_aux.new_zeros(()))
 
 
-__all__ = ["DeepSpeedGate", "capacity", "gumbel_rsample", "multiplicative_jitter"]
+__all__ = ["ARGUMENT_RULES", "DeepSpeedGate", "capacity", "check_arguments", "gumbel_rsample", "multiplicative_jitter"]
