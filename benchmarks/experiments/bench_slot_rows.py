@@ -7,14 +7,14 @@ vote for the slot rows) and forced onto the main format, beside the plain
 Under torchrun at EP = the world size (NCCL); alone on one GPU, the all-to-all dispatcher
 without a group: the EP code path with no collective, the host work alone::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_slot_rows.py
-    python benchmarks/bench_slot_rows.py
-    torchrun --nproc-per-node 2 benchmarks/bench_slot_rows.py --device cpu --shape tiny   # smoke run
+    torchrun --nproc-per-node 2 benchmarks/experiments/bench_slot_rows.py
+    python benchmarks/experiments/bench_slot_rows.py
+    torchrun --nproc-per-node 2 benchmarks/experiments/bench_slot_rows.py --device cpu --shape tiny   # smoke run
 
 (On the CPU no call votes for the slot rows: both formats are the main one there.)
 
 Also prints the relative difference of the two formats' outputs on one input. Results:
-``benchmarks/results/slot_rows_<device>_ep<P>.json`` (``--out`` to change).
+``benchmarks/experiments/results/slot_rows_<device>_ep<P>.json`` (``--out`` to change).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -122,7 +122,8 @@ def main() -> None:
     if rank0:
         env = environment()
         device_name = env["device"].replace(" ", "_")
-        out = args.out or REPO / "benchmarks" / "results" / f"slot_rows_{device_name}_ep{ep_size}.json"
+        out = args.out or (REPO / "benchmarks" / "experiments" / "results"
+                           / f"slot_rows_{device_name}_ep{ep_size}.json")
         save_results(out, {"benchmark": "slot_rows", "shape": shape.name, "ep_size": ep_size,
                            "dtype": str(dtype).removeprefix("torch."),
                            "calls": args.calls, "rounds": args.rounds, "results": rows})

@@ -2,12 +2,13 @@
 the reduce-scatter back, at the layer's sizes, under whatever NCCL_* settings the
 environment gives (each setting needs a fresh process: NCCL reads them once).
 
-    torchrun --nproc-per-node 4 benchmarks/bench_collectives.py [--hidden 2048,2880,4096,7168]
-    NCCL_MIN_CTAS=32 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --tag ctas32
+    torchrun --nproc-per-node 4 benchmarks/experiments/bench_collectives.py [--hidden 2048,2880,4096,7168]
+    NCCL_MIN_CTAS=32 torchrun --nproc-per-node 4 benchmarks/experiments/bench_collectives.py --tag ctas32
 
 Rank 0 prints, per hidden size, the CUDA-event median of ``--iters`` calls (each after a
 barrier) and the bandwidth into each GPU ((P-1) * T * H * 2 bytes over that time).
-A run of each setting on 4x H200 is in ``results/ep_session13_NVIDIA_H200_x4.json``.
+A run of each setting on 4x H200 is in ``benchmarks/PERFORMANCE_LOG.md`` (session 13; its JSON,
+``benchmarks/results/ep_session13_NVIDIA_H200_x4.json``, is in the git history).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where the EP>1 layer's time goes on each rank: compute, exposed communication, idle.
 
-    torchrun --nproc-per-node 4 benchmarks/profile_ep_layer.py [--shapes qwen3-30b-a3b,mixtral-8x7b]
+    torchrun --nproc-per-node 4 benchmarks/experiments/profile_ep_layer.py [--shapes qwen3-30b-a3b,mixtral-8x7b]
 
 For each shape (the layer of ``bench_ep.py``: same config, seed and tokens), on every
 rank: forward+backward time of the EP=P layer and of an EP=1 layer on the same GPU and
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import SHAPES, fixed_median_ms  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402

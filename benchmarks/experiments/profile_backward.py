@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import SHAPES, bench_ms, random_routing  # noqa: E402
 
 from ep_moe.kernels.config import DEFAULT_CONFIGS  # noqa: E402

@@ -12,7 +12,7 @@
 #   x=$(git rev-parse --git-path info/exclude); grep -qxF /.baseline/ "$x" 2>/dev/null || echo /.baseline/ >> "$x"
 # then on a 4-GPU machine (device tool: kind nvidia-h100-x4, carry [".baseline"], timeout_s 540;
 # four bench_ep runs of about a minute each; results in /tmp, as the tool's $OUT takes 8 files):
-#   ROUNDS=2 ITERS=10 WARMUP=3 BENCH_CAP_S=180 OUT=/tmp/ep_ab bash benchmarks/run_ep_ab.sh; rc=$?
+#   ROUNDS=2 ITERS=10 WARMUP=3 BENCH_CAP_S=180 OUT=/tmp/ep_ab bash benchmarks/experiments/run_ep_ab.sh; rc=$?
 #   tar -czf "$OUT/ep_ab.tgz" -C /tmp ep_ab; exit $rc
 # and afterwards `rm -rf .baseline` here. Old and new variants, paired (the defaults below):
 #   old tree ($base)   bench_ep --variants nccl:1,ag:1,agce:1 -> layers ep_moe, ep_moe_ag_c1, ep_moe_agce_c1
@@ -36,7 +36,7 @@
 # Each round runs benchmarks/bench_ep.py --impls ep_moe of the old tree, then of this one;
 # the summary (and $OUT/ep_ab.json) gives every run's ms and the medians per side.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 BASE=$(cd "${BASE:-.baseline}" && pwd) || { echo "no old tree at ${BASE:-.baseline}: see the header" >&2; exit 2; }
 DEVICE=${DEVICE:-cuda}

@@ -5,8 +5,8 @@ the rank's experts get), eager, on the fused kernels and on the small-call path
 and forward + backward), the median of rounds that alternate the paths; the two paths' outputs
 compared first. What sets ``GROUPED_MM_MAX_ROWS`` for bounded rows, without the collectives::
 
-    python benchmarks/bench_bounded_rows.py --shape qwen3-30b-a3b --ep-size 4 --tokens 64,128,256,512
-    TRITON_INTERPRET=1 python benchmarks/bench_bounded_rows.py --device cpu --shape tiny --tokens 4   # smoke run
+    python benchmarks/experiments/bench_bounded_rows.py --shape qwen3-30b-a3b --ep-size 4 --tokens 64,128,256,512
+    TRITON_INTERPRET=1 python benchmarks/experiments/bench_bounded_rows.py --device cpu --shape tiny --tokens 4   # smoke run
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]  # repo, benchmarks/
 
 from common import REPO, SHAPES, TINY, save_results  # noqa: E402
 
@@ -108,7 +108,8 @@ def main() -> None:
         print(f"{shape.name} EP={args.ep_size} T={tokens:5d} bound {bound:6d} counted {counted:6d} rel err "
               f"{rel_err:.1e}: fwd kernels {row['fwd_kernels_us']:7.0f} small {row['fwd_small_us']:7.0f} us; "
               f"fwd+bwd kernels {row['fwd_bwd_kernels_us']:7.0f} small {row['fwd_bwd_small_us']:7.0f} us", flush=True)
-    out = args.out or REPO / "benchmarks" / "results" / f"bounded_rows_{shape.name}_ep{args.ep_size}.json"
+    out = args.out or (REPO / "benchmarks" / "experiments" / "results"
+                       / f"bounded_rows_{shape.name}_ep{args.ep_size}.json")
     save_results(out, dict(benchmark="bench_bounded_rows", shape=shape.name, ep_size=args.ep_size,
                            calls=args.calls, rounds=args.rounds, results=rows))
     print(f"saved {out}")

@@ -1,7 +1,7 @@
 """Can the EP exchange run without a host sync, inside a CUDA graph? A probe of PyTorch's
 NVSHMEM ``all_to_all_vdev`` (split sizes on the device) on the layer's dispatch sizes.
 
-    torchrun --nproc-per-node 2 benchmarks/probe_nvshmem_graph.py [--shape qwen3-30b-a3b]
+    torchrun --nproc-per-node 2 benchmarks/experiments/probe_nvshmem_graph.py [--shape qwen3-30b-a3b]
 
 One step here is the EP layer's exchange without its experts: the (token, rank) pairs of
 a top-k routing, built on the device; the rows gathered in destination order; a vdev
@@ -16,7 +16,7 @@ dispatch; a vdev combine that sends every arrived row back to its source. The sc
 
 Needs a PyTorch with NVSHMEM (``symm_mem.is_nvshmem_available()``) and its newer vdev
 schema ``(input, out, in_splits, out_splits_offsets, group_name)``; exits with a message
-otherwise. Writes ``benchmarks/results/nvshmem_graph_<device>_x<P>.json``.
+otherwise. Writes ``benchmarks/experiments/results/nvshmem_graph_<device>_x<P>.json``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import REPO, SHAPES, save_results  # noqa: E402
 
 TOKENS = 8192
@@ -68,7 +68,7 @@ def timed(fn, iters: int = 20) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
-    parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
+    parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/experiments/results/)")
     args = parser.parse_args()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
@@ -172,7 +172,7 @@ def main() -> None:
                   f"equal on every rank: {c['all_ranks_equal']}", flush=True)
         print(", ".join(f"{k} {v:.3f}" for k, v in cost.items()), flush=True)
         device_name = torch.cuda.get_device_name(device).replace(" ", "_")
-        out = args.out or REPO / "benchmarks" / "results" / f"nvshmem_graph_{device_name}_x{ranks}.json"
+        out = args.out or REPO / "benchmarks" / "experiments" / "results" / f"nvshmem_graph_{device_name}_x{ranks}.json"
         save_results(out, {"shape": args.shape, "tokens_per_rank": TOKENS, "ranks": ranks,
                            "checks_rank0": checks, "cost_rank0": cost})
         print(f"wrote {out}", flush=True)

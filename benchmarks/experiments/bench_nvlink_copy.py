@@ -1,7 +1,7 @@
 """How fast can rows cross NVLink between the GPUs of one node, and what does each way
 cost a matmul running beside it? NCCL against the copy engines and against SM loads/stores.
 
-    torchrun --nproc-per-node 4 benchmarks/bench_nvlink_copy.py [--rows 2048,8192] [--hidden 7168]
+    torchrun --nproc-per-node 4 benchmarks/experiments/bench_nvlink_copy.py [--rows 2048,8192] [--hidden 7168]
 
 Every rank sends ``rows`` rows of ``hidden`` bf16 to every rank (itself included), as an
 EP dispatch with even splits does; GB/s counts the bytes that leave a GPU. The ways:
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import fixed_median_ms, save_results  # noqa: E402
 
 

@@ -7,7 +7,7 @@ everything EP>1 adds except the communication. Side by side with the EP=1 path (
 forward+backward of the whole layer, CUDA-event medians, then the top CUDA kernels of
 each path from torch.profiler.
 
-    python benchmarks/profile_ep_path.py [--shapes qwen3-30b-a3b,deepseek-v3-ep8] [--tokens 8192]
+    python benchmarks/experiments/profile_ep_path.py [--shapes qwen3-30b-a3b,deepseek-v3-ep8] [--tokens 8192]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import SHAPES, bench_ms  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
