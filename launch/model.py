@@ -11,7 +11,9 @@ Dh head dim, V vocabulary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,93 @@ from torch.utils.checkpoint import checkpoint
 
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.layer import expert_load, moe_aux_loss
+
+
+def _number_text(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values one numeric field of the trainer's config takes: a finite number (an
+    int where ``integer``) from ``lo`` to ``hi``. The trainer's config dataclasses check
+    every numeric field against one table of these (:data:`MODEL_RANGES` here,
+    ``config.RANGES``), and the error names the key, the value, the range and the fix:
+    ``model.rope_theta=-1.0 must be > 1; allowed: 1 < model.rope_theta <= 1e+12; ...``."""
+
+    lo: float
+    hi: Optional[float] = None
+    """None: no upper bound (the value must still be finite)."""
+    lo_open: bool = False
+    """``lo`` itself is outside the range."""
+    integer: bool = False
+    below: str = ""
+    """What the error says of a value below the range; default ``must be >= lo`` (``> lo``)."""
+    natural: bool = False
+    """``[lo, hi]`` is what the field means (a ratio, a beta): either side says ``must be in [lo, hi]``."""
+    fix: str = ""
+    """What to do, appended to the error."""
+
+    def allowed(self, key: str) -> str:
+        """The range as the error writes it: ``0 < training.lr <= 10``."""
+        high = f" <= {_number_text(self.hi)}" if self.hi is not None else " (finite)"
+        return f"{_number_text(self.lo)} {'<' if self.lo_open else '<='} {key}{high}"
+
+    def problem(self, key: str, value: Any) -> Optional[str]:
+        """What is wrong with ``value`` (a pair is checked element by element), None if nothing."""
+        tail = f"; allowed: {self.allowed(key)}" + (f"; {self.fix}" if self.fix else "")
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, bool) or not isinstance(v, int if self.integer else (int, float)):
+                return f"must be {'an integer' if self.integer else 'a number'}{tail}"
+            if not math.isfinite(v):
+                return f"must be finite (not NaN or infinite){tail}"
+            within = f"must be in [{_number_text(self.lo)}, {_number_text(self.hi)}]" if self.natural else ""
+            if v < self.lo or (self.lo_open and v == self.lo):
+                return (within or self.below or f"must be {'>' if self.lo_open else '>='} "
+                        f"{_number_text(self.lo)}") + tail
+            if self.hi is not None and v > self.hi:
+                return (within or f"must be <= {_number_text(self.hi)}") + tail
+        return None
+
+    def check(self, key: str, value: Any) -> None:
+        """Raise ``ValueError("{key}={value} {problem}")`` for a value outside the range."""
+        problem = self.problem(key, value)
+        if problem is not None:
+            raise ValueError(f"{key}={value} {problem}")
+
+
+def check_ranges(config: Any, section: str, ranges: dict[str, Range]) -> None:
+    """Check every field of ``config`` (the dataclass of ``[section]``) that ``ranges``
+    (keys ``section.field``) has a rule for, in the table's order."""
+    for key, rule in ranges.items():
+        name = key.partition(".")[2]
+        if key.startswith(f"{section}.") and hasattr(config, name):
+            rule.check(key, getattr(config, name))
+
+
+_POSITIVE = "must be positive"
+MODEL_RANGES: dict[str, Range] = {
+    "model.vocab_size": Range(1, 2**24, integer=True, below=_POSITIVE,
+                              fix="the largest tokenizers have a few hundred thousand ids; set the tokenizer's "
+                                  "(every id of the data must be below it)"),
+    "model.dim": Range(1, 2**16, integer=True, below=_POSITIVE),
+    "model.n_layers": Range(1, 1024, integer=True, below=_POSITIVE),
+    "model.n_heads": Range(1, 1024, integer=True, below=_POSITIVE),
+    "model.n_kv_heads": Range(0, 1024, integer=True, below="must be >= 0 (0: model.n_heads)"),
+    "model.head_dim": Range(0, 4096, integer=True, below="must be >= 0 (0: model.dim // model.n_heads)"),
+    "model.max_seq_len": Range(1, 2**24, integer=True, below=_POSITIVE,
+                               fix="the rotary tables hold max_seq_len x head_dim angles: set the longest sequence "
+                                   "the model trains on or samples"),
+    "model.rope_theta": Range(1, 1e12, lo_open=True,
+                              fix="the usual bases are 1e4 to 1e6; at 1 or below the rotary frequencies do not decay "
+                                  "and the positions blur (a negative one makes NaN angles)"),
+    "model.norm_eps": Range(0, 1, lo_open=True, fix="the usual epsilon is 1e-6 to 1e-5"),
+    "model.init_std": Range(0, 1, lo_open=True, fix="the usual std is 0.02"),
+}
+"""One range per numeric field of :class:`ModelConfig`, checked on construction: a value
+that would fail far from its cause (a NaN ``init_std`` in ``nn.init.normal_``, a negative
+``rope_theta`` or NaN ``norm_eps`` as a non-finite loss at step 1 blamed on
+``training.lr``, a vocabulary of 2**40 ids as a raw allocator error) is named here."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,18 +146,17 @@ class ModelConfig:
     """Std of the normal init of embeddings and dense projections."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name}={getattr(self, name)} must be positive")
-        if self.n_kv_heads < 0 or self.head_dim < 0:
-            raise ValueError("model.n_kv_heads and model.head_dim must be >= 0 (0 picks the default)")
+        check_ranges(self, "model", MODEL_RANGES)
         if not self.head_dim and self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
                              f"change one or set model.head_dim")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.kv_heads}")
         if self.head_size % 2:
-            raise ValueError(f"the head dim ({self.head_size}) must be even for rotary embeddings")
+            source = f"model.head_dim={self.head_dim}" if self.head_dim else (
+                f"model.dim // model.n_heads = {self.dim} // {self.n_heads} = {self.head_size}")
+            raise ValueError(f"the head dim ({source}) must be even for rotary embeddings: set model.head_dim to an "
+                             "even number")
 
     @property
     def kv_heads(self) -> int:
