@@ -21,11 +21,21 @@ it is a float (integers are converted), true/false for a bool, a string for a st
 string of digits needs TOML quotes: ``--set "logging.sample_prompt='42'"``). ``[moe]`` is
 checked by ``MoEConfig``.
 
+Every numeric field has a range, in one table per module (``RANGES`` here, ``MODEL_RANGES``
+in ``model.py``, ``MoEConfig``'s rules in ``ep_moe/config.py``): finite, and within bounds
+past which a value is absurd and would fail far from its cause (``training.seed`` at most
+2**44 - 1, which data.py's generator seeds need; ``model.vocab_size`` at most 2**24;
+``data.synthetic_bytes`` at most 2**28: more is a token file's job). Then the values
+together: for the built-in model, a config whose parameters and AdamW state
+(:func:`estimate_memory_bytes`) cannot fit this host's physical memory is refused
+(:func:`check_memory`) before anything is allocated.
+
 Errors are ``ConfigError``s, raised before any process group or model is built. Each names
 the key, who set it (the file, or the command-line option: ``--set training.stepz=10``,
 ``--steps 0``) and the fix: an unknown key lists the section's keys, the closest first; a
 value of the wrong type and a value outside a field's choices (``training.dtype='fp16'``)
-get different messages.
+get different messages; a value out of range names the range (``allowed: 0 <
+training.lr <= 10``).
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import math
+import os
 import re
 import types
 import typing
@@ -49,13 +59,56 @@ except ImportError:  # Python 3.10
 from checkpoint import CheckpointConfig
 from data import DataConfig
 from errors import ConfigError
-from model import ModelConfig
+from model import ModelConfig, Range, check_ranges
 
 from ep_moe import MoEConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.toml"
 DEFAULT_HF_CONFIG = DEFAULT_CONFIG.with_name("hf.toml")
 """The config of ``--hf-model DIR`` when no ``--config`` is given."""
+
+SEED_MULTIPLIER = 1_000_003
+"""``data.TokenBatches`` seeds epoch ``e``'s window order with ``seed * 1_000_003 + e``
+(the validation split with ``seed + 1``): a ``torch.Generator`` seed, at most 2**64 - 1."""
+MAX_SEED = 2**44 - 1
+"""The largest ``training.seed``: ``(MAX_SEED + 1) * SEED_MULTIPLIER`` leaves room for
+8.5e17 epochs below 2**64 (2**63 - 1 overflowed at step 1)."""
+MAX_SYNTHETIC_BYTES = 2**28
+"""The largest embedded corpus: it is generated in Python on every rank, about 10 MB/s
+(2**28 bytes take half a minute; 1e11 took hours, silently)."""
+_INT31 = 2**31 - 1
+
+RANGES: dict[str, Range] = {
+    "training.steps": Range(1, _INT31, integer=True, below="must be positive"),
+    "training.batch_size": Range(1, 2**20, integer=True, below="must be positive"),
+    "training.seq_len": Range(1, 2**24, integer=True, below="must be positive"),
+    "training.lr": Range(0, 10, lo_open=True, fix="AdamW's usual peak is 1e-4 to 3e-3"),
+    "training.min_lr_ratio": Range(0, 1, natural=True),
+    "training.warmup_steps": Range(0, _INT31, integer=True),
+    "training.weight_decay": Range(0, None, fix="the usual value is 0.1; also training.lr * training.weight_decay "
+                                                "must be < 1"),
+    "training.betas": Range(0, 1, natural=True, fix="the usual betas are [0.9, 0.95]"),
+    "training.grad_clip": Range(0, None, below="must be >= 0 (0 disables it)"),
+    "training.max_skipped_steps": Range(0, _INT31, integer=True),
+    "training.seed": Range(0, MAX_SEED, integer=True,
+                           fix=f"the data order seeds a torch.Generator with seed * {SEED_MULTIPLIER:_} + epoch, "
+                               "which must fit in 64 bits: pick a smaller seed"),
+    "parallel.ep_size": Range(0, 2**16, integer=True, below="must be >= 0 (0: all ranks)"),
+    "parallel.autotune_timeout_s": Range(0, 7 * 86400, lo_open=True,
+                                         fix="seconds the ranks wait for rank 0's kernel tuning; the default is 900"),
+    "logging.log_interval": Range(1, _INT31, integer=True),
+    "logging.eval_interval": Range(0, _INT31, integer=True, below="must be >= 0 (0 disables evaluation)"),
+    "logging.eval_batches": Range(1, 2**20, integer=True),
+    "logging.sample_tokens": Range(0, 2**16, integer=True, fix="the sample is greedy, one forward per token"),
+    "data.synthetic_bytes": Range(4096, MAX_SYNTHETIC_BYTES, integer=True,
+                                  fix="the embedded corpus is a toy generated in Python on every rank (2**28 bytes "
+                                      "take half a minute); for more data use a token file: data.path='train.bin' "
+                                      "(uint16 ids), or text"),
+}
+"""One range per numeric field of the trainer's config dataclasses here (``[training]``,
+``[parallel]``, ``[logging]``), checked by their ``__post_init__``, and of
+``data.synthetic_bytes`` (checked when the embedded corpus is used); ``[model]``'s are
+``model.MODEL_RANGES``. Errors name the key, the value, the range and the fix."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +138,8 @@ class TrainingConfig:
     (no optimizer update) up to this many times in a run; the next one stops the run with an
     error naming the step. 0: stop at the first."""
     seed: int = 0
-    """Seeds initialisation, the data order and the embedded corpus."""
+    """Seeds initialisation, the data order and the embedded corpus; 0 to ``MAX_SEED``
+    (2**44 - 1: the data order's generator seeds are ``seed * 1_000_003 + epoch``)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: CUDA (NCCL, Triton kernels) when a GPU is visible, else CPU (gloo, torch)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -116,20 +170,11 @@ class TrainingConfig:
     ``on``: an error where it cannot work."""
 
     def __post_init__(self) -> None:
-        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "betas"):
-            value = getattr(self, name)
-            if not all(math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))):
-                raise ValueError(f"training.{name}={value} must be finite (not NaN or infinite)")
-        for name in ("steps", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"training.{name}={getattr(self, name)} must be positive")
-        for name in ("max_skipped_steps", "warmup_steps", "grad_clip", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"training.{name}={getattr(self, name)} must be >= 0")
-        if self.lr <= 0:
-            raise ValueError(f"training.lr={self.lr} must be > 0")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"training.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        check_ranges(self, "training", RANGES)
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(f"training.lr * training.weight_decay = {self.lr * self.weight_decay:g} (training.lr="
+                             f"{self.lr}, training.weight_decay={self.weight_decay}) must be < 1: AdamW multiplies "
+                             "each weight by 1 - lr * weight_decay every step; lower training.weight_decay")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"training.device={self.device!r}: use 'auto', 'cpu' or 'cuda'")
         if self.dtype not in ("float32", "bfloat16"):
@@ -157,11 +202,11 @@ class ParallelConfig:
     CUDA graphs are off (``training.cuda_graphs = 'on'`` is an error). false: dense weights
     replicated, gradients all-reduced after the backward (``sync_gradients``)."""
     autotune_timeout_s: float = 900.0
-    """How long the ranks wait for rank 0's kernel tuning before all fall back to defaults."""
+    """How long the ranks wait for rank 0's kernel tuning before all fall back to defaults:
+    seconds, > 0, at most a week."""
 
     def __post_init__(self) -> None:
-        if self.ep_size < 0:
-            raise ValueError(f"parallel.ep_size={self.ep_size} must be >= 0 (0: all ranks)")
+        check_ranges(self, "parallel", RANGES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,9 +238,7 @@ class LoggingConfig:
     """Tokens to generate for the sample."""
 
     def __post_init__(self) -> None:
-        for name, least in (("log_interval", 1), ("eval_batches", 1), ("eval_interval", 0), ("sample_tokens", 0)):
-            if getattr(self, name) < least:
-                raise ValueError(f"logging.{name}={getattr(self, name)} must be >= {least}")
+        check_ranges(self, "logging", RANGES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -461,7 +504,15 @@ def _check_hf(raw: dict[str, Any], job: JobConfig, origins: Origins) -> None:
 
 
 def _check_combined(job: JobConfig, origins: Origins) -> None:
-    """Values that are each valid but do not work together, named with who set them."""
+    """Values that are each valid but do not work together, named with who set them; the
+    embedded corpus's size (``data.py`` checks only its floor); and, for the built-in
+    model, the host memory the run needs (:func:`check_memory`, from the torchrun
+    environment's world and local sizes)."""
+    if not job.data.path:
+        problem = RANGES["data.synthetic_bytes"].problem("data.synthetic_bytes", job.data.synthetic_bytes)
+        if problem is not None:
+            raise ConfigError(f"{origins.of('data.synthetic_bytes')}: data.synthetic_bytes={job.data.synthetic_bytes} "
+                              f"{problem}")
     if job.parallel.fsdp:
         fsdp = f"parallel.fsdp=true ({origins.of('parallel.fsdp')})"
         if job.checkpoint.format == "native":
@@ -474,6 +525,149 @@ def _check_combined(job: JobConfig, origins: Origins) -> None:
                               f"{fsdp}: FSDP gathers each block's weights before it runs and frees them after, "
                               "outside what a CUDA graph can capture; set training.cuda_graphs='auto' (off under "
                               "FSDP) or 'off', or set parallel.fsdp=false")
+    if not job.model.hf:  # an HF model's shape is in its config.json, read later
+        check_memory(job, world_size=_env_int("WORLD_SIZE"), ranks_per_host=_env_int("LOCAL_WORLD_SIZE"),
+                     on_host=job.training.device == "cpu", origins=origins)
+
+
+def _env_int(name: str) -> int:
+    """A positive size torchrun sets (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), 1 without it."""
+    try:
+        return max(1, int(os.environ.get(name, "1")))
+    except ValueError:
+        return 1
+
+
+# --- memory ------------------------------------------------------------------------------
+
+def _parameter_groups(job: JobConfig, world_size: int) -> dict[str, int]:
+    """Parameters of one rank of the built-in model by group (embedding and head,
+    attention and norms, routers, experts): the experts split over the EP group
+    (``parallel.ep_size``, 0: the world), everything sharded over the world under FSDP."""
+    m, moe = job.model, job.moe_config()
+    dim, head = m.dim, m.head_size
+    ep = job.parallel.ep_size or world_size
+    shard = world_size if job.parallel.fsdp else 1
+    q, kv = m.n_heads * head, m.kv_heads * head
+    attention = m.n_layers * (2 * dim * q + 2 * dim * kv + 2 * dim + (2 * head if m.qk_norm else 0)) + dim
+    two = moe.num_linears == 2
+    per_expert = (moe.gate_up_size * dim if two else 0) + dim * moe.intermediate_size
+    if moe.mlp_bias:
+        per_expert += (moe.gate_up_size if two else 0) + dim
+    shared = 0
+    if moe.num_shared_experts:
+        inter = moe.shared_intermediate_size or moe.num_shared_experts * moe.intermediate_size
+        up = (2 * inter if moe.gated else inter) if two else 0
+        shared = (up * dim + (inter if two else dim) * dim +
+                  ((up + dim) if moe.mlp_bias else 0)) * m.n_layers
+    return {
+        "embedding and output head": m.vocab_size * dim * (1 if m.tie_embeddings else 2) // shard,
+        "attention": (attention + shared) // shard,
+        "routers": m.n_layers * moe.num_experts * dim // shard,
+        "experts": m.n_layers * max(1, moe.num_experts // ep) * per_expert // shard,
+    }
+
+
+def memory_estimate(job: JobConfig, world_size: int = 1) -> dict[str, int]:
+    """Bytes one rank of the built-in model's training holds at least, by part: its
+    parameters, their gradients and AdamW's two states (``training.param_dtype``), the
+    logits of one micro-batch and their gradient (float32, or bf16 under
+    ``training.dtype='bfloat16'``), and the rotary tables. Activations are left out, so
+    this is a floor. A pure function of the config and the world size."""
+    params = sum(_parameter_groups(job, world_size).values())
+    width = 2 if job.training.param_dtype == "bfloat16" else 4
+    logit = 2 if job.training.dtype == "bfloat16" else 4
+    tcfg, m = job.training, job.model
+    return {
+        "parameters": params * width,
+        "gradients": params * width,
+        "optimizer": 2 * params * width,
+        "logits": 2 * tcfg.batch_size * tcfg.seq_len * m.vocab_size * logit,
+        "rotary tables": 4 * m.max_seq_len * m.head_size,
+    }
+
+
+def estimate_memory_bytes(job: JobConfig, world_size: int = 1) -> int:
+    """The bytes of :func:`memory_estimate` in all: what one rank needs at least."""
+    return sum(memory_estimate(job, world_size).values())
+
+
+def host_build_bytes(job: JobConfig, world_size: int = 1) -> int:
+    """Bytes of host memory each rank needs whatever its device: the model is built in
+    float32 on the host (before FSDP shards it and before it moves to its device)."""
+    unsharded = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, fsdp=False))
+    return 4 * sum(_parameter_groups(unsharded, world_size).values()) + 4 * job.model.max_seq_len * job.model.head_size
+
+
+def host_memory_bytes() -> Optional[int]:
+    """This host's physical memory, None where the OS does not tell."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _size_text(num_bytes: float) -> str:
+    for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes / 2**20:.2f} MiB"
+
+
+_GROUP_KEYS = {
+    "embedding and output head": (("model.vocab_size", "model.dim"),
+                                  "lower model.vocab_size or model.dim (model.tie_embeddings=true halves it)"),
+    "attention": (("model.dim", "model.n_layers", "model.n_heads", "model.head_dim"),
+                  "lower model.dim, model.n_layers or model.n_heads"),
+    "routers": (("moe.num_experts", "model.dim", "model.n_layers"), "lower moe.num_experts"),
+    "experts": (("moe.num_experts", "moe.intermediate_size", "model.dim", "model.n_layers", "parallel.ep_size"),
+                "lower moe.num_experts or moe.intermediate_size, or split the experts over more ranks "
+                "(parallel.ep_size, the world size)"),
+    "logits": (("training.batch_size", "training.seq_len", "model.vocab_size"),
+               "lower training.batch_size or training.seq_len"),
+}
+
+
+def check_memory(job: JobConfig, *, world_size: int = 1, ranks_per_host: int = 1, on_host: bool = True,
+                 host_bytes: Optional[int] = None, origins: Optional[Origins] = None) -> None:
+    """Raise ``ConfigError`` when the built-in model's run obviously cannot fit this host:
+    ``ranks_per_host`` ranks each needing :func:`estimate_memory_bytes` (``on_host``: they
+    train on the CPU) or at least :func:`host_build_bytes` (on a GPU) exceed the host's
+    physical memory (``host_bytes``, default :func:`host_memory_bytes`; no check where it
+    is unknown). The error names the largest part, its keys and who set them, and the fix.
+    The trainer may call it again with the device it resolved (``on_host=device.type ==
+    'cpu'``); device memory is not checked here."""
+    host_bytes = host_memory_bytes() if host_bytes is None else host_bytes
+    if host_bytes is None:
+        return
+    origins = origins or Origins("config")
+    parts = memory_estimate(job, world_size)
+    per_rank = sum(parts.values()) if on_host else host_build_bytes(job, world_size)
+    need = per_rank * ranks_per_host
+    if need <= host_bytes:
+        return
+    width = 2 if job.training.param_dtype == "bfloat16" else 4
+    groups = {name: count * (4 * width if on_host else 4) for name, count in _parameter_groups(job, world_size).items()}
+    if on_host:
+        groups["logits"] = parts["logits"]
+        what = ("the training state of one rank (" + ", ".join(f"{name} {_size_text(size)}"
+                                                               for name, size in parts.items()) + ") needs")
+    else:
+        what = "the float32 parameters each rank builds on the host before moving them to its device need"
+    largest = max(groups, key=groups.get)
+    keys, fix = _GROUP_KEYS[largest]
+    named = sorted(keys, key=lambda key: not origins.of(key).startswith("--"))
+    ranks = f" per rank, x {ranks_per_host} ranks on this host = {_size_text(need)}" if ranks_per_host > 1 else ""
+    raise ConfigError(f"{origins.of(named[0])}: {what} about {_size_text(per_rank)} of host memory{ranks}, "
+                      f"more than this host's {_size_text(host_bytes)} of physical memory; the {largest} "
+                      f"({', '.join(f'{k}={_value_of(job, k)}' for k in keys)}) take "
+                      f"{100 * groups[largest] / max(1, sum(groups.values())):.0f}% of it: {fix}")
+
+
+def _value_of(job: JobConfig, key: str) -> Any:
+    section, _, name = key.partition(".")
+    table = getattr(job, section)
+    return table.get(name, "?") if isinstance(table, dict) else getattr(table, name)
 
 
 def _parse_value(text: str) -> Any:
