@@ -545,7 +545,7 @@ class MoE(nn.Module):
         nn.Module.__init__(self)  # not super(): under DeepSpeed the next class is DeepSpeed's MoE
         if expert is not None and not isinstance(expert, nn.Module):
             a_class = isinstance(expert, type) and issubclass(expert, nn.Module)
-            raise TypeError(f"expert must be an nn.Module: the expert MLP that every local expert copies, as "
+            raise TypeError("expert must be an nn.Module: the expert MLP that every local expert copies, as "
                             "DeepSpeed's Experts deep-copies it (e.g. nn.Sequential(nn.Linear(H, I), nn.GELU(), "
                             "nn.Linear(I, H))), or None with intermediate_size= and activation=; got "
                             + (f"the class {expert.__name__}: pass an instance of it" if a_class else
