@@ -412,7 +412,7 @@ def bench_shape(shape: MoEShape, args, group, ep_size: int, device: torch.device
     flops = 18 * args.tokens * shape.top_k * shape.hidden * shape.intermediate
     # Timed in rounds, the order rotated each round, so that no layer always runs right after
     # the same other one (a layer timed after the plain one measured slower at EP=4 on H200:
-    # results/ep_session9_NVIDIA_H200_x4.json); each round's time is the slowest rank's
+    # session 9 in PERFORMANCE_LOG.md); each round's time is the slowest rank's
     # median, a layer's time the median over rounds.
     timed = [n for n in layers if ("ep_moe" if n.startswith("ep_moe") else n) in impls]
     valid = {name: max(errors[name]) < MAX_REL_ERR for name in timed}

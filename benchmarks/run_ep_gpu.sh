@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check and EP benchmark in one go, for a 2- or 4-GPU machine. The benchmarks take about 3.5 minutes
-# on a warm 4x H200 (EP1_RANKS=4; results/ep_session18_NVIDIA_H200_x4.json); the whole GPU suite takes longer than its TESTS_CAP_S, as
+# on a warm 4x H200 (EP1_RANKS=4; results/ep_NVIDIA_H200_x4_ep*.json); the whole GPU suite takes longer than its TESTS_CAP_S, as
 # tests/gpu/test_ep_nccl.py runs every dispatch (about 3.5 minutes on a fresh 4x H200, its fixture 111 s):
 # pick with EP_MOE_TEST_DISPATCHES (e.g. all_to_all,all_gather) or TESTS, or skip (TESTS="--co -q tests/gpu").
 #   1. installs the wheels in .whl/ (deepspeed and the dependencies the image lacks) into /tmp/site;
