@@ -314,8 +314,11 @@ def test_config_values_are_type_checked(launch_modules):
         config._section("x", _OptionalField, {"limit": 1.5}, "test")
 
 
-def test_every_preset_parses(launch_modules):
+def test_every_preset_parses(launch_modules, monkeypatch):
+    """Every config in configs/train/ parses (the GPU presets' host memory is not this host's
+    business: the check is off here)."""
     _, config, _ = launch_modules
+    monkeypatch.setattr(config, "host_memory_bytes", lambda: None)
     presets = sorted((REPO / "configs" / "train").glob("*.toml"))
     assert len(presets) >= 3
     for path in presets:
