@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from ep_moe.kernels.config import (
     DEFAULT_CONFIGS,
@@ -38,6 +39,12 @@ from ep_moe.kernels.config import (
 )
 
 Projection = Literal["gate_up", "down"]
+
+PROJECTIONS: tuple[str, ...] = get_args(Projection)
+"""The values of :data:`Projection`."""
+
+_DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]*")
+"""What a dtype of a :class:`GemmProblem` may look like: a torch dtype's name."""
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 """Bytes per element of the dtypes the kernels support."""
@@ -63,12 +70,15 @@ class GemmProblem:
     ``gate_up`` reads tokens through a gather index (each token used ``top_k`` times) and
     writes rows in expert order; ``down`` reads rows in expert order and scatters them to
     token-slot order with the top-k weights multiplied in.
+
+    The fields name the problem's cache file, so they are checked at construction: a
+    ``ValueError`` names a field outside its form (see each field).
     """
 
     projection: Projection
     """Which projection: ``"gate_up"`` (H -> 2I or I) or ``"down"`` (I -> H)."""
     num_local_experts: int
-    """Experts on this rank (E / ep_size)."""
+    """Experts on this rank (E / ep_size); an ``int`` >= 1, as are ``n``, ``k`` and ``top_k``."""
     n: int
     """Output features of the forward GEMM (w is [E, n, k])."""
     k: int
@@ -76,7 +86,20 @@ class GemmProblem:
     top_k: int
     """Experts per token."""
     dtype: str
-    """Element type, e.g. ``"bfloat16"``."""
+    """Element type, a torch dtype's name (lowercase letters, digits, ``_``), e.g. ``"bfloat16"``."""
+
+    def __post_init__(self) -> None:
+        # Every field goes into a cache file's name: none may carry a path, NUL or a line break.
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"GemmProblem.projection={self.projection!r}: give 'gate_up' or 'down'")
+        for name in ("num_local_experts", "n", "k", "top_k"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"GemmProblem.{name}={value!r}: give an integer >= 1")
+        if not isinstance(self.dtype, str) or not _DTYPE_NAME.fullmatch(self.dtype):
+            raise ValueError(f"GemmProblem.dtype={self.dtype!r}: give a torch dtype's name as a string of "
+                             f"lowercase letters, digits and underscores that starts with a letter, "
+                             f"e.g. 'bfloat16'")
 
 
 @dataclass(frozen=True, kw_only=True)
