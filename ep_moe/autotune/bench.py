@@ -23,7 +23,8 @@ reads operands the previous one left in cache. :func:`time_configs` checks each
 candidate's output against the first candidate's (the default config) before timing it,
 then times it with the injected timer: ``triton.testing.do_bench`` median and 20/80%
 quantiles on GPU, a wall clock in the interpreter. Candidates that fail to compile, run
-out of resources or memory, or compute a different result are skipped.
+out of resources or memory, compute a different result, or time as no duration (NaN,
+infinite) are skipped.
 """
 
 from __future__ import annotations
@@ -271,7 +272,8 @@ def time_configs(launch: PassLaunch, configs: list[KernelConfig], dtype: str, ti
 
     Each output (buffer poisoned with NaN first, so unwritten rows fail) is checked
     against ``reference``; when that is None the first output that runs becomes the
-    reference (pass the default config first). Returns the timings and the reference.
+    reference (pass the default config first). A timing that is not a duration (NaN,
+    infinite or negative) skips its config too. Returns the timings and the reference.
     """
     results: list[Timing | None] = []
     for config in configs:
@@ -285,7 +287,12 @@ def time_configs(launch: PassLaunch, configs: list[KernelConfig], dtype: str, ti
                                config.short())
                 results.append(None)
                 continue
-            results.append(timer(lambda: launch(config, None)))
+            timing = timer(lambda: launch(config, None))
+            if not all(0 <= t < math.inf for t in (timing.median_ms, timing.p20_ms, timing.p80_ms)):  # NaN fails
+                logger.warning("autotune: %s timed %s ms (median, 20%%, 80%%), not a duration; skipped",
+                               config.short(), [timing.median_ms, timing.p20_ms, timing.p80_ms])
+                timing = None
+            results.append(timing)
         except _SKIPPABLE as e:
             logger.info("autotune: %s skipped: %s", config.short(), (str(e).splitlines() or [repr(e)])[0])
             if isinstance(e, torch.OutOfMemoryError):
@@ -379,8 +386,17 @@ class Tuner:
         default_ms = timed[default].median_ms if default in timed else None
         best = min(timed, key=lambda c: timed[c].median_ms)
         if default_ms is not None and best != default and self.confirm_rounds:
-            timed.update(self._confirm(launch, (default, best), problem.dtype, timer, reference))
-            default_ms = timed[default].median_ms
+            for config, timing in self._confirm(launch, (default, best), problem.dtype, timer, reference).items():
+                if math.isfinite(timing.median_ms):
+                    timed[config] = timing
+                else:  # failed most rounds: a failed candidate
+                    del timed[config]
+            if not timed:
+                raise RuntimeError(f"autotune: neither the default nor {best.short()} ran again for {problem} "
+                                   f"pass={which} rows={bucket}; see the log for why")
+            default_ms = timed[default].median_ms if default in timed else None
+            if best not in timed:
+                best = default if default in timed else min(timed, key=lambda c: timed[c].median_ms)
         if default_ms is not None and timed[best].median_ms > default_ms * (1 - self.min_gain):
             best = default
         order = sorted(timed, key=lambda c: (c != best, timed[c].median_ms))
@@ -391,7 +407,8 @@ class Tuner:
     def _confirm(self, launch: PassLaunch, pair: tuple[KernelConfig, KernelConfig], dtype: str,
                  timer: Timer, reference: torch.Tensor | None) -> dict[KernelConfig, Timing]:
         """Median over ``confirm_rounds`` alternating timings of (default, challenger); a
-        challenger that fails now gets an infinite time."""
+        round a config fails counts as an infinite time (so one failing most rounds has an
+        infinite median, which the caller drops)."""
         samples: dict[KernelConfig, list[Timing]] = {c: [] for c in pair}
         for _ in range(self.confirm_rounds):
             results, _ = time_configs(launch, list(pair), dtype, timer, reference)

@@ -174,6 +174,13 @@ class ModelShape:
         ]
 
 
+def _check_ms(name: str, value: float) -> None:
+    """``ValueError`` unless ``value`` is a duration: finite milliseconds >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{name}={value!r}: give a finite number of milliseconds >= 0 (a NaN or infinite "
+                         f"time is a failed candidate, not a timing)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CandidateTiming:
     """One timed candidate: its config and the median and 20/80% quantiles in ms."""
@@ -182,6 +189,10 @@ class CandidateTiming:
     median_ms: float
     p20_ms: float
     p80_ms: float
+
+    def __post_init__(self) -> None:
+        for name in ("median_ms", "p20_ms", "p80_ms"):
+            _check_ms(f"CandidateTiming.{name}", getattr(self, name))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -201,12 +212,19 @@ class TunedBucket:
 
     ``timings`` lists the best candidates of each pass, fastest first; ``default_ms`` the
     default config's median (None where it was not timed or failed). Both are empty for
-    configs that did not come from tuning (heuristic).
+    configs that did not come from tuning (heuristic). Every time is a finite number of
+    milliseconds >= 0 (``ValueError`` otherwise): a NaN or infinite time is a failed
+    candidate, never a record.
     """
 
     configs: GemmConfigs
     timings: dict[str, tuple[CandidateTiming, ...]] = field(default_factory=dict)
     default_ms: dict[str, float | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for which, ms in self.default_ms.items():
+            if ms is not None:
+                _check_ms(f"TunedBucket.default_ms[{which!r}]", ms)
 
     def best_ms(self, which: Pass) -> float | None:
         """Median of the chosen config of one pass, if it was timed."""

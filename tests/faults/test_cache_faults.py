@@ -182,6 +182,12 @@ BAD_CONTENTS = {
     "use_tma a string": _edit(lambda d: _first_bucket(d)["configs"]["dw"].update(use_tma="no")),
     "timings not a list": _edit(lambda d: _first_bucket(d).update(timings={"forward": 3})),
     "default_ms a string": _edit(lambda d: _first_bucket(d).update(default_ms={"forward": "fast"})),
+    "timing NaN": lambda text: text.replace('"median_ms": 1.0', '"median_ms": NaN').encode(),
+    "timing Infinity": lambda text: text.replace('"p80_ms": 1.1', '"p80_ms": Infinity').encode(),
+    "timing 1e999": lambda text: text.replace('"p20_ms": 0.9', '"p20_ms": 1e999').encode(),
+    "timing negative": lambda text: text.replace('"median_ms": 1.0', '"median_ms": -1.0').encode(),
+    "default_ms NaN": _edit(lambda d: _first_bucket(d).update(default_ms={"forward": float("nan")})),
+    "default_ms -Infinity": lambda text: text.replace('"forward": 2.0', '"forward": -Infinity').encode(),
 }
 
 
