@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ep_moe.autotune import ResolvedConfigs, warmup
-from ep_moe.autotune.coordinate import target_buckets
+from ep_moe.autotune.coordinate import MAX_WARMUP_TIMEOUT, target_buckets
 from ep_moe.autotune.bench import Tuner
 from ep_moe.autotune.cache import CacheDirError, default_cache, load_model_shape, read_file
 from ep_moe.autotune.space import ELEMENT_BYTES, GemmProblem
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--force", action="store_true", help="retune even if cached")
     tune.add_argument("--timeout", type=float, default=3600.0,
                       help="seconds rank 0 may wait for cache locks and tuning shares (the other ranks: "
-                           "that plus a grace)")
+                           f"that plus a grace); > 0 and at most {MAX_WARMUP_TIMEOUT:.0f} (a week)")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     cache = sub.add_parser("cache", help="inspect or clear the autotune cache")

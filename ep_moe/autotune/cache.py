@@ -285,13 +285,18 @@ def _locked_message(lock_path: str, timeout: float) -> str:
             f"the process that holds it)")
 
 
+def check_lock_timeout(timeout: float) -> None:
+    """``ValueError`` unless ``timeout`` is a bound for a wait for a cache lock: finite seconds >= 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise ValueError(f"lock_timeout={timeout!r}: give seconds >= 0 (a wait for a cache lock is "
+                         f"always bounded)")
+
+
 def _acquire(lock_path: str, timeout: float) -> filelock.FileLock:
     """The acquired lock of ``lock_path``, waiting at most ``timeout`` seconds (else
     :class:`CacheLockTimeout`). Every wait for a cache lock goes through here: none is
     unbounded."""
-    if not 0 <= timeout < float("inf"):
-        raise ValueError(f"lock_timeout={timeout!r}: give seconds >= 0 (a wait for a cache lock is "
-                         f"always bounded)")
+    check_lock_timeout(timeout)
     lock = filelock.FileLock(lock_path, timeout=timeout)
     try:
         lock.acquire()

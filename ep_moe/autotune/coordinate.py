@@ -50,7 +50,14 @@ import torch
 import torch.distributed as dist
 
 from ep_moe.autotune.bench import Tuner, TuneFn, default_device, device_limits
-from ep_moe.autotune.cache import DEFAULT_LOCK_TIMEOUT, CacheKey, default_cache, load_shipped, make_key
+from ep_moe.autotune.cache import (
+    DEFAULT_LOCK_TIMEOUT,
+    CacheKey,
+    check_lock_timeout,
+    default_cache,
+    load_shipped,
+    make_key,
+)
 from ep_moe.autotune.space import (
     STANDARD_BUCKETS,
     DeviceLimits,
@@ -76,6 +83,18 @@ def _env_flag(name: str) -> bool:
         logger.warning("ep_moe autotune: %s=%r is neither on (1, true, yes, on) nor off (0, false, no, "
                        "off); taken as off", name, value)
     return value in ("1", "true", "yes", "on")
+
+
+MAX_WARMUP_TIMEOUT = 7 * 24 * 3600.0
+"""Longest ``timeout`` :func:`warmup` takes (a week; tuning a model takes minutes to hours).
+Every wait of a warmup is bounded: an infinite timeout is refused, not taken as no limit."""
+
+
+def _check_warmup_timeout(timeout: Any) -> None:
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not 0 < timeout <= MAX_WARMUP_TIMEOUT):  # NaN fails
+        raise ValueError(f"warmup: timeout={timeout!r}: give a finite number of seconds in "
+                         f"(0, {MAX_WARMUP_TIMEOUT:.0f}], e.g. 600 (every wait of a warmup is bounded)")
 
 
 def _publish_grace(timeout: float) -> float:
@@ -177,12 +196,14 @@ def get_kernel_configs(problem: GemmProblem, num_rows: int,
     the module docstring without tuning (unless ``allow_tuning``; tune at :func:`warmup`
     instead) and logs which source served. With ``allow_tuning`` a failure of tuning, or a
     cache lock held longer than ``lock_timeout`` seconds, gives the heuristic with a
-    warning, as at :func:`warmup`.
+    warning, as at :func:`warmup`; a ``lock_timeout`` that is not finite seconds >= 0
+    raises ``ValueError``.
     """
     dev_key = _device_key(device)
     resolved = _INSTALLED.get((problem, dev_key))
     if resolved is None:
         if allow_tuning:
+            check_lock_timeout(lock_timeout)  # not a tuning failure: the caller's to fix
             resolved = _resolve_or_fallback(problem, _torch_device(dev_key), STANDARD_BUCKETS, False, None,
                                             lock_timeout)
         else:
@@ -302,7 +323,9 @@ def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout
         model_or_shapes: a module whose submodules have ``gemm_problems()``, or problems.
         group: process group whose rank 0 tunes; default the world.
         timeout: seconds rank 0 may wait for cache locks and tuning shares in all; the
-            other ranks wait for it that long plus a grace (at most 30 s) to publish.
+            other ranks wait for it that long plus a grace (at most 30 s) to publish. Finite,
+            in (0, :data:`MAX_WARMUP_TIMEOUT`]; anything else (NaN, <= 0, inf) raises
+            ``ValueError`` on every rank.
         num_tokens: tokens per rank to tune for (int or several); the bucket is the
             power of two nearest tokens x top_k. None: the standard buckets.
         force: retune even if cached (also ``EP_MOE_FORCE_AUTOTUNE=1``).
@@ -315,10 +338,9 @@ def warmup(model_or_shapes: Any, group: dist.ProcessGroup | None = None, timeout
     Returns:
         The installed configs of each problem.
     """
+    _check_warmup_timeout(timeout)  # bad input fails on every rank, before any tuning or store call
     problems = collect_problems(model_or_shapes)
-    buckets = {p: target_buckets(p, num_tokens) for p in problems}  # bad input fails on every rank
-    if not timeout > 0:
-        raise ValueError(f"warmup: timeout={timeout!r}; give seconds > 0")
+    buckets = {p: target_buckets(p, num_tokens) for p in problems}
     force = force or _env_flag(ENV_FORCE)  # read once: split tuning turns force off after the shares
     device = device or default_device()
     dev_key = _device_key(device)

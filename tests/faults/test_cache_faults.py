@@ -714,9 +714,10 @@ BAD_ARGS = {
     "ep size 0": (lambda tmp: ["--model", "tiny", "--ep-size", "0"], r"ep_size=0"),
     "ep size not a divisor": (lambda tmp: ["--model", "tiny", "--ep-size", "3"], r"pick a divisor of 4"),
     "tokens 0": (lambda tmp: ["--model", "tiny", "--tokens", "0"], r"num_tokens=\[0\]: give tokens per rank"),
-    "timeout 0": (lambda tmp: ["--model", "tiny", "--timeout", "0"], r"timeout=0.0; give seconds > 0"),
-    "timeout negative": (lambda tmp: ["--model", "tiny", "--timeout", "-5"], r"timeout=-5.0; give seconds > 0"),
-    "timeout nan": (lambda tmp: ["--model", "tiny", "--timeout", "nan"], r"timeout=nan; give seconds > 0"),
+    "timeout 0": (lambda tmp: ["--model", "tiny", "--timeout", "0"], r"timeout=0.0: give a finite number of seconds in"),
+    "timeout negative": (lambda tmp: ["--model", "tiny", "--timeout", "-5"], r"timeout=-5.0: give a finite number"),
+    "timeout nan": (lambda tmp: ["--model", "tiny", "--timeout", "nan"], r"timeout=nan: give a finite number"),
+    "timeout inf": (lambda tmp: ["--model", "tiny", "--timeout", "inf"], r"timeout=inf: give a finite number"),
 }
 
 
