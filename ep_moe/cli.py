@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ep_moe.autotune import ResolvedConfigs, warmup
 from ep_moe.autotune.coordinate import MAX_WARMUP_TIMEOUT, target_buckets
 from ep_moe.autotune.bench import Tuner
-from ep_moe.autotune.cache import CacheDirError, default_cache, load_model_shape, read_file
+from ep_moe.autotune.cache import CacheDirError, default_cache, load_model_shape, printable, read_file
 from ep_moe.autotune.space import ELEMENT_BYTES, GemmProblem
 from ep_moe.kernels.config import PASSES
 
@@ -110,30 +110,35 @@ def _autotune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say(line: str) -> None:
+    """Print ``line`` as one printable line: names and contents of the cache directory may
+    hold bytes that are not UTF-8, or control characters."""
+    print(printable(line))
+
+
 def _list(cache) -> int:
     entries = cache.entries()
     if not entries:
         where = "" if cache.directory.exists() else " (the directory does not exist yet)"
-        print(f"cache is empty: {cache.directory}{where}")
+        _say(f"cache is empty: {cache.directory}{where}")
     for entry in entries:
         name = entry.path.name
         if entry.kind == "foreign":
-            print(f"{name}  FOREIGN: not an ep_moe cache file; `ep-moe cache clear` leaves it alone")
+            _say(f"{name}  FOREIGN: {entry.detail}; `ep-moe cache clear` leaves it alone")
         elif entry.kind == "invalid":
-            print(f"{name}  INVALID: {entry.detail}")
+            _say(f"{name}  INVALID: {entry.detail}")
         else:
             data = entry.record
             buckets = ",".join(sorted(data["buckets"], key=int))
-            link = f"  (a symlink to {os.readlink(entry.path)})" if entry.path.is_symlink() else ""
-            print(f"{name}  {data['key']['device_name']}  rows={buckets}  updated={data.get('updated', '?')}{link}")
+            _say(f"{name}  {data['key']['device_name']}  rows={buckets}  updated={data.get('updated', '?')}")
     return 0
 
 
 def _clear(cache) -> int:
     report = cache.clear()
-    print(f"removed {len(report.removed)} cache files from {cache.directory}")
+    _say(f"removed {len(report.removed)} cache files from {cache.directory}")
     for path, why in report.kept:
-        print(f"left {path.name}: {why}")
+        _say(f"left {path.name}: {why}")
     if report.failed:
         path, error = report.failed[0]
         print(f"ep-moe: error: could not remove {len(report.failed)} cache file(s) of {cache.directory} "
@@ -154,7 +159,7 @@ def _show(cache, key: str) -> int:
     if data is None:
         print(f"{path} is invalid: {why}", file=sys.stderr)
         return 1
-    print(json.dumps(data, indent=1, sort_keys=True))
+    print(json.dumps(data, indent=1, sort_keys=True, allow_nan=False))  # a record holds no NaN
     return 0
 
 

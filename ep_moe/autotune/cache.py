@@ -14,12 +14,17 @@ Cache layout: one file per :class:`CacheKey` under ``$EP_MOE_CACHE_DIR`` (defaul
 Writes go to a temp file in the same directory, are fsynced and ``os.replace``d under a
 ``filelock.FileLock`` on ``<file>.lock``, so readers never see half a file and need no
 lock. A file that fails validation is ignored with a warning and replaced by the next
-write. A directory that cannot be written turns this cache into an in-memory one, with
+write. Only regular files are opened, never through a symlink, and at most
+:data:`MAX_FILE_BYTES` of one are read: any other entry named like a cache file (a FIFO, a
+device, a socket, a directory, a symlink, a larger file) is foreign, skipped with a warning
+and never opened, so nothing in the directory can block a reader or exhaust its memory. A
+directory that cannot be written turns this cache into an in-memory one, with
 one warning. Every wait for a lock is bounded (:data:`DEFAULT_LOCK_TIMEOUT` unless the caller
 gives another bound): a lock held longer, by a process tuning that key or one stopped while
 holding it, gives :class:`CacheLockTimeout` (``get_or_tune``) or a warning and the
 in-memory fallback (``store``, ``merge``). ``clear`` deletes only files this cache wrote
-(name and schema) and their lock files; anything else in the directory is left alone.
+(name and schema, regular files) and their lock files; anything else in the directory is
+left alone, and nothing outside it is touched.
 
 Shipped configs are cache files copied into ``ep_moe/autotune/shipped/<device dir>/`` (see
 that directory's README), package data, so a wheel carries them; they match on everything but
@@ -37,6 +42,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -60,6 +66,10 @@ SCHEMA_VERSION = 1
 ENV_CACHE_DIR = "EP_MOE_CACHE_DIR"
 ENV_SHIPPED_DIR = "EP_MOE_SHIPPED_DIR"
 
+MAX_FILE_BYTES = 16 << 20
+"""Most bytes read from one file (a file tuned for every bucket holds tens of KiB): a
+larger entry is not a cache file and is not read."""
+
 DEFAULT_LOCK_TIMEOUT = 600.0
 """Seconds a wait for a cache file's lock lasts at most unless the caller says otherwise (as
 long as :func:`ep_moe.autotune.warmup`'s default timeout): the lock is held while a key is
@@ -74,7 +84,11 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 @dataclass(frozen=True, kw_only=True)
 class CacheKey:
-    """Everything that changes the best config of one problem; one cache file per key."""
+    """Everything that changes the best config of one problem; one cache file per key.
+
+    Checked at construction as :class:`GemmProblem` checks its fields (``ValueError``), so
+    that no key puts a path separator, ``..``, NUL or a line break into its file name.
+    """
 
     kernel_version: int
     projection: str
@@ -90,13 +104,17 @@ class CacheKey:
     triton_version: str
     torch_version: str
 
+    def __post_init__(self) -> None:
+        self.problem()  # the problem's fields name the file: ValueError if one is not safe there
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (tuples become lists)."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CacheKey":
-        """Inverse of :meth:`to_dict` (lists come back as tuples)."""
+        """Inverse of :meth:`to_dict` (lists come back as tuples); ``ValueError`` for fields
+        no :class:`GemmProblem` may have, ``TypeError`` for fields a key does not have."""
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
     def digest(self) -> str:
@@ -193,21 +211,99 @@ def _record(key: CacheKey, table: Table, write_id: str) -> dict[str, Any]:
     }
 
 
+class ForeignFile(BadCacheFile):
+    """An entry the cache does not open: not a regular file (a symlink, FIFO, device, socket
+    or directory), or larger than :data:`MAX_FILE_BYTES`."""
+
+
+def printable(text: str) -> str:
+    """``text`` as one printable line: bytes of a file name that are not UTF-8 as ``\\xNN``,
+    other characters that are not printable escaped (``\\n``, ``\\x1b``)."""
+    return "".join(c if c.isprintable()
+                   else f"\\x{ord(c) - 0xDC00:02x}" if "\udc80" <= c <= "\udcff"  # os.fsdecode's escapes
+                   else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+_KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def _not_regular(path: Path, mode: int) -> str:
+    """What the entry ``path`` of ``mode`` is, for a message: the cache opens regular files only."""
+    if stat.S_ISLNK(mode):
+        try:
+            target = printable(os.readlink(path))
+        except OSError:  # gone meanwhile
+            target = "?"
+        return f"a symlink to {target}: the cache opens regular files only, never through a link"
+    what = next((name for is_kind, name in _KINDS if is_kind(mode)), "an odd entry")
+    return f"{what}, not a regular file"
+
+
+def _irregular(path: Path) -> str | None:
+    """What ``path`` is, if it exists and is not a regular file (:func:`_not_regular`); else None."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return None if stat.S_ISREG(mode) else _not_regular(path, mode)
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _read_bytes(path: Path) -> bytes | object:
+    """The bytes of the regular file ``path``; :data:`_ABSENT` if there is no such entry;
+    :class:`ForeignFile` if it is not a regular file or is larger than
+    :data:`MAX_FILE_BYTES`; :class:`BadCacheFile` if unreadable.
+
+    Nothing else is opened: the entry is checked with ``lstat`` first, then opened without
+    following a symlink and without blocking, and checked again on the open descriptor (an
+    entry swapped meanwhile); at most ``MAX_FILE_BYTES + 1`` bytes are read.
+    """
+    too_large = f"larger than {MAX_FILE_BYTES >> 20} MiB, the most a cache file may have"
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ForeignFile(_not_regular(path, st.st_mode))
+        if st.st_size > MAX_FILE_BYTES:
+            raise ForeignFile(f"a file of {st.st_size} bytes, {too_large}")
+        with open(os.open(path, _OPEN_FLAGS), "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise ForeignFile(_not_regular(path, mode))
+            data = f.read(MAX_FILE_BYTES + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return _ABSENT
+    except OSError as e:
+        raise BadCacheFile(f"unreadable: {e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ForeignFile(f"a file {too_large}")
+    return data
+
+
 _ABSENT = object()
 """What :func:`_read_json` returns for a file that does not exist (a file may hold ``null``)."""
 
 
+def _refuse_constant(name: str) -> None:
+    raise BadCacheFile(f"holds {name}, which is not JSON (a NaN or infinite timing)")
+
+
 def _read_json(path: Path) -> Any:
-    """Decoded JSON of ``path``; :data:`_ABSENT` if there is no such file;
-    :class:`BadCacheFile` if unreadable."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (FileNotFoundError, NotADirectoryError):
+    """Decoded JSON of the regular file ``path`` (read by :func:`_read_bytes`);
+    :data:`_ABSENT` if there is no such file; :class:`ForeignFile` or :class:`BadCacheFile`
+    if it is not one the cache opens, unreadable, or not strict JSON (``NaN`` and
+    ``Infinity`` are not JSON)."""
+    raw = _read_bytes(path)
+    if raw is _ABSENT:
         return _ABSENT
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadCacheFile(f"unreadable: {e}") from None
     try:
-        return json.loads(text)
+        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except UnicodeDecodeError as e:
+        raise BadCacheFile(f"unreadable: {e}") from None
+    except BadCacheFile:
+        raise
     except (ValueError, RecursionError) as e:  # JSONDecodeError, an over-long number, too deep nesting
         raise BadCacheFile(f"not valid JSON (truncated or corrupt): {e}") from None
 
@@ -244,8 +340,10 @@ class CacheDirError(RuntimeError):
 class CacheEntry:
     """One file of a cache directory as ``ep-moe cache list`` shows it.
 
-    ``kind`` is ``"cache"`` (a valid file of this cache), ``"invalid"`` (named like one but
-    not valid: ``detail`` says why) or ``"foreign"`` (not named like a cache file).
+    ``kind`` is ``"cache"`` (a valid file of this cache), ``"invalid"`` (a regular file named
+    like one but not valid) or ``"foreign"`` (not named like a cache file, or named like one
+    or its lock file but not a regular file of at most :data:`MAX_FILE_BYTES`: never
+    opened); ``detail`` says why for the last two.
     """
 
     path: Path
@@ -295,8 +393,12 @@ def check_lock_timeout(timeout: float) -> None:
 def _acquire(lock_path: str, timeout: float) -> filelock.FileLock:
     """The acquired lock of ``lock_path``, waiting at most ``timeout`` seconds (else
     :class:`CacheLockTimeout`). Every wait for a cache lock goes through here: none is
-    unbounded."""
+    unbounded, and a lock file that is not a regular file (a FIFO, a symlink) is never
+    opened (``OSError``)."""
     check_lock_timeout(timeout)
+    why = _irregular(Path(lock_path))
+    if why is not None:
+        raise OSError(f"the lock file {printable(lock_path)} is {why}; remove it")
     lock = filelock.FileLock(lock_path, timeout=timeout)
     try:
         lock.acquire()
@@ -342,6 +444,9 @@ class ConfigCache:
             if data is _ABSENT:
                 return None
             return parse_record(data, key), data.get("write_id")
+        except ForeignFile as e:
+            logger.warning("ep_moe autotune cache: ignoring %s: %s", path, e)
+            return None
         except BadCacheFile as e:
             logger.warning("ep_moe autotune cache: ignoring %s: %s; it will be replaced", path, e)
             return None
@@ -394,7 +499,8 @@ class ConfigCache:
 
     def _write(self, key: CacheKey, table: Table) -> None:
         """Atomic write (caller holds the lock); an OSError switches to memory-only."""
-        text = json.dumps(_record(key, table, uuid.uuid4().hex), indent=1, sort_keys=True)
+        # never NaN or Infinity, which no strict JSON reader takes (TunedBucket refuses them already)
+        text = json.dumps(_record(key, table, uuid.uuid4().hex), indent=1, sort_keys=True, allow_nan=False)
         try:
             _write_atomic(self.path(key), text)
         except OSError as e:
@@ -469,23 +575,33 @@ class ConfigCache:
                                 f"check its permissions, or set {ENV_CACHE_DIR} to another directory") from None
 
     def entries(self) -> list[CacheEntry]:
-        """Every file of the directory but lock, temp and hidden files, classified (see
-        :class:`CacheEntry`); :class:`CacheDirError` if the directory cannot be listed."""
+        """Every entry of the directory but hidden (temp) files and regular lock files,
+        classified (see :class:`CacheEntry`); :class:`CacheDirError` if the directory cannot
+        be listed."""
         found = []
         for name in self._names():
-            if name.startswith(".") or _is_lock_name(name):
+            if name.startswith("."):
                 continue
             path = self.directory / name
-            if not is_cache_file_name(name):
-                found.append(CacheEntry(path, "foreign", "not named like an ep_moe cache file"))
+            if _is_lock_name(name):
+                why = _irregular(path)
+                if why is not None:
+                    found.append(CacheEntry(path, "foreign", why))
                 continue
-            data, why = read_file(path)
-            found.append(CacheEntry(path, "cache", record=data) if why is None else CacheEntry(path, "invalid", why))
+            if not is_cache_file_name(name):
+                found.append(CacheEntry(path, "foreign", "not an ep_moe cache file (not named like one)"))
+                continue
+            try:
+                found.append(CacheEntry(path, "cache", record=_load_record(path)))
+            except ForeignFile as e:
+                found.append(CacheEntry(path, "foreign", str(e)))
+            except BadCacheFile as e:
+                found.append(CacheEntry(path, "invalid", str(e)))
         return found
 
     def files(self) -> list[Path]:
-        """Files named like cache files (valid or not), sorted by name; none if the directory
-        does not exist or is not one."""
+        """Regular files named like cache files (valid or not), sorted by name; none if the
+        directory does not exist or is not one."""
         try:
             return [e.path for e in self.entries() if e.kind != "foreign"]
         except CacheDirError:
@@ -501,19 +617,16 @@ class ConfigCache:
         return prefix[0] if len(prefix) == 1 else None
 
     def clear(self, lock_timeout: float = 10.0) -> ClearReport:
-        """Delete the files this cache wrote: each valid cache file (name and schema; not a
-        symlink), under its lock, with its lock file and any temp file a killed writer left.
-        Anything else is left alone and reported (foreign or invalid files, symlinks; a file
-        locked longer than ``lock_timeout`` seconds, being tuned). Lock files of absent cache
-        files go too, when free. :class:`CacheDirError` if the directory cannot be listed."""
+        """Delete the files this cache wrote: each valid cache file (name and schema; a
+        regular file), under its lock, with its lock file and any temp file a killed writer
+        left. Anything else is left alone and reported (foreign or invalid entries: symlinks,
+        FIFOs and the like are never opened or followed; a file locked longer than
+        ``lock_timeout`` seconds, being tuned). Lock files of absent cache files go too, when
+        free and regular files. :class:`CacheDirError` if the directory cannot be listed."""
         report = ClearReport()
         for entry in self.entries():
             if entry.kind != "cache":
                 report.kept.append((entry.path, f"{entry.kind}: {entry.detail}"))
-                continue
-            if entry.path.is_symlink():
-                report.kept.append((entry.path, f"a symlink to {os.readlink(entry.path)}: this cache writes "
-                                                f"regular files only"))
                 continue
             try:
                 self._remove(entry.path, lock_timeout)
@@ -528,7 +641,7 @@ class ConfigCache:
                 try:
                     self._remove(orphan, 0)
                 except (CacheLockTimeout, OSError):
-                    pass  # held (a key being tuned) or not removable: a lock file is harmless
+                    pass  # held (a key being tuned), not removable or not a regular file: harmless
         self._memory.clear()
         return report
 
@@ -546,24 +659,34 @@ class ConfigCache:
             lock.release()
 
 
-def read_file(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(decoded record, None) of a cache file, or (None, what is wrong with it): unreadable,
-    not valid JSON of the current schema, or holding another key than its name says (a
-    copy or a symlink of another key's file)."""
+def _load_record(path: Path) -> dict[str, Any]:
+    """The decoded record of the cache file ``path``; :class:`ForeignFile` if it is not a
+    regular file the cache opens, :class:`BadCacheFile` if it is unreadable, not valid JSON
+    of the current schema, or holds another key than its name says (a copy of another
+    key's file)."""
+    data = _read_json(path)
+    if data is _ABSENT:
+        raise BadCacheFile("gone")
+    parse_record(data)
     try:
-        data = _read_json(path)
-        if data is _ABSENT:
-            raise BadCacheFile("gone (a dangling symlink?)" if path.is_symlink() else "gone")
-        parse_record(data)
         named = CacheKey.from_dict(data["key"]).file_name()
+    except TypeError as e:
+        raise BadCacheFile(f"its key has other fields than a cache key: {e}") from None
+    except ValueError as e:
+        raise BadCacheFile(f"its key is not a valid cache key: {e}") from None
+    if named != path.name:
+        raise BadCacheFile(f"holds the key of {named}, not of its own name")
+    return data
+
+
+def read_file(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(decoded record, None) of a cache file, or (None, what is wrong with it): not a
+    regular file, unreadable, not valid JSON of the current schema, or holding another key
+    than its name says."""
+    try:
+        return _load_record(path), None
     except BadCacheFile as e:
         return None, str(e)
-    except TypeError as e:
-        return None, f"its key has other fields than a cache key: {e}"
-    if named != path.name:
-        link = f" (a symlink to {os.readlink(path)})" if path.is_symlink() else ""
-        return None, f"holds the key of {named}, not of its own name{link}"
-    return data, None
 
 
 _CACHES: dict[Path, ConfigCache] = {}

@@ -86,7 +86,7 @@ def test_list_of_an_empty_cache_says_so(isolated, capsys, exists):
     assert out.startswith(f"cache is empty: {cache_dir()}") and ("does not exist" in out) != exists
 
 
-def test_list_reports_a_file_symlinked_to_another_keys_file(isolated, capsys):
+def test_list_reports_a_symlink_as_foreign(isolated, capsys):
     dev = device_limits(torch.device("cpu"))
     cache = ConfigCache(cache_dir())
     cache.store(make_key(TINY, dev), CountingTuner("/dev/null")(TINY, dev, (64,)))
@@ -94,7 +94,7 @@ def test_list_reports_a_file_symlinked_to_another_keys_file(isolated, capsys):
     linked.symlink_to(cache.path(make_key(TINY, dev)))
     assert cli.main(["cache", "list"]) == 0
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith(linked.name)][0]
-    assert "INVALID: holds the key of" in line and "symlink" in line
+    assert f"FOREIGN: a symlink to {cache.path(make_key(TINY, dev))}: the cache opens regular files only" in line
 
 
 @pytest.mark.parametrize("action", [["list"], ["clear"], ["show", "down"]])

@@ -50,7 +50,9 @@ def test_any_key_field_change_misses(tmp_path, field):
     key = make_key(TINY, DEV)
     cache.store(key, stub_table(tmp_path))
     value = getattr(key, field)
-    if isinstance(value, tuple):
+    if field == "projection":
+        other = "gate_up"  # the one other value a key may have
+    elif isinstance(value, tuple):
         other = value[:-1] + (value[-1] + 1,) if isinstance(value[-1], int) else value + ("x",)
     else:
         other = value + 1 if isinstance(value, int) else value + "x"
@@ -256,7 +258,7 @@ def test_clear_removes_only_what_it_wrote(tmp_path):
     named_like_ours = tmp_path / make_key(dataclasses.replace(TINY, n=128), DEV).file_name()
     named_like_ours.write_text('{"schema_version": 0}')
     linked = tmp_path / make_key(dataclasses.replace(TINY, n=256), DEV).file_name()
-    linked.symlink_to(cache.path(key))
+    linked.symlink_to(cache.path(key))  # never followed, never deleted
     leftover = tmp_path / f".{cache.path(up).name}.abc123.tmp"  # a writer killed before os.replace
     leftover.write_text("{")
     orphan_lock = tmp_path / (make_key(dataclasses.replace(TINY, n=512), DEV).file_name() + ".lock")
@@ -265,7 +267,7 @@ def test_clear_removes_only_what_it_wrote(tmp_path):
     assert sorted(report.removed) == sorted([cache.path(key), cache.path(up)]) and report.failed == []
     kept = dict(report.kept)
     assert kept[tmp_path / "settings.json"].startswith("foreign") and kept[tmp_path / "notes.txt"].startswith("foreign")
-    assert "schema_version 0" in kept[named_like_ours] and "holds the key of" in kept[linked]
+    assert "schema_version 0" in kept[named_like_ours] and kept[linked].startswith("foreign: a symlink to ")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([linked.name, named_like_ours.name, "notes.txt",
                                                                  "settings.json"])
 
@@ -274,10 +276,20 @@ def test_read_file_reports_a_file_holding_another_keys_record(tmp_path):
     cache, key = ConfigCache(tmp_path), make_key(TINY, DEV)
     cache.store(key, stub_table(tmp_path))
     other = tmp_path / make_key(TINY_UP, DEV).file_name()
+    shutil.copyfile(cache.path(key), other)
+    data, why = read_file(other)
+    assert data is None and f"holds the key of {key.file_name()}" in why
+    assert read_file(cache.path(key))[1] is None
+
+
+def test_read_file_never_follows_a_symlink(tmp_path):
+    cache, key = ConfigCache(tmp_path), make_key(TINY, DEV)
+    cache.store(key, stub_table(tmp_path))
+    other = tmp_path / make_key(TINY_UP, DEV).file_name()
     other.symlink_to(cache.path(key))
     data, why = read_file(other)
-    assert data is None and f"holds the key of {key.file_name()}" in why and "symlink" in why
-    assert read_file(cache.path(key))[1] is None
+    assert data is None and why == f"a symlink to {cache.path(key)}: the cache opens regular files only, never " \
+                                   f"through a link"
 
 
 def test_the_tests_never_use_the_users_cache(tmp_path_factory):
