@@ -57,32 +57,67 @@ damage by the reader's error), a checkpoint of another model config with the ``[
 Pruning (``keep``) only considers checkpoints up to the step just saved, which is never
 deleted: newer ones (another run's, when this one resumed from an earlier step) are left
 alone. Under several nodes ``dir`` must be on a file system that every node sees.
+
+Steps have any number of digits: names are ``step_{step:08d}`` (at least 8 digits, more
+past step 99999999), and checkpoints are ordered by the number, not the name. A
+checkpoint whose name disagrees with the step in its ``meta.json`` (renamed or copied by
+hand) is refused, naming both (``latest`` skips it).
+
+Only what this trainer wrote is ever deleted or renamed: pruning and a re-save's
+replacement touch a ``step_N`` entry of ``dir`` only when it is a real directory (checked
+with ``os.lstat``: never through a symlink) under its own name that holds ``meta.json`` or
+the ``COMPLETE`` marker; the cleanup of an interrupted save or deletion touches
+``step_N.partial`` and ``step_N.deleting`` only when they are real directories. Anything
+else under those names (a symlink to an archived checkpoint, a stray file) is left alone
+with a warning naming it, and does not count toward ``keep``; where it stands in the way
+of a save (``step_N`` or ``step_N.partial`` of the step being saved) the save refuses,
+alike on every rank, naming it and the fix. Reading through a link is fine: ``--resume``
+loads a linked checkpoint.
+
+One trainer at a time per ``dir``: rank 0 holds ``{dir}/.lock`` (:func:`lock_checkpoint_dir`)
+for the run, a file holding its host and pid under an exclusive ``flock``. A second trainer
+refuses to start, naming the holder; a lock left by a process of this host that no longer
+runs is taken over with a warning; it is deleted when the run closes.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
 import json
 import logging
 import os
 import re
 import shutil
+import socket
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from errors import CheckpointError
+import errors
+from errors import CheckpointError, ConfigError, UserError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: the lock is the file and its pid alone
+    fcntl = None
 
 from ep_moe import checkpoint as dcp_checkpoint
 from ep_moe.parallel import is_expert_param
 
 logger = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+"""A checkpoint directory's name: ``step_`` and its step, of any width (written with at least 8 digits)."""
+_STEP_ENTRY = re.compile(r"^step_(\d+)(\.partial|\.deleting)?$")
+"""The names the trainer gives the entries of ``dir``: a checkpoint, a save in progress, a deletion."""
 MARKER = "COMPLETE"
 """The file that makes a checkpoint directory complete: written last, removed first."""
 _DELETING = ".deleting"
@@ -92,6 +127,14 @@ _DELETING = ".deleting"
 _NOT_HYPER = frozenset({"params", "lr", "initial_lr", "fused", "foreach", "capturable", "differentiable"})
 FORMATS = ("dcp", "native")
 """The values of ``checkpoint.format``."""
+LOCK = ".lock"
+"""The lock file of ``dir`` (:func:`lock_checkpoint_dir`)."""
+_T = TypeVar("_T")
+
+
+def step_dir_name(step: int) -> str:
+    """The name of the checkpoint directory of ``step``: ``step_`` and at least 8 digits."""
+    return f"step_{step:08d}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,32 +247,200 @@ def save_checkpoint(root: Path, step: int, layout: Layout, model: nn.Module, opt
     if format == "native" and _sharded(model):
         raise ValueError("format='native' saves replicated dense weights, but the model is sharded (FSDP: its "
                          "parameters are DTensors); save it with format='dcp'")
-    final = root / f"step_{step:08d}"
+    final = root / step_dir_name(step)
     partial = final.with_name(final.name + ".partial")
     meta = {"format": format, "step": step, "world_size": layout.world_size, "ep_size": layout.ep_size,
             **({"extra": extra} if format == "dcp" else {}), **meta}
     meta_json = json.dumps(meta, indent=1)  # not JSON: raises here on every rank, before any collective
     _check_finite(step, model, optimizer)
-    if layout.rank == 0:
-        _discard(partial)  # an interrupted save of this step
+
+    def prepare() -> None:
+        _in_the_way(final, step, root)  # a re-save replaces only a checkpoint this trainer wrote
+        _discard(partial, step, root)  # an interrupted save of this step
         for trash in root.glob(f"step_*{_DELETING}"):  # an interrupted deletion
-            shutil.rmtree(trash, ignore_errors=True)
+            if _mine(trash):
+                shutil.rmtree(trash, ignore_errors=True)
         partial.mkdir(parents=True)
-    dist.barrier()
+
+    def finish() -> None:
+        (partial / "meta.json").write_text(meta_json)
+        _mark_complete(partial, step)
+        _discard(final, step, root)  # a re-save of this step: the old one stops counting before it goes
+        partial.rename(final)
+        _prune(root, keep, step)
+
+    on_rank0(layout.rank, prepare, f"preparing the checkpoint of step {step}")  # every rank waits for it
     if format == "dcp":
         dcp_checkpoint.save_checkpoint(partial, model, optimizer)  # collective
     else:
         _save_native(partial, layout, model, optimizer, extra)
     torch.save(_rng_state(), partial / f"rng-{layout.rank:05d}.pt")
     dist.barrier()
-    if layout.rank == 0:
-        (partial / "meta.json").write_text(meta_json)
-        _mark_complete(partial, step)
-        _discard(final)  # a re-save of this step: the old one stops counting before it goes
-        partial.rename(final)
-        _prune(root, keep, step)
-    dist.barrier()
+    on_rank0(layout.rank, finish, f"completing the checkpoint of step {step}")
     return final
+
+
+def on_rank0(rank: int, action: Callable[[], _T], what: str) -> Optional[_T]:
+    """Run ``action`` on rank 0 alone and return its result there (None elsewhere);
+    collective: every rank returns once rank 0 is done, or raises alike when it raised (a
+    ``UserError`` with its message on every rank; anything else is re-raised on rank 0
+    with its traceback and named on the others, ``what`` saying what failed). So no rank
+    is left waiting on rank 0's file-system work."""
+    result: Optional[_T] = None
+    error: Optional[BaseException] = None
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            result = action()
+        except Exception as exc:
+            error = exc
+            kind = None
+            if isinstance(exc, UserError):
+                kind = type(exc).__name__ if type(exc).__name__ in _USER_ERRORS else "UserError"
+            box = [(kind, str(exc), f"{type(exc).__name__}: {exc}")]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        kind, message, described = box[0]
+        if kind is not None:
+            raise _USER_ERRORS[kind](message)
+        raise RuntimeError(f"{what} failed on rank 0 ({described}); see its traceback")
+    return result
+
+
+_USER_ERRORS = {cls.__name__: cls for cls in (errors.UserError, errors.ConfigError, errors.DataError,
+                                              errors.CheckpointError)}
+
+
+# --- one trainer per directory ------------------------------------------------------------------
+
+class DirLock:
+    """The lock of a checkpoint directory held by this process (:func:`lock_checkpoint_dir`)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: Optional[int] = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Delete the lock file (while still holding it) and let go; idempotent."""
+        if self._fd is None:
+            return
+        try:
+            if _same_file(self.path, self._fd):
+                os.unlink(self.path)
+        except OSError as exc:
+            logger.warning("could not delete the lock file %s (%s); the next run takes it over", self.path, exc)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not deleted or replaced since)."""
+    try:
+        st, open_st = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (open_st.st_dev, open_st.st_ino)
+
+
+def _read_holder(fd: int, wait_s: float) -> Optional[dict[str, Any]]:
+    """The lock file's ``{"host", "pid", ...}``, waiting up to ``wait_s`` for a holder that
+    created it to write it; None when it is empty or not such a record."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            holder = json.loads(os.pread(fd, 65536, 0).decode("utf-8"))
+            if isinstance(holder, dict) and isinstance(holder.get("pid"), int):
+                return holder
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _in_use(root: Path, path: Path, holder: Optional[dict[str, Any]], note: str = "") -> ConfigError:
+    who = "its holder did not write its host and pid" if holder is None else (
+        f"host {holder.get('host', '?')}, pid {holder['pid']}"
+        + (f", since {holder['since']}" if holder.get("since") else ""))
+    return ConfigError(f"checkpoint.dir={str(root)!r} is in use by another trainer ({who}; lock file {path}): pass "
+                       f"another checkpoint.dir (--checkpoint-dir), or stop that run first{note}")
+
+
+def lock_checkpoint_dir(root: Path) -> DirLock:
+    """Take the checkpoint directory ``root`` for this run (rank 0; :meth:`DirLock.release`
+    at the end), or raise a ``ConfigError`` naming the trainer that holds it and the fix.
+
+    The lock is ``{root}/.lock``: a file holding the holder's host, pid and start time,
+    under an exclusive ``flock`` for as long as the holder lives (the kernel drops it when
+    the process dies, however it dies). Taken when no other process holds the ``flock``
+    and the file names no live holder: a file left by a process of this host that no
+    longer runs is taken over with a warning; one of another host (whose processes cannot
+    be seen from here) is refused, naming the file to delete once that run is gone. On a
+    file system without ``flock`` the pid check alone decides.
+    """
+    path = root / LOCK
+    host, pid = socket.gethostname(), os.getpid()
+    root.mkdir(parents=True, exist_ok=True)
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                         0o644)
+        except OSError as exc:
+            what = "is a symlink" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
+            raise ConfigError(f"checkpoint.dir={str(root)!r}: its lock file {path} {what}: remove it, or pass "
+                              f"another checkpoint.dir (--checkpoint-dir)") from None
+        try:
+            flocked = fcntl is not None
+            if flocked:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # a live process holds it
+                    raise _in_use(root, path, _read_holder(fd, wait_s=2.0)) from None
+                except OSError:  # no flock on this file system: the pid decides
+                    flocked = False
+            if not _same_file(path, fd):  # its holder released (deleted) it meanwhile: take the new one
+                os.close(fd)
+                continue
+            holder = _read_holder(fd, wait_s=0.0 if flocked else 1.0)
+            if holder is not None and holder["pid"] != pid:
+                if holder.get("host") != host:
+                    raise _in_use(root, path, holder, f"; if that run is gone, delete {path}")
+                if not flocked and _pid_alive(holder["pid"]):
+                    raise _in_use(root, path, holder, f"; if that run is gone, delete {path}")
+                logger.warning("taking over the stale lock %s of pid %d on this host (%s), which no longer runs%s",
+                               path, holder["pid"], host,
+                               " (that pid is now another process)" if _pid_alive(holder["pid"]) else "")
+            record = {"host": host, "pid": pid, "since": datetime.datetime.now().isoformat(timespec="seconds")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode("utf-8"), 0)
+            os.fsync(fd)
+            return DirLock(path, fd)
+        except BaseException:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            raise
+    raise ConfigError(f"checkpoint.dir={str(root)!r}: its lock file {path} keeps being replaced by another process: "
+                      f"pass another checkpoint.dir (--checkpoint-dir), or stop the other trainers on it")
 
 
 def _save_native(partial: Path, layout: Layout, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -261,19 +472,105 @@ def _mark_complete(path: Path, step: int) -> None:
     os.replace(tmp, path / MARKER)
 
 
-def _discard(path: Path) -> None:
+def _discard(path: Path, step: Optional[int] = None, root: Optional[Path] = None) -> None:
     """Delete a checkpoint directory so that no kill on the way leaves it looking complete:
     it is renamed away first (``*.deleting``, which no lookup matches: atomic), then loses
-    its marker, then is deleted."""
-    if not path.exists():
+    its marker, then is deleted. Only a directory this trainer wrote (:func:`_not_mine`),
+    never through a link: anything else under its name, or under the ``.deleting`` name,
+    raises a ``CheckpointError`` naming it (``step``, ``root``: the save it is in the way of)."""
+    if not os.path.lexists(path):
         return
     trash = path.with_name(path.name + _DELETING)
+    _in_the_way(path, step, root)
+    if os.path.lexists(trash):
+        _in_the_way(trash, step, root)
     shutil.rmtree(trash, ignore_errors=True)  # left by an interrupted deletion
     path.rename(trash)
     (trash / MARKER).unlink(missing_ok=True)
     shutil.rmtree(trash, ignore_errors=True)
     if trash.exists():
         logger.warning("could not delete all of %s; remove it by hand", trash)
+
+
+def _not_mine(path: Path) -> Optional[str]:
+    """Why the entry ``path`` of a checkpoint directory is not one this trainer wrote (and
+    so is never deleted nor renamed), or None when it is: a real directory (``os.lstat``:
+    not a symlink) under the trainer's own name for its step; a ``step_N`` checkpoint also
+    holds ``meta.json`` or the ``COMPLETE`` marker (``.partial`` and ``.deleting`` need not:
+    a kill leaves them with any subset of their files)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "missing"
+    if stat.S_ISLNK(mode):
+        return f"a symlink (to {os.readlink(path)})"
+    if not stat.S_ISDIR(mode):
+        return "a file" if stat.S_ISREG(mode) else "not a directory"
+    match = _STEP_ENTRY.match(path.name)
+    if match is None:
+        return "not named like a checkpoint"
+    own = step_dir_name(int(match.group(1))) + (match.group(2) or "")
+    if path.name != own:
+        return f"a directory not named as the trainer names it ({own})"
+    if match.group(2) is None and not any(_is_regular(path / name) for name in ("meta.json", MARKER)):
+        return f"a directory without meta.json or {MARKER}"
+    return None
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+_warned: set[str] = set()
+"""Entries already named in a warning by this process (each is named once)."""
+
+
+def _mine(path: Path) -> bool:
+    """Whether this trainer wrote ``path`` (:func:`_not_mine`); else warns, once per entry,
+    that it is left alone."""
+    why = _not_mine(path)
+    if why is None:
+        return True
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        logger.warning("leaving %s alone: it is %s, not a checkpoint directory this trainer wrote (pruning, re-saves "
+                       "and cleanups delete or rename only those; it does not count toward checkpoint.keep)", path, why)
+    return False
+
+
+def _in_the_way(path: Path, step: Optional[int], root: Optional[Path]) -> None:
+    """Raise a ``CheckpointError`` when ``path`` exists but is not a checkpoint directory
+    this trainer wrote, and the save of ``step`` needs its name."""
+    if not os.path.lexists(path):
+        return
+    why = _not_mine(path)
+    if why is None:
+        return
+    where = root if root is not None else path.parent
+    doing = f"cannot save the checkpoint of step {step}" if step is not None else "cannot delete an old checkpoint"
+    raise CheckpointError(f"{doing}: {path} is in the way: it is {why}, not a checkpoint directory this trainer "
+                          f"wrote; move it out of checkpoint.dir={str(where)!r}, or pass another checkpoint.dir "
+                          f"(--checkpoint-dir)")
+
+
+def entries_in_the_way(root: Path, saves: Callable[[int], bool]) -> list[tuple[Path, int, str]]:
+    """The entries of ``root`` under the names of checkpoints and saves in progress
+    (``step_N``, ``step_N.partial``) that the trainer did not write, for steps ``N`` that
+    ``saves(N)``: a save of ``N`` would refuse. Each with its step and what it is."""
+    found = []
+    if not root.is_dir():
+        return found
+    for path in sorted(root.iterdir()):
+        match = _STEP_ENTRY.match(path.name)
+        if match is None or match.group(2) == _DELETING or not saves(int(match.group(1))):
+            continue
+        why = _not_mine(path)
+        if why is not None:
+            found.append((path, int(match.group(1)), why))
+    return found
 
 
 def _sharded(model: nn.Module) -> bool:
@@ -317,10 +614,11 @@ def _prune(root: Path, keep: int, step: int) -> None:
     checkpoint of ``step`` is complete, so the newest complete one always survives, and each
     deletion unmarks first (``_discard``), so a kill while pruning leaves no half-deleted
     checkpoint that looks complete."""
-    saved = root / f"step_{step:08d}"
+    saved = root / step_dir_name(step)
     if not keep or not _is_complete(saved):
         return
-    for old in [p for p in complete_checkpoints(root) if checkpoint_step(p) <= step][:-keep]:
+    mine = [p for p in complete_checkpoints(root) if checkpoint_step(p) <= step and _mine(p)]
+    for old in mine[:-keep]:
         if old != saved:
             _discard(old)
 
@@ -330,16 +628,21 @@ def _is_complete(path: Path) -> bool:
 
 
 def checkpoint_step(path: Path) -> int:
-    """The step of a ``step_XXXXXXXX`` checkpoint directory."""
+    """The step of a ``step_XXXXXXXX`` checkpoint directory (any number of digits)."""
     return int(_STEP_DIR.match(path.name).group(1))
 
 
+def _by_step(path: Path) -> tuple[int, str]:
+    return checkpoint_step(path), path.name
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoint directories under ``root`` (those holding the marker), oldest first."""
+    """Complete checkpoint directories under ``root`` (those holding the marker; a symlink to
+    one too: read-only use), oldest first (by step)."""
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and _is_complete(p)]
-    return sorted(found, key=lambda p: p.name)
+    return sorted(found, key=_by_step)
 
 
 def newer_checkpoints(root: Path, step: int) -> list[Path]:
@@ -353,6 +656,12 @@ def _finish_interrupted_saves(root: Path) -> None:
     for partial in sorted(root.glob("step_*.partial")):
         if _STEP_DIR.match(partial.stem) and _is_complete(partial):
             final = partial.with_name(partial.stem)
+            blocker = partial if _not_mine(partial) is not None else (
+                final if os.path.lexists(final) and _not_mine(final) is not None else None)
+            if blocker is not None:
+                logger.warning("not finishing the interrupted save %s: %s is %s, not a checkpoint directory this "
+                               "trainer wrote, so both are left alone", partial, blocker.name, _not_mine(blocker))
+                continue
             _discard(final)
             partial.rename(final)
             logger.warning("%s: finished an interrupted save (its files were complete in %s)", final, partial.name)
@@ -360,7 +669,7 @@ def _finish_interrupted_saves(root: Path) -> None:
 
 def _earlier_hint(path: Path) -> str:
     """How to go on without checkpoint ``path``: the newest complete one before it, if any."""
-    match = re.match(r"^step_(\d{8})", path.name)
+    match = re.match(r"^step_(\d+)", path.name)
     earlier = [p for p in complete_checkpoints(path.parent)
                if p != path and (match is None or checkpoint_step(p) < int(match.group(1)))]
     if earlier:
@@ -389,9 +698,12 @@ def resume_candidates(resume: str, root: Path) -> list[Path]:
         return []
     _finish_interrupted_saves(root)
     complete = complete_checkpoints(root)[::-1]
-    newest = complete[0].name if complete else ""
-    for path in sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.name > newest):
-        if not _is_complete(path):
+    newest = checkpoint_step(complete[0]) if complete else -1
+    for path in sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and checkpoint_step(p) > newest),
+                       key=_by_step):
+        if not path.is_dir():
+            logger.warning("skipping %s: %s, not a checkpoint", path, _not_mine(path))
+        elif not _is_complete(path):
             logger.warning("skipping %s: incomplete (no %s marker: its save or deletion was interrupted)",
                            path, MARKER)
     return complete
@@ -484,6 +796,11 @@ def load_checkpoint(path: Path, layout: Layout, model: nn.Module, optimizer: tor
     model and optimizer partly loaded: load another checkpoint, or stop.
     """
     meta = _read_meta(path)
+    named = _STEP_DIR.match(path.name)
+    if named is not None and int(named.group(1)) != meta["step"]:
+        raise CheckpointError(f"cannot resume from checkpoint {path}: its name says step {int(named.group(1))} but its "
+                              f"meta.json says step {meta['step']} (renamed or copied by hand?); give it the name of "
+                              f"its step ({step_dir_name(meta['step'])}) or move it away. {_earlier_hint(path)}")
     if meta["format"] == "native" and _sharded(model):
         raise CheckpointError(f"cannot resume from checkpoint {path}: it is in the native format (its meta.json), "
                               "whose replicated dense weights do not load into a model sharded with FSDP "
