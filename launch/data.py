@@ -27,6 +27,13 @@ windows in a permutation seeded by (seed, e); global sample ``i`` of the run is 
 and data-parallel rank ``r`` the ``B`` of them from ``(s * dp + r) * B``. So each rank
 reads its own shard, a batch is a pure function of (seed, step, rank), the data position
 is just the step, and a resumed run reads exactly the batches an uninterrupted run would.
+
+Memory-mapped files (token files, the token cache) are held open (``tokens.MappedFile``)
+and their size is checked against the mapped length when they are mapped and before each
+epoch (the first batch, and every step whose samples reach a new epoch, alike on every
+rank), so a file truncated while the run reads it stops the run with a ``DataError``
+naming it instead of SIGBUS. (A truncation in the middle of an epoch is caught at the
+next epoch at the earliest: the check costs one ``fstat`` per file and epoch.)
 """
 
 from __future__ import annotations
@@ -35,15 +42,23 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 
 from errors import DataError
-from tokens import TOKEN_SUFFIXES, TextTokenizer, byte_tokens, cached_tokens, find_text_source, load_tokenizer
+from tokens import (
+    TOKEN_SUFFIXES,
+    MappedFile,
+    TextTokenizer,
+    byte_tokens,
+    cached_tokens,
+    find_text_source,
+    load_tokenizer,
+)
 
-__all__ = ["DataConfig", "TextTokenizer", "TokenBatches", "TokenStreams", "build_token_streams", "is_token_data",
-           "load_tokenizer", "load_tokens", "synthetic_corpus"]
+__all__ = ["DataConfig", "MappedFile", "TextTokenizer", "TokenBatches", "TokenStreams", "build_token_streams",
+           "is_token_data", "load_tokenizer", "load_tokens", "synthetic_corpus"]
 
 Format = Literal["auto", "text", "uint16", "int32", "uint32", "jsonl"]
 _FILE_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32, "int32": torch.int32}
@@ -150,6 +165,12 @@ def load_tokens(path: str, fmt: Format = "auto", option: str = "data.path") -> t
     opens the file read-only), so a file of many gigabytes costs no resident memory up
     front. The vocabulary check reads the file once.
     """
+    tokens, vocab, _ = _map_tokens(path, fmt, option)
+    return tokens, vocab
+
+
+def _map_tokens(path: str, fmt: Format, option: str) -> tuple[torch.Tensor, int, MappedFile]:
+    """:func:`load_tokens`, and the mapped file held open (to check its size while training)."""
     file = Path(path)
     if not file.is_file():
         raise DataError(f"{option}={path!r} is not a file: pass a text file or a flat token file")
@@ -165,11 +186,14 @@ def load_tokens(path: str, fmt: Format = "auto", option: str = "data.path") -> t
     if nbytes % itemsize:
         raise DataError(f"{option}={path!r} has {nbytes} bytes, not a multiple of {itemsize} ({token_format}); "
                         f"set data.format to the file's token type")
+    mapped = MappedFile(file, nbytes // itemsize * itemsize, f"{option}={path!r}",
+                        "restore the file (as it was when the run started), then resume with --resume latest")
     tokens = torch.from_file(str(file), shared=False, size=nbytes // itemsize, dtype=dtype)
+    mapped.check()
     lo, hi = _min_max(tokens)
     if lo < 0:
         raise DataError(f"{option}={path!r} holds negative token ids; is it really int32? Set data.format")
-    return tokens, hi + 1
+    return tokens, hi + 1, mapped
 
 
 def _min_max(tokens: torch.Tensor, chunk: int = 1 << 22) -> tuple[int, int]:
@@ -200,6 +224,9 @@ class TokenStreams:
     """The id that ends each document, when text was tokenized; None for bytes and token files."""
     source: str = ""
     """What was read and held out, one line for logs."""
+    mapped: tuple[MappedFile, ...] = ()
+    """The memory-mapped files the streams read (token files, token caches), to check while
+    training (``TokenBatches(files=...)``)."""
 
 
 @dataclass(frozen=True)
@@ -214,20 +241,22 @@ class _Stream:
     eos_id: Optional[int]
     """The id ending each document of tokenized text."""
     description: str
+    mapped: tuple[MappedFile, ...] = ()
+    """The memory-mapped files ``tokens`` reads."""
 
 
 def _load_stream(spec: str, option: str, cfg: DataConfig, tokenizer: Optional[TextTokenizer]) -> _Stream:
     """The tokens named by ``spec``: a token file as it is, text as bytes or tokenized."""
     path = Path(spec)
     if path.is_file() and _token_format(path, cfg.format):
-        tokens, vocab = load_tokens(spec, cfg.format, option)
-        return _Stream(tokens, None, vocab, False, None, f"{option}={spec!r}: {tokens.numel()} tokens")
+        tokens, vocab, mapped = _map_tokens(spec, cfg.format, option)
+        return _Stream(tokens, None, vocab, False, None, f"{option}={spec!r}: {tokens.numel()} tokens", (mapped,))
     source = find_text_source(spec, option, cfg.format)
     if tokenizer is None:
         text = byte_tokens(source, cfg.text_field)
         return _Stream(text.tokens, text.starts, text.vocab_size, True, None, text.description)
     text = cached_tokens(source, tokenizer, cfg.text_field, cfg.cache_dir)
-    return _Stream(text.tokens, text.starts, text.vocab_size, False, tokenizer.eos_id, text.description)
+    return _Stream(text.tokens, text.starts, text.vocab_size, False, tokenizer.eos_id, text.description, text.mapped)
 
 
 def _held_out_start(stream: _Stream, val_fraction: float) -> int:
@@ -263,14 +292,16 @@ def build_token_streams(cfg: DataConfig, seed: int, tokenizer: Optional[TextToke
         train_tokens, val_tokens = train.tokens, val.tokens
         vocab_size = max(train.vocab_size, val.vocab_size)
         source = f"{train.description}; held out: {val.description}"
+        mapped = train.mapped + val.mapped
     else:
         split = _held_out_start(train, cfg.val_fraction)
         train_tokens, val_tokens, vocab_size = train.tokens[:split], train.tokens[split:], train.vocab_size
         source = f"{train.description}; held out: the last {val_tokens.numel()} tokens"
         if train.starts is not None and train.starts.numel() > 1:
             source += f" ({int((train.starts >= split).sum())} documents)"
+        mapped = train.mapped
     return TokenStreams(train=train_tokens, val=val_tokens, vocab_size=vocab_size, byte_level=train.byte_level,
-                        eos_id=train.eos_id, source=source)
+                        eos_id=train.eos_id, source=source, mapped=mapped)
 
 
 # --- batches --------------------------------------------------------------------------------
@@ -284,9 +315,12 @@ class TokenBatches:
     """
 
     def __init__(self, tokens: torch.Tensor, *, seq_len: int, batch_size: int,
-                 dp_rank: int, dp_size: int, seed: int, split: str = "data", hint: str = "") -> None:
+                 dp_rank: int, dp_size: int, seed: int, split: str = "data", hint: str = "",
+                 files: Sequence[MappedFile] = ()) -> None:
         """``split`` names the stream and ``hint`` adds a remedy, in the error raised when
-        ``tokens`` is too short for one window."""
+        ``tokens`` is too short for one window. ``files``: the memory-mapped files behind
+        ``tokens`` (``TokenStreams.mapped``), checked before the first batch and before
+        each epoch (:meth:`needs_check`)."""
         if tokens.numel() <= seq_len + 1:
             raise DataError(f"the {split} has {tokens.numel()} tokens, fewer than seq_len + 2 = {seq_len + 2}: "
                             f"{hint + ', ' if hint else ''}lower training.seq_len or use more data")
@@ -300,6 +334,9 @@ class TokenBatches:
         """Windows per epoch."""
         self.step = 0
         self._orders: dict[int, torch.Tensor] = {}
+        self.files = tuple(files)
+        self._checked_epoch = -1
+        """The last epoch whose files were checked (-1: none yet)."""
 
     def _order(self, epoch: int) -> torch.Tensor:
         """The window order of ``epoch``; the last two epochs' are kept (a step may span two)."""
@@ -317,8 +354,33 @@ class TokenBatches:
         return [int(self._order(sample // self.num_windows)[sample % self.num_windows])
                 for sample in range(first, first + self.batch_size)]
 
+    def _last_epoch(self, step: int) -> int:
+        """The epoch of the last sample any rank reads at ``step`` (alike on every rank)."""
+        return ((step + 1) * self.batch_size * self.dp_size - 1) // self.num_windows
+
+    def needs_check(self, step: int) -> bool:
+        """Whether ``step`` is the first batch read, or reaches an epoch whose files were not
+        checked yet: the points where :meth:`batch` checks the memory-mapped files. Alike on
+        every rank, so a trainer can agree on the outcome (:meth:`files_problem`) first."""
+        return bool(self.files) and self._last_epoch(step) > self._checked_epoch
+
+    def files_problem(self) -> Optional[str]:
+        """Why a memory-mapped file cannot be read to its mapped length (it shrank), or None."""
+        for file in self.files:
+            problem = file.problem()
+            if problem is not None:
+                return problem
+        return None
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's batch of ``step``: inputs and targets, [B, L] int64 each."""
+        """This rank's batch of ``step``: inputs and targets, [B, L] int64 each. Raises a
+        ``DataError`` naming a memory-mapped file that shrank (checked before the first
+        batch and each epoch), where reading it would raise SIGBUS."""
+        if self.needs_check(step):
+            problem = self.files_problem()
+            if problem is not None:
+                raise DataError(problem)
+            self._checked_epoch = self._last_epoch(step)
         windows_BL = torch.stack([self.tokens[w * self.seq_len:(w + 1) * self.seq_len + 1].to(torch.int64)
                                   for w in self.windows(step)])
         return windows_BL[:, :-1], windows_BL[:, 1:]

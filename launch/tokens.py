@@ -30,7 +30,10 @@ remove the folder to reclaim them.
 torchrun starts every rank at once and each builds its data before any process group
 exists, so the cache takes a ``filelock.FileLock`` per entry: the first rank tokenizes,
 the others wait on the lock and then read the finished entry. The training ids are
-memory-mapped from the cache, never read whole.
+memory-mapped from the cache, never read whole; a :class:`MappedFile` keeps the mapped file
+open, so that a cache truncated while the run reads it is named in a ``DataError`` (the
+trainer checks at the start and before each epoch) rather than killing the process with
+SIGBUS.
 
 A text file is read in pieces of about 1 MiB, each cut before a line that starts with a
 non-space character (a word boundary for common tokenizers), so a file of any size
@@ -82,6 +85,59 @@ _TORCH_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 def _fallback_cache_dir() -> Path:
     """Where token caches go when the data's own folder cannot be written."""
     return Path.home() / ".cache" / "ep_moe" / "tokens"
+
+
+# --- memory-mapped files ----------------------------------------------------------------
+
+class MappedFile:
+    """A file the run memory-maps (a token file, or a token cache), held open so that its
+    size can be checked against the length mapped: reading a page past the end of a file
+    that shrank raises SIGBUS, which kills the process without naming the file.
+
+    The descriptor is of the mapped inode (opened just before the mapping), so a file
+    replaced by a rename (the old inode stays mapped and whole) is no problem; one
+    truncated or rewritten in place is.
+    """
+
+    def __init__(self, path: Path, nbytes: int, what: str, fix: str) -> None:
+        """``nbytes``: the length that will be mapped; ``what``: the file as messages name it
+        (the data option first); ``fix``: what to do when it shrank."""
+        self.path = Path(path)
+        self.nbytes = nbytes
+        self.what = what
+        self.fix = fix
+        self._fd: Optional[int] = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+    def problem(self) -> Optional[str]:
+        """Why reading the mapping would fail (the file shrank below the mapped length), or None."""
+        if self._fd is None:
+            return None
+        size = os.fstat(self._fd).st_size
+        if size >= self.nbytes:
+            return None
+        return (f"{self.what} shrank to {size} bytes while the run used it, below the {self.nbytes} bytes mapped "
+                f"at its start (truncated or rewritten in place); reading past its end would kill the process "
+                f"(SIGBUS): {self.fix}")
+
+    def check(self) -> None:
+        """Raise a ``DataError`` naming the file when it shrank below the mapped length."""
+        problem = self.problem()
+        if problem is not None:
+            raise DataError(problem)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return f"MappedFile({str(self.path)!r}, {self.nbytes} bytes)"
 
 
 # --- the tokenizer ----------------------------------------------------------------------
@@ -398,6 +454,8 @@ class TextTokens:
     """Largest id + 1 (256 for bytes)."""
     description: str
     """What was read, for logs."""
+    mapped: tuple[MappedFile, ...] = ()
+    """The memory-mapped files ``tokens`` reads (the token cache), to check while training."""
 
 
 def byte_tokens(source: TextSource, field: str) -> TextTokens:
@@ -488,12 +546,20 @@ class _Entry:
             pass
         return None
 
-    def open(self, meta: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached ids and document starts, memory-mapped copy-on-write (read-only on disk)."""
-        tokens = torch.from_file(str(self.tokens), shared=False, size=meta["tokens"],
-                                 dtype=_TORCH_DTYPES[meta["dtype"]])
+    def open(self, meta: dict[str, Any], source: TextSource) -> tuple[torch.Tensor, torch.Tensor, MappedFile]:
+        """The cached ids and document starts, memory-mapped copy-on-write (read-only on disk),
+        and the ids' file held open to check its size (read while training; the starts are
+        read only now, to split off the held-out documents)."""
+        dtype = _TORCH_DTYPES[meta["dtype"]]
+        nbytes = meta["tokens"] * torch.empty((), dtype=dtype).element_size()
+        mapped = MappedFile(self.tokens, nbytes, f"{source.name}: its token cache {str(self.tokens)!r}",
+                            f"restore it, or delete the cache entry ({self.meta.name} and the files beside it of the "
+                            f"same name in {str(self.stem.parent)!r}) so that the next run tokenizes again; then "
+                            f"resume with --resume latest")
+        tokens = torch.from_file(str(self.tokens), shared=False, size=meta["tokens"], dtype=dtype)
         starts = torch.from_file(str(self.starts), shared=False, size=meta["documents"], dtype=torch.int64)
-        return tokens, starts
+        mapped.check()
+        return tokens, starts, mapped
 
 
 def _tokenize_into(entry: _Entry, source: TextSource, tokenizer: TextTokenizer, field: str,
@@ -573,6 +639,6 @@ def cached_tokens(source: TextSource, tokenizer: TextTokenizer, field: str, cach
                         meta["documents"])
     finally:
         lock.release()
-    tokens, starts = entry.open(meta)
+    tokens, starts, mapped = entry.open(meta, source)
     return TextTokens(tokens, starts, meta["max_id"] + 1,
-                      _describe(source, meta["documents"], f"{meta['tokens']} tokens (cache {entry.stem})"))
+                      _describe(source, meta["documents"], f"{meta['tokens']} tokens (cache {entry.stem})"), (mapped,))
