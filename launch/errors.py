@@ -13,11 +13,14 @@ class UserError(Exception):
 
 
 class ConfigError(UserError, ValueError):
-    """A config file or command-line value that is unknown, of the wrong type or out of range."""
+    """A config file or command-line value that is unknown, of the wrong type or out of range;
+    or an output path that cannot be written or is of the wrong kind, or a checkpoint
+    directory that another trainer is using."""
 
 
 class DataError(UserError, ValueError):
-    """A data file that cannot be used: missing, empty or of the wrong size."""
+    """A data file that cannot be used: missing, empty or of the wrong size, or truncated
+    while the run reads it."""
 
 
 class CheckpointError(UserError, RuntimeError):

@@ -45,7 +45,15 @@ without it). Every option is described in ``launch/config.py`` and
 
 A bad config value, data file or checkpoint stops the run before training with one line
 naming it and the fix (``train.py: error: ...``, exit status 2; under torchrun printed by
-rank 0, followed by torchrun's own summary of the failed processes).
+rank 0, followed by torchrun's own summary of the failed processes). So do output paths
+that cannot be written or are of the wrong kind (``--checkpoint-dir``, ``--metrics-file``,
+``--tensorboard``, ``--export-hf``), checked in seconds before step 1, and a checkpoint
+directory another trainer is using (rank 0 locks it for the run: ``{dir}/.lock`` names the
+holder's host and pid; a lock left by a dead process of the same host is taken over with
+a warning). A data file truncated while the run reads it stops the run the same way, at
+the next epoch, naming the file. A resume whose ``training.steps`` is already reached
+trains nothing, says so in a warning (raise ``--steps``), still exports an HF model, and
+exits 0.
 """
 
 import logging

@@ -21,7 +21,22 @@ experts per global id, so the weights do not depend on the EP size or on FSDP ei
 
 Exact resume: batches are a pure function of (seed, step, rank), and checkpoints hold
 weights, AdamW state, the data position and RNG states, so a resumed run logs the same
-losses as an uninterrupted one (bit for bit on CPU).
+losses as an uninterrupted one (bit for bit on CPU). A run resumed at or past
+``training.steps`` trains nothing and says so in a warning (naming the step and
+``training.steps``: raise ``--steps`` to go on); it is no error (exit status 0: a finished
+job resubmitted unchanged is fine), and an HF model is still exported when
+``checkpoint.export_hf`` asks.
+
+Output paths are checked before step 1, in seconds (:func:`check_output_path`): the
+checkpoint directory, which every rank writes, on every rank before the process group
+starts; the metrics file, the TensorBoard folder and the HF export, which rank 0 alone
+writes, by rank 0 once the process group is up, its verdict broadcast
+(``checkpoint.on_rank0``) so that every rank fails alike. Rank 0 then locks the checkpoint
+directory for the run (``checkpoint.lock_checkpoint_dir``: a second trainer on it refuses
+to start), and, once the starting step is known, refuses entries it did not write that
+stand where this run saves (a stray file ``step_N``). Memory-mapped data is checked before
+each epoch (``data.TokenBatches``), every rank agreeing on the outcome, so a truncated file
+stops the run naming it, not with SIGBUS.
 """
 
 from __future__ import annotations
@@ -31,11 +46,12 @@ import json
 import logging
 import math
 import os
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,7 +61,17 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from checkpoint import Layout, complete_checkpoints, newer_checkpoints, resume, save_checkpoint
+from checkpoint import (
+    DirLock,
+    Layout,
+    complete_checkpoints,
+    entries_in_the_way,
+    lock_checkpoint_dir,
+    newer_checkpoints,
+    on_rank0,
+    resume,
+    save_checkpoint,
+)
 from config import JobConfig, TrainingConfig
 from data import TokenBatches, TokenStreams, build_token_streams, is_token_data, load_tokenizer
 from errors import ConfigError, DataError
@@ -252,6 +278,70 @@ def _scale_gradients(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
         torch._foreach_mul_(group, factor.to(device))
 
 
+_FLAGS = {"checkpoint.dir": "--checkpoint-dir", "logging.metrics_file": "--metrics-file",
+          "logging.tensorboard_dir": "--tensorboard", "checkpoint.export_hf": "--export-hf"}
+_FOLDERS = {"checkpoint.dir": "a directory for the checkpoints", "logging.tensorboard_dir": "a directory",
+            "checkpoint.export_hf": "a folder for the HF export"}
+
+
+def check_output_path(option: str, value: str, kind: Literal["dir", "file"], probe: bool = False,
+                      shown: str = "") -> None:
+    """Raise a ``ConfigError`` naming ``option`` (a key of ``_FLAGS``) and the fix unless
+    ``value`` is a ``kind`` ("dir" or "file") that can be written, or can be created: an
+    existing path of the other kind, a missing one under a file, or one that ``os.access``
+    says cannot be written (its nearest existing folder, for a missing one). ``probe``
+    (the checkpoint directory): also create the directory and a temporary file in it,
+    which catches what ``os.access`` does not see (a read-only mount for root).
+    ``shown``: the option's value as messages show it, when ``value`` is derived from it."""
+    path, flag = Path(value), _FLAGS[option]
+    shown = shown or repr(value)
+    fix = f"pass {_FOLDERS[option]} ({flag}; created if missing)" if kind == "dir" else f"pass a file path ({flag})"
+    if option == "checkpoint.export_hf":
+        fix += ", or '' for no export"
+    if path.exists():
+        if kind == "dir" and not path.is_dir():
+            raise ConfigError(f"{option}={shown} is a file, not a directory: {fix}")
+        if kind == "file" and path.is_dir():
+            raise ConfigError(f"{option}={shown} is a directory: pass a file path ({flag}), e.g. "
+                              f"{str(path / 'metrics.jsonl')!r}")
+        if not os.access(path, os.W_OK | (os.X_OK if kind == "dir" else 0)):
+            noun = "directory" if kind == "dir" else "file"
+            raise ConfigError(f"{option}={shown} cannot be written (permission denied): pass a writable {noun} "
+                              f"({flag}), or fix its permissions")
+    else:
+        folder = path.absolute().parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if not folder.is_dir():
+            raise ConfigError(f"{option}={shown} cannot be created: {str(folder)!r} is a file, not a directory: pass "
+                              f"another path ({flag})")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ConfigError(f"{option}={shown} cannot be created: {str(folder)!r} is not writable (permission "
+                              f"denied): pass another path ({flag}), or fix its permissions")
+    if probe:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=".write-test-", dir=path)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as exc:
+            raise ConfigError(f"{option}={shown} cannot be written ({exc.strerror}): pass a writable directory "
+                              f"({flag}), or fix its permissions") from None
+
+
+def writes_checkpoint_dir(job: JobConfig) -> bool:
+    """Whether the run writes ``checkpoint.dir``: it saves (``checkpoint.interval >= 0``),
+    may finish an interrupted save there (``resume='latest'``), or exports into it."""
+    ccfg = job.checkpoint
+    return ccfg.interval >= 0 or ccfg.resume == "latest" or bool(job.model.hf and ccfg.export_hf == "auto")
+
+
+def export_path(job: JobConfig) -> str:
+    """Where an HF model is exported (``checkpoint.export_hf``; ``auto``: ``{dir}/hf``)."""
+    ccfg = job.checkpoint
+    return str(Path(ccfg.dir) / "hf") if ccfg.export_hf == "auto" else ccfg.export_hf
+
+
 def tensorboard_writer_class() -> type:
     """``torch.utils.tensorboard.SummaryWriter``, or a ``ConfigError`` naming the install
     command when the ``tensorboard`` package is missing."""
@@ -267,8 +357,10 @@ class Trainer:
     """Owns the model, optimizer, data and checkpoints of one run; ``train()`` runs it."""
 
     def __init__(self, job: JobConfig) -> None:
-        """Build everything; the config and the data are checked before the process group
-        starts, so a bad value or file fails alike on every rank, with no collective."""
+        """Build everything; the config, the data and the checkpoint directory are checked
+        before the process group starts, so a bad value or file fails alike on every rank,
+        with no collective; rank 0's own output paths and the directory's lock right after,
+        its verdict broadcast (every rank fails alike)."""
         self.job = job
         tcfg = job.training
         rank, world = rank_and_world()
@@ -276,7 +368,8 @@ class Trainer:
         """The HF model folder's config (``model.hf``), or None for the built-in model."""
         streams = self._token_streams()
         self.byte_level = streams.byte_level
-        dp = dict(seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, dp_rank=rank, dp_size=world)
+        dp = dict(seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, dp_rank=rank, dp_size=world,
+                  files=streams.mapped)
         held_out = f"data.val_fraction={job.data.val_fraction} held out"
         self.batches = TokenBatches(streams.train, seed=tcfg.seed, split=f"training split ({held_out})", **dp)
         self.val_batches = None  # evaluation off (logging.eval_interval=0): no validation split needed
@@ -285,8 +378,24 @@ class Trainer:
                 streams.val, seed=tcfg.seed + 1, split=f"validation split ({held_out})",
                 hint="raise data.val_fraction, set logging.eval_interval=0 (no evaluation)", **dp)
         writer_class = tensorboard_writer_class() if job.logging.tensorboard_dir else None
+        if writes_checkpoint_dir(job):  # every rank writes it: each checks, before the process group
+            check_output_path("checkpoint.dir", job.checkpoint.dir, "dir", probe=True)
         num_experts = self.hf_spec.num_experts if self.hf_spec else job.moe_config().num_experts
         self.ranks = init_distributed(job, num_experts)
+        self.dir_lock: Optional[DirLock] = None
+        """Rank 0's lock of ``checkpoint.dir`` for the run (None elsewhere, or when not written)."""
+        self.metrics = None
+        self.tensorboard = None  # rank 0's SummaryWriter; a resumed run drops the events past its step
+        try:
+            self.dir_lock = on_rank0(self.ranks.rank, self._claim_outputs, "checking the output paths")
+            self._build(writer_class)
+        except BaseException:
+            self.close()  # the lock too: a failed start leaves none behind
+            raise
+
+    def _build(self, writer_class: Optional[type]) -> None:
+        """The rest of ``__init__``, once the process group is up and the outputs are claimed."""
+        job, tcfg = self.job, self.job.training
         if self.ranks.rank == 0:
             logger.info("config: %s", json.dumps(job.to_dict(), default=str))
         self.model = self._build_model()
@@ -304,15 +413,62 @@ class Trainer:
         self.skipped_steps = 0  # non-finite steps skipped so far in this run (training.max_skipped_steps)
         self.graphs_off = self._graphs_off_reason()
         self._resume()
+        on_rank0(self.ranks.rank, self._check_save_targets, "checking checkpoint.dir")
         self._warmup_kernels()
         self._capture_graphs()
         self.metrics = self._open_metrics()
-        self.tensorboard = None  # rank 0's SummaryWriter; a resumed run drops the events past its step
         if writer_class is not None and self.ranks.rank == 0:
             self.tensorboard = writer_class(job.logging.tensorboard_dir,
                                             purge_step=self.step + 1 if self.step else None)
 
     # --- setup -------------------------------------------------------------------------
+
+    def _claim_outputs(self) -> Optional[DirLock]:
+        """Rank 0 (under :func:`checkpoint.on_rank0`): check the paths only rank 0 writes (the
+        metrics file, the TensorBoard folder, the HF export), then lock ``checkpoint.dir``
+        (when the run writes it); returns the lock."""
+        job = self.job
+        if job.logging.metrics_file:
+            check_output_path("logging.metrics_file", job.logging.metrics_file, "file")
+        if job.logging.tensorboard_dir:
+            check_output_path("logging.tensorboard_dir", job.logging.tensorboard_dir, "dir")
+        if self.hf_spec is not None and job.checkpoint.export_hf:
+            value = job.checkpoint.export_hf
+            if value == "auto":  # {dir}/hf
+                check_output_path("checkpoint.export_hf", export_path(job), "dir",
+                                  shown=f"'auto' ({export_path(job)})")
+            else:
+                check_output_path("checkpoint.export_hf", value, "dir")
+        return lock_checkpoint_dir(Path(job.checkpoint.dir)) if writes_checkpoint_dir(job) else None
+
+    def _check_save_targets(self) -> None:
+        """Rank 0 (under :func:`checkpoint.on_rank0`), once the starting step is known: a
+        ``ConfigError`` when ``checkpoint.dir`` holds an entry this trainer did not write (a
+        stray file, a symlink) under the name of a step this run saves, which the save would
+        refuse after all the steps before it."""
+        ccfg, total, start = self.job.checkpoint, self.job.training.steps, self.step
+        if ccfg.interval < 0:
+            return
+
+        def saves(step: int) -> bool:
+            return start < step <= total and (step == total or (ccfg.interval > 0 and step % ccfg.interval == 0))
+
+        for path, step, why in entries_in_the_way(Path(ccfg.dir), saves):
+            raise ConfigError(f"checkpoint.dir={ccfg.dir!r} holds {path.name} ({why}, not a checkpoint directory this "
+                              f"trainer wrote), where this run saves step {step}: move it away, or pass another "
+                              f"checkpoint.dir (--checkpoint-dir)")
+
+    def _check_data(self, batches: TokenBatches) -> None:
+        """Check the memory-mapped data of ``batches`` (a file that shrank), every rank
+        agreeing (one all-gather of the outcomes): a ``DataError`` naming the file, raised
+        alike on every rank, rather than SIGBUS on the ranks whose batches reach past its end."""
+        problems: list[Optional[str]] = [None] * self.ranks.world_size
+        dist.all_gather_object(problems, batches.files_problem())
+        found = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+        if found:
+            rank, problem = found[0]
+            where = "" if len(found) == self.ranks.world_size else f" (seen by rank {rank})"
+            raise DataError(problem + where)
 
     def _token_streams(self) -> TokenStreams:
         """The data's train and validation tokens, checked against the model's vocabulary: text
@@ -498,6 +654,8 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step; returns this rank's (loss, aux loss, global grad norm)."""
+        if self.batches.needs_check(self.batches.step):  # the first batch, or a new epoch
+            self._check_data(self.batches)
         inputs_BL, targets_BL = next(self.batches)
         lr = self._lr(step)
         for group in self.optimizer.param_groups:
@@ -544,6 +702,14 @@ class Trainer:
         """Train from ``self.step`` to ``training.steps``, logging, evaluating and saving."""
         tcfg, lcfg, ccfg = self.job.training, self.job.logging, self.job.checkpoint
         rank0 = self.ranks.rank == 0
+        if self.step >= tcfg.steps:
+            if rank0:
+                logger.warning("checkpoint step %d >= training.steps=%d: nothing to train; raise --steps "
+                               "(training.steps) to train further%s", self.step, tcfg.steps,
+                               "; exporting the model as it is" if self.hf_spec is not None and ccfg.export_hf else "")
+            if self.hf_spec is not None and ccfg.export_hf:
+                self.export_hf()
+            return
         if rank0:
             n_params = sum(p.numel() for p in self.model.parameters())
             logger.info("rank 0: %.2fM parameters (its expert shard included); world %d, EP %d, "
@@ -584,8 +750,7 @@ class Trainer:
     def export_hf(self) -> None:
         """Write the HF model as an HF folder (``checkpoint.export_hf``; ``auto``: ``{dir}/hf``)
         that plain transformers loads, with the model folder's tokenizer."""
-        ccfg = self.job.checkpoint
-        path = str(Path(ccfg.dir) / "hf") if ccfg.export_hf == "auto" else ccfg.export_hf
+        path = export_path(self.job)
         start = time.perf_counter()
         self.model.export(path, tokenizer_dir=self.hf_spec.path)
         if self.ranks.rank == 0:
@@ -614,6 +779,7 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self, step: int) -> None:
         """Mean loss over ``eval_batches`` fixed held-out batches per rank."""
+        self._check_data(self.val_batches)
         self.model.eval()
         losses = [self._loss(*self.val_batches.batch(i))[0] for i in range(self.job.logging.eval_batches)]
         self.model.train()
@@ -667,12 +833,17 @@ class Trainer:
         gc.collect()
 
     def close(self) -> None:
-        """Close the metrics file and the TensorBoard writer, and free the CUDA graphs (the
+        """Close the metrics file and the TensorBoard writer, free the CUDA graphs (the
         caller then destroys the process group: graphs that captured NCCL collectives and
-        are still alive make ``destroy_process_group`` hang, a known torch issue)."""
-        if getattr(self.model, "graphed_blocks", None) is not None:
+        are still alive make ``destroy_process_group`` hang, a known torch issue), and
+        release the lock of ``checkpoint.dir``. Idempotent; also called by a failed start."""
+        if getattr(getattr(self, "model", None), "graphed_blocks", None) is not None:
             self.release_graphs()
         if self.metrics is not None:
             self.metrics.close()
+            self.metrics = None
         if self.tensorboard is not None:
             self.tensorboard.close()
+            self.tensorboard = None
+        if self.dir_lock is not None:
+            self.dir_lock.release()

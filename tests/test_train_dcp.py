@@ -163,6 +163,7 @@ def runs(tmp_path_factory):
                                  "checkpoint.interval=-1", ckpt=root / "w4ep1" / "ckpt")
     out.resumed[(2, 2)] = _train(root / "w2ep2", 2, 2, "--resume", "latest", "--set", "checkpoint.interval=-1",
                                  ckpt=killed_dir)
+    out.listing_after_resume = sorted(p.name for p in killed_dir.iterdir())
     return out
 
 
@@ -191,19 +192,23 @@ def test_resumed_run_continues_the_uninterrupted_one(runs, ep):
 def test_killed_save_resumes_from_the_last_complete_one(runs):
     """``--resume latest`` passed over a newer step-4 checkpoint without its marker (named
     in the log); that run was killed in its own save of step 4 after DCP had written all
-    its files, ``.metadata`` included, so the save left only ``step_4.partial``; the next
-    ``--resume latest`` (at world 2) passed over both and resumed from step 2."""
+    its files, ``.metadata`` included, so the save left only ``step_4.partial`` (and the
+    killed run's lock of the directory); the next ``--resume latest`` (at world 2) took the
+    stale lock over (its pid no longer runs), passed over both and resumed from step 2, and
+    released the lock at its end."""
     killed = runs.resumed[(4, 2)]
     assert killed.returncode != 0 and "Signal 9 (SIGKILL)" in killed.log, killed.log[-3000:]
     skipped = rf"skipping \S+step_{STEPS:08d}: incomplete \(no COMPLETE marker"
     assert re.search(skipped, killed.log), killed.log[-3000:]
     assert f"saved{STEPS}" not in killed.views, "the save of step 4 was to be killed"
     partial = runs.killed_dir / f"step_{STEPS:08d}.partial"
-    assert runs.listing_after_kill == [f"step_{SAVED:08d}", f"step_{STEPS:08d}", partial.name]
+    assert runs.listing_after_kill == [".lock", f"step_{SAVED:08d}", f"step_{STEPS:08d}", partial.name]
     assert (partial / ".metadata").is_file() and not (partial / "COMPLETE").exists()
     again = runs.resumed[(2, 2)]
     assert re.search(skipped, again.log) and f"resumed from {runs.killed_dir / f'step_{SAVED:08d}'} at" in again.log
+    assert re.search(r"taking over the stale lock \S+/\.lock of pid \d+ on this host", again.log), again.log[-3000:]
     assert sorted(_losses(again.records)) == list(range(SAVED + 1, STEPS + 1))
+    assert ".lock" not in runs.listing_after_resume, runs.listing_after_resume
 
 
 # --- in process: a gloo group of one -------------------------------------------------------
