@@ -75,9 +75,11 @@ alike on every rank, naming it and the fix. Reading through a link is fine: ``--
 loads a linked checkpoint.
 
 One trainer at a time per ``dir``: rank 0 holds ``{dir}/.lock`` (:func:`lock_checkpoint_dir`)
-for the run, a file holding its host and pid under an exclusive ``flock``. A second trainer
-refuses to start, naming the holder; a lock left by a process of this host that no longer
-runs is taken over with a warning; it is deleted when the run closes.
+for the run, a file holding its host and pid under an exclusive ``flock``, its modification
+time refreshed every ``LOCK_HEARTBEAT_S``. A second trainer refuses to start, naming the
+holder; a lock left by a process of this host that no longer runs, or one of another host
+not refreshed for ``LOCK_STALE_S`` (a job preempted there and restarted here), is taken over
+with a warning; it is deleted when the run closes.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ import re
 import shutil
 import socket
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +132,11 @@ FORMATS = ("dcp", "native")
 """The values of ``checkpoint.format``."""
 LOCK = ".lock"
 """The lock file of ``dir`` (:func:`lock_checkpoint_dir`)."""
+LOCK_HEARTBEAT_S = 30.0
+"""How often the holder of a lock refreshes its file's modification time."""
+LOCK_STALE_S = 300.0
+"""A lock of another host not refreshed for this long belongs to a run that is gone (its
+heartbeat stopped; ten missed beats, room for clocks that disagree by minutes)."""
 _T = TypeVar("_T")
 
 
@@ -316,11 +324,23 @@ _USER_ERRORS = {cls.__name__: cls for cls in (errors.UserError, errors.ConfigErr
 # --- one trainer per directory ------------------------------------------------------------------
 
 class DirLock:
-    """The lock of a checkpoint directory held by this process (:func:`lock_checkpoint_dir`)."""
+    """The lock of a checkpoint directory held by this process (:func:`lock_checkpoint_dir`):
+    a daemon thread refreshes the file's modification time every ``LOCK_HEARTBEAT_S``, so
+    that trainers on other hosts can tell a live holder from a dead one."""
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self._fd: Optional[int] = fd
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name=f"lock heartbeat {path}", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(LOCK_HEARTBEAT_S):
+            try:
+                os.utime(self._fd)
+            except (OSError, TypeError):  # released meanwhile, or a platform without utime on fds
+                return
 
     @property
     def held(self) -> bool:
@@ -330,6 +350,8 @@ class DirLock:
         """Delete the lock file (while still holding it) and let go; idempotent."""
         if self._fd is None:
             return
+        self._stop.set()
+        self._heartbeat.join()
         try:
             if _same_file(self.path, self._fd):
                 os.unlink(self.path)
@@ -392,8 +414,9 @@ def lock_checkpoint_dir(root: Path) -> DirLock:
     the process dies, however it dies). Taken when no other process holds the ``flock``
     and the file names no live holder: a file left by a process of this host that no
     longer runs is taken over with a warning; one of another host (whose processes cannot
-    be seen from here) is refused, naming the file to delete once that run is gone. On a
-    file system without ``flock`` the pid check alone decides.
+    be seen from here) is refused unless its heartbeat stopped ``LOCK_STALE_S`` ago (then
+    taken over with a warning), naming the file to delete once that run is gone. On a file
+    system without ``flock`` the pid check alone decides.
     """
     path = root / LOCK
     host, pid = socket.gethostname(), os.getpid()
@@ -421,12 +444,18 @@ def lock_checkpoint_dir(root: Path) -> DirLock:
             holder = _read_holder(fd, wait_s=0.0 if flocked else 1.0)
             if holder is not None and holder["pid"] != pid:
                 if holder.get("host") != host:
+                    silent_s = time.time() - os.fstat(fd).st_mtime
+                    if silent_s < LOCK_STALE_S:
+                        raise _in_use(root, path, holder, f"; if that run is gone, delete {path} (it is taken over "
+                                                          f"{LOCK_STALE_S - silent_s:.0f} s from now anyway)")
+                    logger.warning("taking over the lock %s of host %s, pid %d, not refreshed for %.0f s: that run "
+                                   "is gone", path, holder.get("host"), holder["pid"], silent_s)
+                elif not flocked and _pid_alive(holder["pid"]):
                     raise _in_use(root, path, holder, f"; if that run is gone, delete {path}")
-                if not flocked and _pid_alive(holder["pid"]):
-                    raise _in_use(root, path, holder, f"; if that run is gone, delete {path}")
-                logger.warning("taking over the stale lock %s of pid %d on this host (%s), which no longer runs%s",
-                               path, holder["pid"], host,
-                               " (that pid is now another process)" if _pid_alive(holder["pid"]) else "")
+                else:
+                    logger.warning("taking over the stale lock %s of pid %d on this host (%s), which no longer runs%s",
+                                   path, holder["pid"], host,
+                                   " (that pid is now another process)" if _pid_alive(holder["pid"]) else "")
             record = {"host": host, "pid": pid, "since": datetime.datetime.now().isoformat(timespec="seconds")}
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode("utf-8"), 0)

@@ -355,6 +355,41 @@ def test_lock_of_another_host_is_not_broken(launch, tmp_path):
         launch.trainer.Trainer(job)
 
 
+def test_lock_of_another_host_without_heartbeat_is_taken_over(launch, tmp_path, caplog):
+    """A lock of another host whose heartbeat stopped LOCK_STALE_S ago (a job preempted there,
+    restarted here): taken over with a warning naming that host."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    lock = root / ".lock"
+    lock.write_text(json.dumps({"host": "some-other-node", "pid": 4242}))
+    past = time.time() - launch.checkpoint.LOCK_STALE_S - 5
+    os.utime(lock, (past, past))
+    job = launch.config.parse_args([*TINY, "--steps", "1", "--checkpoint-dir", str(root)])
+    with caplog.at_level(logging.WARNING):
+        run = launch.trainer.Trainer(job)
+    try:
+        assert re.search(r"taking over the lock \S+\.lock of host some-other-node, pid 4242, not refreshed", caplog.text)
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    finally:
+        run.close()
+        launch.trainer.destroy_distributed()
+
+
+def test_the_holder_refreshes_its_lock(launch, tmp_path, monkeypatch):
+    """The holder's heartbeat keeps the lock file's modification time fresh."""
+    monkeypatch.setattr(launch.checkpoint, "LOCK_HEARTBEAT_S", 0.05)
+    root = tmp_path / "ckpt"
+    lock = launch.checkpoint.lock_checkpoint_dir(root)
+    try:
+        past = time.time() - 1000
+        os.utime(root / ".lock", (past, past))
+        time.sleep(0.3)
+        assert time.time() - os.stat(root / ".lock").st_mtime < 5
+    finally:
+        lock.release()
+    assert not (root / ".lock").exists()
+
+
 def test_lock_is_released_when_the_start_fails(launch, tmp_path):
     """A start that fails after the lock was taken (here: a resume path that does not exist)
     leaves no lock behind."""
