@@ -540,11 +540,9 @@ def device_tag(name: str) -> str:
 
 def _environment(device: torch.device) -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
+    for name in ("triton", "transformers"):
+        module = sys.modules.get(name)  # transformers only where an HF model was trained
+        info[name] = getattr(module, "__version__", None)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(device=props.name, sm_count=props.multi_processor_count,

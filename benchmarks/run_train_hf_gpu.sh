@@ -7,7 +7,7 @@
 #   regimes pure bf16 (training.param_dtype = dtype = 'bfloat16': parameters and fused AdamW state in bf16),
 #           and fp32 master weights under bf16 autocast (training.dtype = 'bfloat16')
 #   batch   BATCH [8] x SEQ [1024] tokens a step; WARMUP [5] untimed, STEPS [20] timed, PROFILE_STEPS [3] profiled
-# Results (every run in one hf_train_<device>.json, and one log) go to $OUT (the device tool) or $WORK/results.
+# Results (every run in one hf_train_<device>_x1.json, and one log) go to $OUT (the device tool) or $WORK/results.
 #   bash benchmarks/run_train_hf_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +47,7 @@ for experts in ep_moe grouped_mm; do  # the loss curves: every step timed and it
   bench "curve_bf16_${experts}" "${BF16[@]}" --experts $experts --warmup 0 --steps "$CURVE_STEPS" --profile-steps 0
 done
 bench "curve_bf16_ep_moe_seed1" "${BF16[@]}" --set training.seed=1 --warmup 0 --steps "$CURVE_STEPS" --profile-steps 0
-# every run in one file, hf_train_<device>.json (what benchmarks/plot.py's train_hf.png reads)
+# every run in one file, hf_train_<device>_x1.json (what benchmarks/plot.py's train_hf.png reads)
 python3 - "$RESULTS" <<'PY'
 import json, sys
 from pathlib import Path
@@ -55,7 +55,7 @@ results = Path(sys.argv[1])
 runs = [json.loads(p.read_text()) for p in sorted(results.glob("train_hf_*.json"))]
 if runs:
     device = runs[0]["device"].replace(" ", "_")
-    (results / f"hf_train_{device}.json").write_text(json.dumps(runs, indent=1) + "\n")
+    (results / f"hf_train_{device}_x1.json").write_text(json.dumps(runs, indent=1) + "\n")
     for p in results.glob("train_hf_*.json"):
         p.unlink()
 PY
