@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ep_moe.config import GATED_ACTIVATIONS, Activation, MoEConfig
-from ep_moe.grouped_mm_experts import grouped_mm_mlp, use_grouped_mm
+from ep_moe.grouped_mm_experts import grouped_mm_mlp, once_differentiable_output, use_grouped_mm
 from ep_moe.kernels.activation import ClampedSwiGLU, gated
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break
@@ -39,8 +39,8 @@ ConfigsArg = Union[KernelConfigs, Callable[[], KernelConfigs]]
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype experts with this ``weight`` compute in: autocast's when it is on for the
-    weight's device (as ``nn.Linear`` does), else the weight's own."""
-    if torch.is_autocast_enabled(weight.device.type):
+    weight's device (as ``nn.Linear`` does), else the weight's own (always on the meta device)."""
+    if not weight.is_meta and torch.is_autocast_enabled(weight.device.type):
         return torch.get_autocast_dtype(weight.device.type)
     return weight.dtype
 
@@ -314,18 +314,18 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
         y_RH = layer_grouped_gemm(x, down, m_sizes_e, gather_index=gather_index, scatter_index=scatter_index,
                                   row_weights=row_weights, bias=down_bias, configs=configs[1], backend=backend,
                                   bounded_rows=bounded_rows, gather_slots=gather_slots)
-        return _summed_per_token(y_RH, slot_sum, slots_per_token, backend)
+        return once_differentiable_output(_summed_per_token(y_RH, slot_sum, slots_per_token, backend), backend)
     h_RF = layer_grouped_gemm(x, gate_up, m_sizes_e, gather_index=gather_index, bias=gate_up_bias,
                               configs=configs[0], backend=backend, bounded_rows=bounded_rows,
                               gather_slots=gather_slots)
     a_RI = activate(h_RF, activation, backend, m_sizes_e.sum() if bounded_rows else None)
     if slot_sum is not None and backend == "triton":
-        return layer_grouped_gemm_slot_sum(a_RI, down, m_sizes_e, row_weights, slot_sum.token_index_R,
-                                           slot_sum.row_of_slot_N, slot_sum.top_k, configs[1], bounded_rows,
-                                           source_ends=slot_sum.source_ends_ES, bias=down_bias)
+        return once_differentiable_output(layer_grouped_gemm_slot_sum(
+            a_RI, down, m_sizes_e, row_weights, slot_sum.token_index_R, slot_sum.row_of_slot_N, slot_sum.top_k,
+            configs[1], bounded_rows, source_ends=slot_sum.source_ends_ES, bias=down_bias), backend)
     y_RH = layer_grouped_gemm(a_RI, down, m_sizes_e, scatter_index=scatter_index, row_weights=row_weights,
                               bias=down_bias, configs=configs[1], backend=backend, bounded_rows=bounded_rows)
-    return _summed_per_token(y_RH, slot_sum, slots_per_token, backend)
+    return once_differentiable_output(_summed_per_token(y_RH, slot_sum, slots_per_token, backend), backend)
 
 
 def _check_slots_per_token(slots_per_token: Optional[int], scatter_index: Optional[torch.Tensor],
@@ -603,4 +603,4 @@ class SharedExperts(nn.Module):
         """[T, H] -> [T, H]; ``backend="triton"`` fuses a gated activation."""
         if self.gate_up is None:
             return self.down(x_TH)
-        return self.down(activate(self.gate_up(x_TH), self.activation, backend))
+        return once_differentiable_output(self.down(activate(self.gate_up(x_TH), self.activation, backend)), backend)

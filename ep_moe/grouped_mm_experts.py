@@ -121,6 +121,32 @@ def fused_kernels_only() -> Iterator[None]:
         _fused_kernels_only = previous
 
 
+DOUBLE_BACKWARD = "double backward (create_graph=True) through an ep_moe MoE layer is not supported"
+"""The start of the errors that say so (here on the Triton backend, in :mod:`ep_moe.ep.base` at EP>1)."""
+
+
+def _refuse_double_backward(grad_outputs) -> None:
+    """A pre-hook on the node of an output of the Triton kernels: raises where a backward
+    builds a graph of itself (``.backward(create_graph=True)``, ``torch.autograd.grad(...,
+    create_graph=True)``), which runs its hooks with grad mode on. The kernels' backward is
+    not differentiable again: without this, a second backward finds the expert weights "not
+    used in the graph", or silently misses their terms."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{DOUBLE_BACKWARD} on the Triton backend (its kernels' backward is not differentiable "
+                           "again); build the layer with MoEConfig(backend='torch'), whose backward is, at EP=1")
+
+
+def once_differentiable_output(out: torch.Tensor, backend: str) -> torch.Tensor:
+    """``out``, an output of the Triton backend's kernels (``backend="triton"``), set to raise
+    one clear error in a backward with ``create_graph=True`` (:func:`_refuse_double_backward`);
+    as it is on the torch backend, whose ops autograd differentiates twice. A hook on the
+    node, no op: only the calls that run the kernels pay for it (not the small eager calls
+    of this module, :func:`grouped_mm_mlp`: torch ops too)."""
+    if backend == "triton" and out.requires_grad and not torch.compiler.is_compiling():
+        out.grad_fn.register_prehook(_refuse_double_backward)
+    return out
+
+
 def _expert_one_hot(offsets_e: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
     """[R, e] one-hot of each routed row's expert (``offsets_e``: each expert's end row; rows
     past the last are nobody's: zero rows): ``one_hot @ bias_e`` gives each row its expert's

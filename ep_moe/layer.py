@@ -27,6 +27,7 @@ experts: each rank picks its experts' keys and ignores the others (resharding on
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import warnings
@@ -118,6 +119,13 @@ class MoELayer(nn.Module):
     alike to get replicas that agree), the experts so that the global weights do not
     depend on the EP size (:meth:`GroupedExperts.reset_parameters`).
 
+    Protocols: ``copy.deepcopy`` (``AveragedModel``) copies the tensors, shares the EP group
+    and leaves out ``last_stats``, as pickling does (``torch.save(layer)``, EP=1 only);
+    ``torch.func.functional_call`` runs on the tensors given. A forward on the meta device
+    returns a meta output (shape inference, :meth:`_meta_forward`). Double backward
+    (``create_graph=True``) is exact on the torch backend at EP=1 and raises one error on
+    the Triton backend and at EP>1, whose backward is not differentiable again.
+
     ``forward_graphs``: at EP=1, the CUDA graphs that small forwards without autograd replay
     (:class:`ep_moe.forward_graphs.ForwardGraphs`; None at EP>1); ``layer.forward_graphs.enabled
     = False`` runs every forward eagerly.
@@ -200,6 +208,32 @@ class MoELayer(nn.Module):
             self._load_since_update = fn(self._load_since_update)
         return self
 
+    def __getstate__(self) -> dict:
+        """Pickling (``torch.save(layer)``): the layer without its last forward's stats (tensors
+        of that step, no state of the layer: the loaded layer's ``last_stats`` is None). A
+        layer with an EP group cannot be pickled: its process group exists in this job only."""
+        if self._ep_group is not None:
+            raise TypeError(f"an MoELayer with an EP group (EP={self.ep_size}) cannot be pickled: its process group "
+                            "lives in this job only; save layer.state_dict() instead (ep_moe.checkpoint for a "
+                            "model's)")
+        state = self.__dict__.copy()
+        state["last_stats"] = None
+        return state
+
+    def __deepcopy__(self, memo: dict) -> "MoELayer":
+        """``copy.deepcopy`` (``torch.optim.swa_utils.AveragedModel``, EMA copies): tensors of
+        its own, the same EP group (a communicator, shared, not copied) with a dispatcher of its
+        own, and no ``last_stats`` until it runs (the last forward's losses belong to that
+        step's graph, which deepcopy refuses to copy)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        shared = {"last_stats", "_ep_group", "dispatcher"}
+        copied.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()
+                                if key not in shared})
+        copied.__dict__["last_stats"] = None
+        copied.ep_group = self._ep_group  # builds its dispatcher
+        return copied
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Documented init (see the class docstring); draws from the default RNG."""
@@ -228,7 +262,7 @@ class MoELayer(nn.Module):
         returns the :meth:`compute_dtype`."""
         hidden, param = self.config.hidden_size, self.experts.first_weight
         if (type(x) is torch.Tensor and x.dtype == param.dtype and x.dtype in _EXPERT_DTYPES and x.dim()
-                and x.shape[-1] == hidden and x.device == param.device
+                and x.shape[-1] == hidden and x.device == param.device and not x.is_meta
                 and not torch.is_autocast_enabled(param.device.type)):
             return param.dtype  # the common call, in one pass of cheap checks
         if not isinstance(x, torch.Tensor):
@@ -241,7 +275,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"x dtype {x.dtype} is not supported: the layer takes float32, float16 or bfloat16 "
                              f"input (its parameter dtype, {param.dtype}, unless under autocast); "
                              f"cast x with x.to({param.dtype})")
-        if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type):
+        if x.dtype != param.dtype and (x.is_meta or not torch.is_autocast_enabled(x.device.type)):
             layer_fix = f" or the layer with layer.to({x.dtype})" if x.dtype in _EXPERT_DTYPES else ""
             raise ValueError(f"x dtype {x.dtype} does not match the layer's parameter dtype {param.dtype}; "
                              f"cast x with x.to({param.dtype}){layer_fix}")
@@ -309,6 +343,8 @@ class MoELayer(nn.Module):
     def _eager_forward(self, x: torch.Tensor, route_fn: Optional[RouteFn] = None) -> torch.Tensor:
         """Steps 1-6 of :meth:`forward`, op by op."""
         x_TH = self._input_tokens(x)
+        if x_TH.is_meta:
+            return self._meta_forward(x, x_TH)
         self.dispatcher.start(x_TH.shape[0], x_TH.device)
         router, keep_TK = (self._route if route_fn is None else route_fn)(x_TH)
         backend = self.config.backend if self.config.backend != "auto" else ("triton" if x.is_cuda else "torch")
@@ -320,11 +356,27 @@ class MoELayer(nn.Module):
         self._record(router, keep_TK, torch.is_grad_enabled(), self.dispatcher.num_dropped(routed))
         return y_TH if x.dim() == 2 else y_TH.view(x.shape)
 
+    def _meta_forward(self, x: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
+        """A forward on the meta device (shape inference before FSDP materialises the layer),
+        of ``x`` checked and flattened to ``x_TH`` as any forward's: a meta output of its shape
+        in the compute dtype and meta stats, both connected to the parameters as the real ones
+        are (so their gradients have the parameters' shapes). No value is read and, at EP>1, no
+        collective runs (the first real call still checks that the ranks agree)."""
+        compute_dtype = x_TH.dtype
+        params = [p for p in self.parameters() if p.is_floating_point()]
+        tie = torch.stack([p.sum().to(self.config.router_dtype) for p in params]).sum() * 0
+        y_TH = x_TH * 0 + tie.to(compute_dtype)
+        meta = dict(device=x.device, dtype=torch.int64)
+        object.__setattr__(self, "last_stats", MoEStats(
+            aux_loss=tie, z_loss=tie.clone(), tokens_per_expert=torch.empty(self.config.num_experts, **meta),
+            num_dropped=torch.empty((), **meta), with_autograd=torch.is_grad_enabled()))
+        return y_TH.view(x.shape)
+
     def _input_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` checked and flattened to [T, H] in the compute dtype (step 1)."""
         compute_dtype = self._check_input(x) if self._config_agreed else self._agree_first_call(x)
         x_TH = x if x.dim() == 2 else x.reshape(-1, self.config.hidden_size)
-        if debug_enabled() and not torch.compiler.is_compiling():
+        if debug_enabled() and not torch.compiler.is_compiling() and not x_TH.is_meta:
             # after the checks every rank passed: all of them reach its collective
             _check_finite_tokens(x_TH, self.ep_group)
         return x_TH if x_TH.dtype == compute_dtype else x_TH.to(compute_dtype)
@@ -334,13 +386,16 @@ class MoELayer(nn.Module):
         config, parameter dtype and input width and dtype (:func:`ep_moe.config.check_same_config`).
         A rank whose input fails its own check still takes part, then raises its error, so
         its peers raise too instead of waiting in a collective it never joins. Returns the
-        :meth:`compute_dtype`."""
+        :meth:`compute_dtype`. A meta input (shape inference, :meth:`_meta_forward`) is
+        checked locally only, and the first real call agrees."""
+        param = self.experts.first_weight
+        if param.is_meta or (isinstance(x, torch.Tensor) and x.is_meta):
+            return self._check_input(x)
         try:
             compute_dtype = self._check_input(x)
             failed = None
         except ValueError as err:
             failed = err
-        param = self.experts.first_weight
         others = {"parameter dtype": param.dtype, "input hidden size": x.shape[-1] if x.dim() else None,
                   "input dtype": x.dtype, "input passes the layer's checks": failed is None}
         try:

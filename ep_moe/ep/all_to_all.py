@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from ep_moe.ep.base import Dispatcher, PendingExchange, all_gather_single, group_size, round_up
+from ep_moe.ep.base import (Dispatcher, PendingExchange, all_gather_single, group_size, refuse_double_backward,
+                            round_up)
 from ep_moe.ep.pipeline import expert_pipeline
 from ep_moe.ep.slot_rows import (
     EXPERT_COUNTS,
@@ -194,8 +195,13 @@ class _RowsExchange(torch.autograd.Function):
         return start_exchange(x, output_splits, input_splits, group).wait()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
+        refuse_double_backward()  # before once_differentiable's no_grad hides create_graph
+        return _RowsExchange.once_backward(ctx, grad)
+
+    @staticmethod
+    @once_differentiable
+    def once_backward(ctx, grad):
         output_splits, input_splits = ctx.splits
         return start_exchange(grad.contiguous(), input_splits, output_splits, ctx.group).wait(), None, None, None
 

@@ -34,6 +34,18 @@ def group_size(group: Optional[ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def refuse_double_backward() -> None:
+    """At the start of the backward of the EP exchanges' autograd functions: raise where the
+    backward builds a graph of itself (``create_graph=True``, grad mode on), which their
+    backward would not differentiate again (a second backward would miss the expert
+    weights' terms without a word). Every rank of the group runs the same backward, so each
+    raises here, before any collective of it."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("double backward (create_graph=True) through an ep_moe MoE layer is not supported at "
+                           "EP>1 (the expert-parallel exchanges' backward is not differentiable again); run the "
+                           "gradient penalty on a layer at EP=1 with MoEConfig(backend='torch')")
+
+
 def round_up(value: int, multiple: int) -> int:
     """``value`` rounded up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ep_moe.ep.base import Dispatcher
+from ep_moe.grouped_mm_experts import once_differentiable_output
 from ep_moe.kernels.permute import sum_slot_rows
 from ep_moe.routing import RouterOutput, RoutingMetadata, build_routing_metadata
 
@@ -59,7 +60,23 @@ class LocalDispatcher(Dispatcher):
                        row_weights=routed.weights_N[meta.slot_index_R], backend=routed.backend, configs=configs)
 
     def combine(self, routed: LocalTokens, out: torch.Tensor) -> torch.Tensor:
-        """Each token's K slots summed: [T, H] (dropless: by the experts already)."""
+        """Each token's K slots summed: [T, H] (dropless: by the experts already). On the
+        torch backend as autograd's own ops, whose backward is differentiable again (double
+        backward, e.g. a gradient penalty): :func:`~ep_moe.kernels.permute.sum_slot_rows`'
+        is not, and would drop the second derivative's terms through it without a word."""
         if routed.meta.dropless:
             return out
-        return sum_slot_rows(out, routed.meta, routed.backend)
+        if routed.backend == "torch":
+            return _sum_slot_rows_torch(out, routed.meta)
+        return once_differentiable_output(sum_slot_rows(out, routed.meta, routed.backend), routed.backend)
+
+
+def _sum_slot_rows_torch(rows_RH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
+    """:func:`~ep_moe.kernels.permute.sum_slot_rows` in torch ops (the same sums, accumulated in
+    fp32, or fp64 for fp64 rows; its backward the same values: each row is one slot's)."""
+    row_of_slot_N = meta.row_of_slot_N
+    if rows_RH.shape[0] == 0:  # every slot dropped (or no tokens): nothing to gather
+        return rows_RH.new_zeros((meta.num_tokens, rows_RH.shape[1]))
+    picked_NH = rows_RH.index_select(0, row_of_slot_N.clamp_min(0)).masked_fill((row_of_slot_N < 0)[:, None], 0)
+    acc_dtype = torch.float64 if rows_RH.dtype == torch.float64 else torch.float32
+    return picked_NH.view(meta.num_tokens, meta.top_k, -1).sum(dim=1, dtype=acc_dtype).to(rows_RH.dtype)

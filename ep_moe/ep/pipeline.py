@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ep_moe.ep.base import Exchange, PendingExchange
+from ep_moe.ep.base import Exchange, PendingExchange, refuse_double_backward
 from ep_moe.kernels.arrival import RowArrival, rows_arriving
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break, one_program_per_tile
 from ep_moe.kernels.ops import defer_weight_grads
@@ -179,6 +179,7 @@ class _ExpertPipeline(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_back):
+        refuse_double_backward()
         if ctx.graph is None:
             raise RuntimeError("ep_moe's expert pipeline frees its graph in the backward; a second "
                                "backward through the same MoE forward (retain_graph=True) is not supported")
