@@ -39,15 +39,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ep_moe.config import MoEConfig, check_experts_divide, check_same_config
 from ep_moe.ep import build_dispatcher, resolve_dispatch
-from ep_moe.ep.base import group_size
+from ep_moe.ep.base import all_gather_single, group_size
 from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts, compute_dtype
 from ep_moe.forward_graphs import ForwardGraphs
 from ep_moe.kernels.ops import debug_enabled
 from ep_moe.parallel import resolve_ep_group
-from ep_moe.routing import RouterOutput, capacity_keep_mask, expert_capacity, route
+from ep_moe.routing import (RouterOutput, capacity_keep_mask, check_routing, expert_capacity, mask_out_of_range,
+                            out_of_range_message, route)
 
 if TYPE_CHECKING:
     from ep_moe.autotune.space import GemmProblem
@@ -76,6 +78,29 @@ def _check_finite_tokens(x_TH: torch.Tensor, group: Optional[ProcessGroup]) -> N
                          "torch.autograd.detect_anomaly()")
 
 
+def _check_ids_in_range(ids_TK: torch.Tensor, bad_TK: torch.Tensor, num_experts: int,
+                        group: Optional[ProcessGroup]) -> None:
+    """Raise if a ``route_fn`` returned expert ids out of ``[0, num_experts)``, naming how
+    many and one of them (a host sync; EP_MOE_DEBUG). With an EP group the counts are summed
+    over it first (a collective), so every rank raises, as :func:`_check_finite_tokens` does."""
+    bad_here = bad_TK.sum().reshape(1)
+    bad_group, where = bad_here.clone(), ""
+    if group_size(group) > 1:
+        dist.all_reduce(bad_group, group=group)
+        where = f" on this rank, {int(bad_group)} over the EP group"
+    if int(bad_group):
+        example = int(ids_TK[bad_TK][0]) if int(bad_here) else None
+        raise ValueError(out_of_range_message("route_fn", int(bad_here), bad_TK.numel(), num_experts, example, where))
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """[2] float64 sums of ``t``'s values, plain and weighted by position (a permutation
+    changes it): equal tensors give equal sums on every rank of one device type."""
+    flat = t.detach().reshape(-1).to(torch.float64)
+    ramp = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+    return torch.stack([flat.sum(), (flat * ramp).sum()])
+
+
 @dataclass(frozen=True)
 class MoEStats:
     """What one forward of a :class:`MoELayer` reports (``layer.last_stats``)."""
@@ -89,8 +114,9 @@ class MoEStats:
     (before capacity drops), detached."""
     num_dropped: torch.Tensor
     """0-dim int64: slots of this rank's tokens dropped by the capacity, plus, at
-    ``dispatch="all_gather"`` with a row bound, slots of this rank's experts past it
-    (always 0 when dropless)."""
+    ``dispatch="all_gather"`` with a row bound, slots of this rank's experts past it,
+    plus slots a ``route_fn`` gave an expert id out of range (always 0 when dropless and
+    routed in range)."""
     with_autograd: bool = True
     """Whether the forward ran with autograd on, so that the losses carry gradients (False
     under ``torch.no_grad``, and in the first forward of a reentrant activation checkpoint)."""
@@ -116,7 +142,8 @@ class MoELayer(nn.Module):
     :func:`ep_moe.parallel.sync_gradients`), ``shared_experts.*`` when configured, and the
     buffer ``expert_bias`` [E] when ``expert_bias=True``. Init: every weight N(0,
     ``init_std``), biases zero; the router and shared experts from the default RNG (seed all ranks
-    alike to get replicas that agree), the experts so that the global weights do not
+    alike to get replicas that agree: the first call at EP>1 raises where they do not,
+    :meth:`_check_replicas_agree`), the experts so that the global weights do not
     depend on the EP size (:meth:`GroupedExperts.reset_parameters`).
 
     Protocols: ``copy.deepcopy`` (``AveragedModel``) copies the tensors, shares the EP group
@@ -296,9 +323,12 @@ class MoELayer(nn.Module):
         follows each into its functions):
 
         1. Check the input, cast it to the compute dtype; on the first call at EP>1, check
-           that every rank of the EP group has the same config.
+           that every rank of the EP group has the same config and the same replicated
+           parameters (:meth:`_check_replicas_agree`).
         2. Route: scores, top-k (expert bias for selection only), aux and z losses; the
-           capacity's keep mask when configured.
+           capacity's keep mask when configured. A ``route_fn``'s output is checked
+           (:meth:`_outside_route`): an expert id out of range leaves its slot out, counted
+           as dropped, and raises with ``EP_MOE_DEBUG`` set.
         3. Dispatch: the dispatcher (``MoEConfig.dispatch``, :mod:`ep_moe.ep`) routes the
            tokens to the experts and, at EP>1, starts sending them.
         4. The shared experts, while the tokens travel.
@@ -346,15 +376,40 @@ class MoELayer(nn.Module):
         if x_TH.is_meta:
             return self._meta_forward(x, x_TH)
         self.dispatcher.start(x_TH.shape[0], x_TH.device)
-        router, keep_TK = (self._route if route_fn is None else route_fn)(x_TH)
+        if route_fn is None:
+            router, keep_TK = self._route(x_TH)
+            dispatched, bad_slots = router, None
+        else:
+            router, keep_TK, dispatched, bad_slots = self._outside_route(route_fn, x_TH)
         backend = self.config.backend if self.config.backend != "auto" else ("triton" if x.is_cuda else "torch")
-        routed = self.dispatcher.dispatch(x_TH, router, keep_TK, backend)
+        routed = self.dispatcher.dispatch(x_TH, dispatched, keep_TK, backend)
         shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)
         y_TH = self.dispatcher.combine(routed, self.dispatcher.experts(routed, self.experts))
         if shared_TH is not None:
             y_TH = y_TH + shared_TH
-        self._record(router, keep_TK, torch.is_grad_enabled(), self.dispatcher.num_dropped(routed))
+        self._record(router, keep_TK, torch.is_grad_enabled(), self.dispatcher.num_dropped(routed), bad_slots)
         return y_TH if x.dim() == 2 else y_TH.view(x.shape)
+
+    def _outside_route(self, route_fn: RouteFn, x_TH: torch.Tensor):
+        """``route_fn``'s routing (step 2 from outside the layer), checked: its layout on the
+        host (:func:`ep_moe.routing.check_routing`), its expert ids on the device. An id out of
+        ``[0, num_experts)`` would move other tokens' rows (the dispatch sorts and counts by
+        id); such a slot is left out instead, contributing nothing, and counted as dropped
+        (:func:`ep_moe.routing.mask_out_of_range`; no host sync). With ``EP_MOE_DEBUG`` set,
+        they raise instead, naming ``route_fn`` and the range (a host sync; at EP>1 the count
+        summed over the EP group first, so every rank raises). Returns the routing as
+        ``route_fn`` gave it (its stats are the layer's), the keep mask and routing to
+        dispatch, and the slots out of range (None where there is a keep mask: it counts them)."""
+        out = route_fn(x_TH)
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise TypeError(f"route_fn returned a {type(out).__name__}; return (RouterOutput, keep_TK or None)")
+        router, keep_TK = out
+        num_experts = self.config.num_experts
+        check_routing(router, keep_TK, x_TH.shape[0], self.config.top_k, num_experts)
+        dispatched, keep_TK, bad_TK = mask_out_of_range(router, keep_TK, num_experts)
+        if debug_enabled() and not torch.compiler.is_compiling():
+            _check_ids_in_range(router.topk_ids_TK, bad_TK, num_experts, self.ep_group)
+        return router, keep_TK, dispatched, None if keep_TK is not None else bad_TK
 
     def _meta_forward(self, x: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
         """A forward on the meta device (shape inference before FSDP materialises the layer),
@@ -407,8 +462,44 @@ class MoELayer(nn.Module):
             raise
         if failed is not None:
             raise failed
+        self._check_replicas_agree(param.device)
         self._config_agreed = True
         return compute_dtype
+
+    def _replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the parameters and buffers every rank of the EP group holds a
+        copy of: all but the experts' (the router, the shared experts, the expert bias),
+        less those another wrapper shards (DTensors) and meta ones."""
+        experts = {id(t) for t in itertools.chain(self.experts.parameters(), self.experts.buffers())}
+        return [(name, t) for name, t in itertools.chain(self.named_parameters(), self.named_buffers())
+                if id(t) not in experts and not t.is_meta and not isinstance(t, DTensor)]
+
+    def _check_replicas_agree(self, device: torch.device) -> None:
+        """First call at EP>1: that the replicated parameters (:meth:`_replicated_tensors`) are
+        equal on every rank of the EP group, else raise on every rank naming them and the fix.
+
+        Chosen over broadcasting rank 0's values: ranks whose replicas differ usually point at
+        a setup error (seeds, a checkpoint loaded on one rank) that a silent broadcast would
+        hide from the rest of the model; :func:`ep_moe.parallel.broadcast_replicated` is the
+        fix where the values should come from one rank. DDP broadcasts at construction, so a
+        DDP model always passes. One all-gather of two float64 sums per tensor (position-
+        weighted: a permutation shows), once per layer."""
+        named = self._replicated_tensors()
+        if not named:
+            return
+        mine = torch.stack([_fingerprint(t).to(device) for _, t in named])
+        every = mine.new_empty((self.ep_size * mine.shape[0], 2))
+        all_gather_single(every, mine, group=self.ep_group)
+        every = every.view(self.ep_size, *mine.shape)
+        same = (every == mine) | (every.isnan() & mine.isnan())
+        differ = [name for (name, _), agree in zip(named, same.all(dim=2).all(dim=0).tolist()) if not agree]
+        if differ:
+            ranks = dist.get_process_group_ranks(self.ep_group)
+            raise ValueError(f"MoELayer: the replicated parameters {differ} differ across the EP group (ranks {ranks} "
+                             "of the world) on its first call; give every rank the same values: seed every rank "
+                             "alike before building the model (torch.manual_seed), load the same checkpoint, or call "
+                             "ep_moe.parallel.broadcast_replicated(model, ep_group) (DDP broadcasts rank 0's at "
+                             "construction)")
 
     def _route(self, x_TH: torch.Tensor) -> tuple[RouterOutput, Optional[torch.Tensor]]:
         """The router's output and, with a capacity, which slots are kept (step 2)."""
@@ -425,7 +516,7 @@ class MoELayer(nn.Module):
                                           capacity=capacity, drop_policy=cfg.drop_policy)
 
     def _record(self, router: RouterOutput, keep_TK: Optional[torch.Tensor], with_autograd: bool,
-                bound_dropped: Optional[torch.Tensor] = None) -> None:
+                bound_dropped: Optional[torch.Tensor] = None, bad_slots: Optional[torch.Tensor] = None) -> None:
         # no autograd here (integer counts, the counts detached): no no_grad context, whose
         # entry and exit cost the host ~20 Python calls on every layer call
         if _in_backward():  # an activation checkpoint recomputing this forward: counted already
@@ -439,6 +530,8 @@ class MoELayer(nn.Module):
             num_dropped = by_capacity if bound_dropped is None else by_capacity + bound_dropped
         elif num_dropped is None:
             num_dropped = torch.zeros((), dtype=torch.int64, device=counts_E.device)
+        if bad_slots is not None:  # a route_fn's ids out of range, left out (_outside_route)
+            num_dropped = num_dropped + bad_slots.sum()
         # past nn.Module.__setattr__, whose checks for parameters, buffers and submodules cost
         # more host time than the rest of this method and never apply to a plain attribute
         object.__setattr__(self, "last_stats", MoEStats(

@@ -283,6 +283,29 @@ def expert_param_names(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if is_expert_param(p)]
 
 
+def broadcast_replicated(model: nn.Module, group: Union[None, ProcessGroup, DeviceMesh], src: int = 0) -> None:
+    """Copy every replicated parameter and buffer of ``model`` (all but the experts': the
+    parameters :func:`mark_expert_param` tagged, and every tensor of an ep_moe experts
+    module) from rank ``src`` of ``group`` (its rank in the group) to the group's other
+    ranks, in place: what DDP does at construction, for a model not wrapped in DDP whose
+    ranks built or loaded their dense weights differently (the error of
+    :class:`ep_moe.MoELayer`'s first call names it). ``group``: the EP group (a
+    ProcessGroup or a 1-D DeviceMesh), or None for the default group. Collective: call
+    on every rank of ``group``, before the first forward."""
+    group = resolve_ep_group(group, "group")
+    if group is None:
+        group = dist.group.WORLD
+    global_src = dist.get_global_rank(group, src)
+    # the experts of ep_moe's layers (GroupedExperts, ModuleExperts: stacked buffers too) by their global_ids
+    expert_modules = [m for m in model.modules() if callable(getattr(m, "global_ids", None))]
+    skip = {id(t) for m in expert_modules for t in (*m.parameters(), *m.buffers())}
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if id(tensor) in skip or is_expert_param(tensor) or isinstance(tensor, DTensor):
+                continue
+            dist.broadcast(tensor.data, src=global_src, group=group)
+
+
 def _grads(model: nn.Module, expert: bool) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None and is_expert_param(p) == expert]
 

@@ -206,6 +206,64 @@ def _check_route_args(x_TH: torch.Tensor, weight_EH: torch.Tensor, top_k: int,
                          f"expert, shape ({num_experts},)")
 
 
+def check_routing(router: "RouterOutput", keep_TK: Optional[torch.Tensor], num_tokens: int, top_k: int,
+                  num_experts: int, source: str = "route_fn") -> None:
+    """Raise naming ``source`` (a routing computed outside the layer) and the fix where its
+    output does not have the layout the dispatchers take: ids [T, K] of an integer dtype,
+    weights [T, K], counts [E], the keep mask None or bool [T, K]. Shapes and dtypes only (no
+    value read, no host sync); the ids' range is :func:`mask_out_of_range`'s."""
+    if not isinstance(router, RouterOutput):
+        raise TypeError(f"{source} returned a {type(router).__name__} where a RouterOutput belongs; return "
+                        "(ep_moe.routing.RouterOutput(...), keep_TK or None)")
+    slots = (num_tokens, top_k)
+    ids, weights, counts = router.topk_ids_TK, router.topk_weights_TK, router.counts_E
+    if tuple(ids.shape) != slots:
+        raise ValueError(f"{source} returned topk_ids_TK of shape {tuple(ids.shape)}; return [T, top_k] = {slots} "
+                         "global expert ids")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{source} returned topk_ids_TK of dtype {ids.dtype}; return integer expert ids (torch.int64)")
+    if tuple(weights.shape) != slots:
+        raise ValueError(f"{source} returned topk_weights_TK of shape {tuple(weights.shape)}; return one weight per "
+                         f"slot, {slots}")
+    if tuple(counts.shape) != (num_experts,):
+        raise ValueError(f"{source} returned counts_E of shape {tuple(counts.shape)}; return the slots per expert, "
+                         f"({num_experts},)")
+    if keep_TK is not None and (tuple(keep_TK.shape) != slots or keep_TK.dtype != torch.bool):
+        raise ValueError(f"{source} returned a keep mask of shape {tuple(keep_TK.shape)} {keep_TK.dtype}; return "
+                         f"None or a {slots} bool mask")
+
+
+def mask_out_of_range(router: "RouterOutput", keep_TK: Optional[torch.Tensor], num_experts: int
+                      ) -> tuple["RouterOutput", Optional[torch.Tensor], torch.Tensor]:
+    """A routing whose expert ids may fall outside ``[0, num_experts)`` (computed outside the
+    layer) made safe to dispatch, on the device (no host sync): each such slot contributes
+    nothing and touches no other token. Its id is clamped into range and the slot is left
+    out: dropped by the keep mask where there is one, else given weight 0 (its row is still
+    computed, by the clamped expert, and multiplied by 0). The counts are those of the
+    clamped ids (what the dispatch's rows per expert must be, whatever the source counted).
+
+    Returns the routing to dispatch, its keep mask, and ``bad_TK`` (bool [T, K], the slots out
+    of range; :func:`out_of_range_message` names them)."""
+    ids_TK = router.topk_ids_TK
+    bad_TK = (ids_TK < 0) | (ids_TK >= num_experts)
+    ids_TK = ids_TK.clamp(0, num_experts - 1)
+    if keep_TK is not None:
+        return dataclasses.replace(router, topk_ids_TK=ids_TK), keep_TK & ~bad_TK, bad_TK
+    weights_TK = router.topk_weights_TK.masked_fill(bad_TK, 0)
+    return (dataclasses.replace(router, topk_ids_TK=ids_TK, topk_weights_TK=weights_TK,
+                                counts_E=count_ids(ids_TK.flatten(), num_experts)), None, bad_TK)
+
+
+def out_of_range_message(source: str, num_bad: int, num_slots: int, num_experts: int, example: Optional[int],
+                         where: str = "") -> str:
+    """The error of ``num_bad`` of ``num_slots`` expert ids outside ``[0, num_experts)``
+    (``example``: one of them, when this rank has one; ``where``: over which ranks)."""
+    shown = "" if example is None else f" (e.g. {example})"
+    return (f"{source} returned {num_bad} of {num_slots} expert ids outside [0, {num_experts}){shown}{where} "
+            f"(EP_MOE_DEBUG is set); return global expert ids in [0, {num_experts}): leave a slot out with the "
+            "keep mask (False) or a weight of 0, not with an id out of range")
+
+
 def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
     """Slots each expert keeps: ``ceil(capacity_factor * T * K / E)``."""
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
