@@ -22,6 +22,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+FAULT_CLASSES = ("clean", "unclear", "crash", "hang", "wrong")
+"""How a fault probe (a test under tests/faults/) ended: passed; skipped or expected to fail;
+failed raising an exception; failed running out of time; failed an assertion on what it
+got (a lost file, a silent wrong result)."""
+
+
+def fault_class(report) -> str:
+    """The class of one test report of the fault suite (:data:`FAULT_CLASSES`)."""
+    if report.passed:
+        return "clean"
+    if report.skipped or hasattr(report, "wasxfail"):
+        return "unclear"
+    text = str(report.longrepr)
+    if "Timeout" in text or "timed out" in text:
+        return "hang"
+    crash = getattr(report.longrepr, "reprcrash", None)
+    return "wrong" if crash is not None and crash.message.startswith("AssertionError") else "crash"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fault suite's tally, one line: probes tried and how they ended."""
+    reports = [r for outcome in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+               for r in terminalreporter.stats.get(outcome, [])
+               if "tests/faults/" in r.nodeid and (r.when == "call" or not r.passed)]
+    if reports:
+        tally = {name: 0 for name in FAULT_CLASSES}
+        for report in reports:
+            tally[fault_class(report)] += 1
+        terminalreporter.write_line(f"fault probes: tried {len(reports)} | " +
+                                    " | ".join(f"{name} {count}" for name, count in tally.items()))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache_dir(tmp_path_factory):
     """Every test (and every process it starts) uses a fresh autotune cache of this session,
