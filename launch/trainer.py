@@ -78,6 +78,7 @@ from errors import ConfigError, DataError
 from graphs import GraphedBlocks, graphs_unsupported
 from hf_model import HFModelSpec, build_hf_model, inspect_hf_model
 from model import MoETransformer
+from report import RunSummary, config_lines
 
 from ep_moe.layer import moe_layers, update_expert_biases
 from ep_moe.parallel import (
@@ -386,6 +387,8 @@ class Trainer:
         """Rank 0's lock of ``checkpoint.dir`` for the run (None elsewhere, or when not written)."""
         self.metrics = None
         self.tensorboard = None  # rank 0's SummaryWriter; a resumed run drops the events past its step
+        self.summary: Optional[RunSummary] = None
+        """What the end-of-run summary reports (set by :meth:`train`)."""
         try:
             self.dir_lock = on_rank0(self.ranks.rank, self._claim_outputs, "checking the output paths")
             self._build(writer_class)
@@ -397,7 +400,10 @@ class Trainer:
         """The rest of ``__init__``, once the process group is up and the outputs are claimed."""
         job, tcfg = self.job, self.job.training
         if self.ranks.rank == 0:
-            logger.info("config: %s", json.dumps(job.to_dict(), default=str))
+            for line in config_lines(job, self.ranks.world_size, self.ranks.ep_size,
+                                     self.hf_spec.config.model_type if self.hf_spec else None,
+                                     self.hf_spec.num_experts if self.hf_spec else None):
+                logger.info(line)
         self.model = self._build_model()
         if tcfg.compile:
             blocks = self.model.decoder_layers() if self.hf_spec else self.model.layers
@@ -722,7 +728,9 @@ class Trainer:
         bar = tqdm(total=tcfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=None if rank0 and lcfg.progress_bar else True)
         start = self.step
+        self.summary = RunSummary(first_step=start)
         interval_start, interval_steps = time.perf_counter(), 0
+        steps_start, paused_total = interval_start, 0.0
         with logging_redirect_tqdm():
             for step in range(start + 1, tcfg.steps + 1):
                 loss, aux, grad_norm = self.train_step(step)
@@ -733,6 +741,7 @@ class Trainer:
                 if step % lcfg.log_interval == 0 or last or step == start + 1:
                     elapsed = time.perf_counter() - interval_start
                     record = self._log(step, loss, aux, grad_norm, interval_steps / elapsed)
+                    self.summary.loss = record["loss"]
                     bar.set_postfix(loss=f"{record['loss']:.3f}")
                     interval_start, interval_steps = time.perf_counter(), 0
                 paused = time.perf_counter()  # evaluation and saving do not count in tokens/s
@@ -741,11 +750,16 @@ class Trainer:
                 if ccfg.interval >= 0 and (last or (ccfg.interval and step % ccfg.interval == 0)):
                     self._save(step)
                 interval_start += time.perf_counter() - paused
+                paused_total += time.perf_counter() - paused
             bar.close()
+            self.summary.steps = self.step - start
+            self.summary.train_seconds = time.perf_counter() - steps_start - paused_total
             if lcfg.sample_prompt and self.byte_level:
                 self._sample(lcfg.sample_prompt, lcfg.sample_tokens)
         if self.hf_spec is not None and ccfg.export_hf:
             self.export_hf()
+        if rank0:
+            self.summary.report(self.tokens_per_step, lcfg.metrics_file)
 
     def export_hf(self) -> None:
         """Write the HF model as an HF folder (``checkpoint.export_hf``; ``auto``: ``{dir}/hf``)
@@ -787,6 +801,8 @@ class Trainer:
         if self.ranks.rank == 0:
             logger.info("step %5d | val loss %.4f", step, val)
             self._write_metrics({"step": step, "val_loss": val})
+        if self.summary is not None:
+            self.summary.val_loss = val
 
     def _save(self, step: int) -> None:
         start = time.perf_counter()
@@ -796,6 +812,8 @@ class Trainer:
                                format=self.job.checkpoint.format)
         if self.ranks.rank == 0:
             logger.info("saved %s in %.1fs", path, time.perf_counter() - start)
+        if self.summary is not None:
+            self.summary.checkpoint = str(path)
 
     @torch.no_grad()
     def _sample(self, prompt: str, num_tokens: int) -> None:

@@ -107,6 +107,20 @@ def test_loss_falls(full_run):
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == [f"step_{s:08d}" for s in (10, 20, 30)]
 
 
+def test_run_starts_with_its_config_and_ends_with_a_summary(full_run):
+    """The log opens with the config in a few lines and closes with the run's summary; the
+    loss curve is drawn beside the metrics file (matplotlib is in the test extra)."""
+    out, _ = full_run
+    log = (out / "train.log").read_text()
+    assert re.search(r"model: built-in, 2 layers, dim 128, .* 8 experts top-2", log)
+    assert re.search(rf"training: {STEPS} steps of 8 x 64 tokens per rank", log)
+    summary = re.search(r"run done: steps 1-30 in [\d.]+ s, [\d,]+ tokens/s in the steps; final loss [\d.]+; "
+                        r"val loss [\d.]+; last checkpoint (\S+); metrics \S+, loss curve (\S+)", log)
+    assert summary, log[-2000:]
+    assert summary.group(1).endswith("step_00000030") and Path(summary.group(2)).is_file()
+    assert len(log.splitlines()[0]) < 200, "no config dump of a thousand characters"
+
+
 def test_resume_is_exact(full_run, tmp_path):
     """A copy of the step-10 checkpoint, picked up by ``--resume latest``, continues with
     exactly the losses, gradient norms and expert loads of the uninterrupted run."""
