@@ -54,6 +54,7 @@ def _bytes_held_after(fn):
 
 
 def _memory_worker(rank, world_size, dispatch):
+    torch.manual_seed(0)  # the replicated router starts equal on every rank (the layer checks it)
     layer = MoELayer(MoEConfig(hidden_size=64, intermediate_size=256, num_experts=8, top_k=2, backend="torch",
                                dispatch=dispatch), dist.group.WORLD if world_size > 1 else None)
     x = torch.randn(512, 64, generator=torch.Generator().manual_seed(rank), requires_grad=True)
