@@ -59,10 +59,15 @@ exits 0.
 import logging
 import os
 import sys
+import time
 
 from config import parse_args
 from errors import UserError
 from trainer import Trainer, destroy_distributed
+
+
+RANK0_PRINTS_S = 2.0
+"""How long the other ranks wait, after an error every rank raised alike, before exiting."""
 
 
 def main(argv=None) -> None:
@@ -84,6 +89,8 @@ def main(argv=None) -> None:
     except UserError as exc:
         if rank0:
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every rank once one exits: let rank 0 print the line first
+            time.sleep(RANK0_PRINTS_S)
         sys.exit(2)
     finally:
         if trainer is not None:
