@@ -75,8 +75,8 @@ def _sum_slot_rows_torch(rows_RH: torch.Tensor, meta: RoutingMetadata) -> torch.
     """:func:`~ep_moe.kernels.permute.sum_slot_rows` in torch ops (the same sums, accumulated in
     fp32, or fp64 for fp64 rows; its backward the same values: each row is one slot's)."""
     row_of_slot_N = meta.row_of_slot_N
-    if rows_RH.shape[0] == 0:  # every slot dropped (or no tokens): nothing to gather
-        return rows_RH.new_zeros((meta.num_tokens, rows_RH.shape[1]))
+    if rows_RH.shape[0] == 0:  # every slot dropped (or no tokens): zeros, still in the graph
+        return rows_RH.sum(0).expand(meta.num_tokens, -1).contiguous()
     picked_NH = rows_RH.index_select(0, row_of_slot_N.clamp_min(0)).masked_fill((row_of_slot_N < 0)[:, None], 0)
     acc_dtype = torch.float64 if rows_RH.dtype == torch.float64 else torch.float32
     return picked_NH.view(meta.num_tokens, meta.top_k, -1).sum(dim=1, dtype=acc_dtype).to(rows_RH.dtype)

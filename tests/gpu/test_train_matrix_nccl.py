@@ -164,7 +164,7 @@ def test_ep_trains_like_ep1(dtype, ep_size, dispatch, reference, tmp_path):
     assert want["loss"][-1] < want["loss"][0], f"the EP=1 run did not train: {want['loss']}"
     got = _curves(_train(tmp_path, dtype, ep_size, "--set", f"moe.dispatch='{dispatch}'"))
     log = (tmp_path / "train.log").read_text()
-    assert f'"dispatch": "{dispatch}"' in log
+    assert f"dispatch {dispatch}" in log
     assert ("CUDA graphs off" in log) == (dispatch == "all_to_all"), "graphs on exactly where the dispatch allows"
     worst = {field: _max_rel_diff(got[field][:EARLY_STEPS], want[field][:EARLY_STEPS]) for field in FIELDS}
     late_got, late_want = (sum(c["loss"][-10:]) / 10 for c in (got, want))
