@@ -83,20 +83,28 @@ def _close(trainer_module, trainer) -> None:
     trainer_module.destroy_distributed()
 
 
+def _train_two_steps(launch_modules, folder: Path, corpus: Path, tmp_path: Path):
+    """Fine-tune the HF folder two steps in this process (checkpoints and the export under
+    ``tmp_path / "ckpt"``, metrics in ``tmp_path / "metrics.jsonl"``); step 1's batch
+    (inputs, targets) and the trained model's logits on its inputs."""
+    _, trainer_module = launch_modules
+    trainer = _in_process(launch_modules, ["--hf-model", str(folder), "--data", str(corpus), *COMMON, "--steps", "2",
+                                           "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                           "--metrics-file", str(tmp_path / "metrics.jsonl")])
+    try:
+        inputs, targets = trainer.batches.batch(0)
+        trainer.train()
+        return inputs, targets, trainer.model(inputs).detach()
+    finally:
+        _close(trainer_module, trainer)
+
+
 def test_step1_loss_matches_transformers_and_export_round_trips(launch_modules, hf_dir, corpus, tmp_path):
     """Fine-tuning the saved model: step 1's loss and router loss are plain transformers'
     (eager experts) on the same batch; after two steps the exported folder loads in plain
     transformers, tokenizer included, with the trained model's logits."""
-    _, trainer_module = launch_modules
     metrics = tmp_path / "metrics.jsonl"
-    trainer = _in_process(launch_modules, ["--hf-model", str(hf_dir), "--data", str(corpus), *COMMON, "--steps", "2",
-                                           "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(metrics)])
-    try:
-        inputs, targets = trainer.batches.batch(0)
-        trainer.train()
-        trained_logits = trainer.model(inputs).detach()
-    finally:
-        _close(trainer_module, trainer)
+    inputs, targets, trained_logits = _train_two_steps(launch_modules, hf_dir, corpus, tmp_path)
     plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
     out = plain(input_ids=inputs, output_router_logits=True)
     record = json.loads(metrics.read_text().splitlines()[0])
@@ -322,19 +330,11 @@ def test_other_families_train_and_export(launch_modules, family, corpus, tmp_pat
     """GPT-OSS (transposed, interleaved experts with biases and the clamped gate), Mixtral
     and DeepSeek-V3 (sigmoid group routing, a shared expert, a dense first layer) fine-tune
     in the trainer, and their exports load in plain transformers with the trained logits."""
-    _, trainer_module = launch_modules
     folder = tmp_path / family
     tiny_model(family, vocab=VOCAB, std=0.05, dense_layers=1 if family == "deepseek_v3" else 0).save_pretrained(folder)
     train_tokenizer(folder, sample_documents(60, seed=1))
     metrics = tmp_path / "metrics.jsonl"
-    trainer = _in_process(launch_modules, ["--hf-model", str(folder), "--data", str(corpus), *COMMON, "--steps", "2",
-                                           "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(metrics)])
-    try:
-        inputs, _ = trainer.batches.batch(0)
-        trainer.train()
-        trained_logits = trainer.model(inputs).detach()
-    finally:
-        _close(trainer_module, trainer)
+    inputs, _, trained_logits = _train_two_steps(launch_modules, folder, corpus, tmp_path)
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf")
