@@ -418,7 +418,6 @@ def _back_to_back_worker(rank: int, world_size: int) -> dict:
     the side stream's wait: 2x H200, 2026-11-26.)"""
     torch.cuda.set_device(rank)
     group = dist.new_group(list(range(world_size)), backend="nccl", timeout=datetime.timedelta(seconds=300))
-    torch.manual_seed(0)
     config = MoEConfig(hidden_size=1024, intermediate_size=512, num_experts=8, top_k=2, backend="triton")
     results = {}
     variants = {d: (dict(dispatch=d), torch.bfloat16) for d in SELECTED}
@@ -426,6 +425,7 @@ def _back_to_back_worker(rank: int, world_size: int) -> dict:
     if "all_gather_copy_engine" in SELECTED:  # fp32 parameters and input under bf16 autocast
         variants["all_gather_copy_engine+autocast"] = (dict(dispatch="all_gather_copy_engine"), torch.float32)
     for variant, (kwargs, dtype) in variants.items():
+        torch.manual_seed(0)  # the router is a replica on every rank (the layer checks it on its first call)
         layer = MoELayer(dataclasses.replace(config, **kwargs), group, device="cuda", dtype=dtype)
         rows = 4096 + (0 if layer.dispatch != "all_to_all" else 512 * rank)  # all-gather: equal counts
         x = torch.randn(rows, 1024, device="cuda", dtype=dtype).requires_grad_()
