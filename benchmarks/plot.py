@@ -23,7 +23,7 @@ time, else the file's mtime) and names the device and the files in its titles:
   ``train_ep_levers_*.json``, and the trainer's metrics files ``train_*.jsonl``
   (``launch/train.py --metrics-file``).
 - ``train_hf.png``: an HF model in the trainer (``bench_train.py --hf-model``, the runs of
-  ``benchmarks/run_train_hf_gpu.sh`` in one ``hf_train_<device>.json``): tokens/s per GPU
+  ``benchmarks/run_train_hf_gpu.sh`` in one ``hf_train_<device>_x<N>.json`` per GPU count): tokens/s per GPU
   with ep_moe's experts and transformers' ``grouped_mm`` per precision regime, and the
   200-step loss curves of both.
 
@@ -390,55 +390,65 @@ def plot_losses(levers: Optional[tuple[Path, dict]], metrics: list[tuple[Path, l
     return _save(fig, out)
 
 
-def hf_train_files(results: Path) -> Optional[tuple[Path, list[dict]]]:
-    """The newest ``hf_train_*.json``: bench_train runs of an HF model (``--hf-model``), ep_moe's
-    experts and transformers' own."""
-    files = sorted(results.glob("hf_train_*.json"), key=file_date)
-    return (files[-1], train_runs([files[-1]])) if files else None
+def hf_train_files(results: Path) -> list[tuple[Path, list[dict]]]:
+    """The newest ``hf_train_*.json`` of each GPU count (``benchmarks/run_train_hf_gpu.sh``'s
+    ``hf_train_<device>_x<N>.json``: bench_train runs of an HF model, ep_moe's experts and
+    transformers' own), fewest GPUs first."""
+    newest: dict[int, tuple[Path, list[dict]]] = {}
+    for path in sorted(results.glob("hf_train_*.json"), key=file_date):
+        runs = train_runs([path])
+        if runs:
+            newest[max(r.get("world_size", 1) for r in runs)] = (path, runs)
+    return [newest[world] for world in sorted(newest)]
 
 
-def plot_hf_train(chosen: tuple[Path, list[dict]], out: Path) -> Path:
-    """``train_hf.png``: tokens/s per GPU of each (precision regime, experts) run, the
-    speedup of ep_moe's experts over each baseline on its bar; beside it, the loss curves of
-    the long runs (every step's loss), which should lie on each other."""
-    path, runs = chosen
+def _hf_configuration(run: dict) -> str:
+    return "1 GPU" if run.get("world_size", 1) == 1 else run.get("configuration", f"{run['world_size']} GPUs")
+
+
+def plot_hf_train(chosen: list[tuple[Path, list[dict]]], out: Path) -> Path:
+    """``train_hf.png``: tokens/s per GPU of each timed run (precision regime, GPUs and layout,
+    experts), ep_moe's speedup over transformers' grouped_mm of the same regime and GPU count on
+    its bar; beside it, the loss curves of the long runs (every step's loss), which should lie on
+    each other."""
     plt = _pyplot()
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(14, 4.8))
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(15, 5))
+    runs = [r for _, file_runs in chosen for r in file_runs]
     timed = [r for r in runs if len(r.get("losses") or []) < 50]
-    regimes = sorted({r["param_dtype"] for r in timed})
-    names = {"bfloat16": "pure bf16 params + AdamW", "float32": "fp32 master, bf16 autocast"}
-    width = 0.38
-    for j, experts in enumerate(("grouped_mm", "ep_moe")):
-        xs, ys = [], []
-        for i, regime in enumerate(regimes):
-            run = next((r for r in timed if r["param_dtype"] == regime and r["experts"] == experts), None)
-            if run is not None:
-                xs.append(i + (j - 0.5) * width)
-                ys.append(run["tokens_per_s_per_gpu"])
-                base = next((r for r in timed if r["param_dtype"] == regime and r["experts"] == "grouped_mm"), None)
-                note = f"{run['step_ms']:.1f} ms\nMFU {100 * run['mfu']:.1f}%"
-                if experts == "ep_moe" and base is not None:
-                    note += f"\n{base['step_ms'] / run['step_ms']:.2f}x"
-                bars.annotate(note, (xs[-1], ys[-1]), ha="center", va="bottom", fontsize=8)
-        label = "ep_moe experts" if experts == "ep_moe" else "transformers grouped_mm experts"
-        bars.bar(xs, ys, width, label=label)
-    bars.set_xticks(range(len(regimes)), [names.get(r, r) for r in regimes])
+    regime_names = {"bfloat16": "pure bf16", "float32": "fp32 master"}
+    order = {"grouped_mm": 0, "ep_moe": 1}
+    timed.sort(key=lambda r: (r.get("world_size", 1), r["param_dtype"], r.get("ep_size", 1), order.get(r["experts"], 2)))
+    colors = {"ep_moe": "tab:blue", "grouped_mm": "tab:orange"}
+    for i, run in enumerate(timed):
+        bars.bar(i, run["tokens_per_s_per_gpu"], 0.7, color=colors.get(run["experts"], "tab:gray"))
+        note = f"{run['step_ms']:.1f} ms\nMFU {100 * run['mfu']:.1f}%"
+        base = next((b for b in timed if b["experts"] == "grouped_mm" and b["param_dtype"] == run["param_dtype"]
+                     and b.get("world_size", 1) == run.get("world_size", 1)), None)
+        if run["experts"] != "grouped_mm" and base is not None:
+            note += f"\n{run['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x"
+        bars.annotate(note, (i, run["tokens_per_s_per_gpu"]), ha="center", va="bottom", fontsize=7)
+    bars.set_xticks(range(len(timed)), [f"{_hf_configuration(r)}\n{regime_names.get(r['param_dtype'], r['param_dtype'])}"
+                                        for r in timed], fontsize=7)
+    from matplotlib.patches import Patch
+    bars.legend(handles=[Patch(color=colors["ep_moe"], label="ep_moe experts"),
+                         Patch(color=colors["grouped_mm"], label="transformers grouped_mm experts")],
+                fontsize=8, loc="lower right")
     bars.set_ylabel("tokens/s per GPU")
     bars.margins(y=0.25)
-    bars.legend(fontsize=8, loc="lower right")
     first = timed[0] if timed else runs[0]
-    bars.set_title(textwrap.fill(f"{first['model']}, {first['tokens_per_step']} tokens/step, "
-                                 f"{device_name(first['device'])}: the trainer's step", 70), fontsize=9)
+    bars.set_title(textwrap.fill(f"{first['model']}, {first['tokens_per_step']} tokens/step per GPU, "
+                                 f"{device_name(first['device'])}: the trainer's step; the speedup is over "
+                                 "grouped_mm at the same GPU count and regime", 80), fontsize=9)
     for run in (r for r in runs if len(r.get("losses") or []) >= 50):
         seed = next((o.split("=", 1)[1] for o in run.get("overrides", []) if o.startswith("training.seed=")), "0")
         curves.plot(range(1, len(run["losses"]) + 1), run["losses"], lw=1,
-                    label=f"{run['experts']} ({run['param_dtype']} params, seed {seed})")
+                    label=f"{run['experts']} {_hf_configuration(run)} ({run['param_dtype']} params, seed {seed})")
     curves.set_xlabel("step")
     curves.set_ylabel("training loss")
     curves.set_yscale("log")
     curves.legend(fontsize=8)
     curves.set_title("loss curves: the same data and init (seed 0), and another seed for scale", fontsize=9)
-    fig.suptitle(f"An HF model in the trainer ({path.name})")
+    fig.suptitle(f"An HF model in the trainer ({', '.join(path.name for path, _ in chosen)})")
     fig.tight_layout()
     return _save(fig, out)
 

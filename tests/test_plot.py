@@ -62,8 +62,10 @@ LEVERS = {
 }
 
 
-def _hf_run(experts: str, param_dtype: str, step_ms: float, losses: int = 3, seed: int = 0) -> dict:
-    return {"benchmark": "train", "device": DEVICE, "model": "qwen3-4l", "experts": experts,
+def _hf_run(experts: str, param_dtype: str, step_ms: float, losses: int = 3, seed: int = 0, world: int = 1,
+            ep: int = 1) -> dict:
+    return {"benchmark": "train", "device": DEVICE, "model": "qwen3-4l", "experts": experts, "world_size": world,
+            "ep_size": ep, "configuration": "1 GPU" if world == 1 else (f"EP={ep}" if ep == world else f"DP={world}"),
             "param_dtype": param_dtype, "step_ms": step_ms, "tokens_per_s_per_gpu": 8192e3 / step_ms, "mfu": 0.2,
             "tokens_per_step": 8192, "overrides": [f"training.seed={seed}"],
             "losses": [10.0 / (1 + i) for i in range(losses)]}
@@ -88,7 +90,10 @@ def results(tmp_path) -> Path:
     hf_runs = [_hf_run("ep_moe", "bfloat16", 78.0), _hf_run("grouped_mm", "bfloat16", 85.0),
                _hf_run("ep_moe", "float32", 105.0), _hf_run("grouped_mm", "float32", 144.0),
                _hf_run("ep_moe", "bfloat16", 78.0, losses=60), _hf_run("grouped_mm", "bfloat16", 85.0, losses=60)]
-    _write(res / "hf_train_Fake_GPU.json", hf_runs)
+    _write(res / "hf_train_Fake_GPU_x1.json", hf_runs)
+    _write(res / "hf_train_Fake_GPU_x2.json", [_hf_run("ep_moe", "bfloat16", 80.0, world=2, ep=2),
+                                               _hf_run("grouped_mm", "bfloat16", 105.0, world=2),
+                                               _hf_run("ep_moe", "bfloat16", 80.0, losses=60, world=2, ep=2)])
     return res
 
 
@@ -105,6 +110,8 @@ def test_picks_the_most_complete_results_per_device(results):
     levers, metrics = plot.loss_inputs(results)
     assert levers[0].name == "train_ep_levers_Fake_GPU_x2.json"
     assert [(p.name, len(records)) for p, records in metrics] == [("train_Fake_GPU_x1.jsonl", 3)]
+    assert [(p.name, len(runs)) for p, runs in plot.hf_train_files(results)] == [("hf_train_Fake_GPU_x1.json", 6),
+                                                                                 ("hf_train_Fake_GPU_x2.json", 3)]
 
 
 def test_names_and_device():
