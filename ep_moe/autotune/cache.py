@@ -54,6 +54,7 @@ import torch
 import triton
 
 from ep_moe.autotune.space import DeviceLimits, GemmProblem, ModelShape, Table, TunedBucket
+from ep_moe.configs import resolve_preset
 from ep_moe.kernels.config import PASSES
 from ep_moe.kernels.grouped_gemm import KERNEL_VERSION
 
@@ -74,9 +75,6 @@ DEFAULT_LOCK_TIMEOUT = 600.0
 """Seconds a wait for a cache file's lock lasts at most unless the caller says otherwise (as
 long as :func:`ep_moe.autotune.warmup`'s default timeout): the lock is held while a key is
 tuned, which takes minutes on a GPU."""
-
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
-"""The repository's ``configs/`` (model shape presets; not in a wheel)."""
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 """Tuned kernel configs shipped with the package (package data), one directory per device."""
@@ -722,14 +720,9 @@ def load_shipped(key: CacheKey) -> Table | None:
 
 
 def load_model_shape(name_or_file: str) -> ModelShape:
-    """A model's MoE shape from a JSON file path or a preset name in ``configs/models/``."""
-    path = Path(name_or_file).expanduser()
-    if not path.is_file():
-        path = CONFIGS_DIR / "models" / f"{name_or_file}.json"
-    if not path.is_file():
-        presets = sorted(p.stem for p in (CONFIGS_DIR / "models").glob("*.json"))
-        raise ValueError(f"model {name_or_file!r}: no such file and no preset of that name; "
-                         f"presets: {', '.join(presets) or 'none found'}")
+    """A model's MoE shape from a JSON file path or the name of a preset shipped in
+    ``ep_moe/configs/models/`` (:func:`ep_moe.configs.resolve_preset`)."""
+    path = resolve_preset("models", name_or_file, "model")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:

@@ -119,7 +119,7 @@ class DeviceLimits:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
-    """The MoE layer shape of one model, as stored in ``configs/models/*.json``."""
+    """The MoE layer shape of one model, as stored in ``ep_moe/configs/models/*.json``."""
 
     name: str
     """Preset name, e.g. ``"mixtral-8x7b"``."""

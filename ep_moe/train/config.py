@@ -1,4 +1,5 @@
-"""The trainer's configuration: TOML files in ``configs/train/`` plus command-line overrides.
+"""The trainer's configuration: a TOML file (a preset of ``ep_moe/configs/train/`` by name,
+such as ``--config gpu``, or a file of yours) plus command-line overrides.
 
 A config file has one table per component; every key is optional and defaults to the
 field default documented on the dataclasses below (``[model]`` and ``[data]`` are owned by
@@ -12,8 +13,8 @@ Overrides, applied in order after the file:
   ``--set training.lr=1e-3``, ``--set data.path=corpus.txt``.
 - shorthands for the common ones: ``--steps``, ``--ep-size``, ``--hf-model``, ``--data``,
   ``--eval-data``, ``--resume``, ``--checkpoint-dir``, ``--export-hf``, ``--metrics-file``,
-  ``--tensorboard``. Without ``--config`` the file is ``configs/train/tiny.toml``, or
-  ``configs/train/hf.toml`` with ``--hf-model``.
+  ``--tensorboard``. Without ``--config`` the preset is ``tiny``, or ``hf`` with
+  ``--hf-model``.
 
 Every value (file or override) must have its field's type, checked before anything is
 built: an integer where the field is an int (``steps = 1e3`` is an error), a number where
@@ -56,16 +57,17 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-from checkpoint import CheckpointConfig
-from data import DataConfig
-from errors import ConfigError
-from model import ModelConfig, Range, check_ranges
-
 from ep_moe import MoEConfig
+from ep_moe.configs import preset_names, resolve_preset
+from ep_moe.train.checkpoint import CheckpointConfig
+from ep_moe.train.data import DataConfig
+from ep_moe.train.errors import ConfigError
+from ep_moe.train.model import ModelConfig, Range, check_ranges
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.toml"
-DEFAULT_HF_CONFIG = DEFAULT_CONFIG.with_name("hf.toml")
-"""The config of ``--hf-model DIR`` when no ``--config`` is given."""
+DEFAULT_CONFIG = "tiny"
+"""The preset (``ep_moe/configs/train/``) when no ``--config`` is given."""
+DEFAULT_HF_CONFIG = "hf"
+"""The preset of ``--hf-model DIR`` when no ``--config`` is given."""
 
 SEED_MULTIPLIER = 1_000_003
 """``data.TokenBatches`` seeds epoch ``e``'s window order with ``seed * 1_000_003 + e``
@@ -459,7 +461,7 @@ def build_job_config(raw: dict[str, Any], source: Union[Origins, str] = "config"
     job = JobConfig(**kwargs)
     if "hf" in raw.get("model", {}) and not job.model.hf:
         raise ConfigError(f"{origins.of('model.hf')}: model.hf is empty: pass the Hugging Face model folder with "
-                          "--hf-model DIR (or use a config of the built-in model, such as configs/train/tiny.toml)")
+                          "--hf-model DIR (or use a config of the built-in model, such as --config tiny)")
     if job.model.hf:
         _check_hf(raw, job, origins)
     else:
@@ -482,7 +484,7 @@ def _check_hf(raw: dict[str, Any], job: JobConfig, origins: Origins) -> None:
     if others:
         raise ConfigError(f"{origins.of(f'model.{others[0]}')}: {', '.join(f'model.{k}' for k in others)} "
                           f"describe the built-in model, but {hf} takes its shape from the folder's config.json: "
-                          "remove them (configs/train/hf.toml is a config for HF models)")
+                          "remove them (--config hf is a config for HF models)")
     moe_table = dict(job.moe)
     unknown = sorted(set(moe_table) - set(HF_MOE_KEYS))
     if unknown:
@@ -703,14 +705,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: cannot be read ({exc})") from None
 
 
-def parse_args(argv: Optional[list[str]] = None) -> JobConfig:
-    """Read ``--config`` (default: tiny.toml), apply the overrides, validate.
+def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> JobConfig:
+    """Read ``--config`` (default: the tiny preset), apply the overrides, validate.
 
     Raises ``ConfigError`` (before anything is built) for an unknown key, a wrong type or
     value, naming who set it: the file, or the command-line option."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=None,
-                        help=f"TOML file (default: {DEFAULT_CONFIG.name}, or {DEFAULT_HF_CONFIG.name} with --hf-model)")
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None,
+                        help=f"a TOML file, or a preset: {', '.join(preset_names('train'))} (default: "
+                             f"{DEFAULT_CONFIG}, or {DEFAULT_HF_CONFIG} with --hf-model)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value; repeatable")
     shorthands = {
@@ -730,11 +733,12 @@ def parse_args(argv: Optional[list[str]] = None) -> JobConfig:
     args = parser.parse_args(argv)
     if args.config is None:
         args.config = DEFAULT_HF_CONFIG if args.hf_model else DEFAULT_CONFIG
-    if not args.config.is_file():
-        raise ConfigError(f"--config {args.config}: no such file; pass a TOML file such as "
-                          f"{DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])}")
-    raw = _read_toml(args.config)
-    origins = Origins(str(args.config))
+    try:
+        config_file = resolve_preset("train", args.config, "--config")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    raw = _read_toml(config_file)
+    origins = Origins(str(config_file))
     for assignment in args.overrides:
         apply_override(raw, assignment, origins)
     for flag, (key, _) in shorthands.items():

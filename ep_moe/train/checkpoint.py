@@ -104,9 +104,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import errors
-from errors import CheckpointError, ConfigError, UserError
-
 try:
     import fcntl
 except ImportError:  # not POSIX: the lock is the file and its pid alone
@@ -114,6 +111,8 @@ except ImportError:  # not POSIX: the lock is the file and its pid alone
 
 from ep_moe import checkpoint as dcp_checkpoint
 from ep_moe.parallel import is_expert_param
+from ep_moe.train import errors
+from ep_moe.train.errors import CheckpointError, ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ import filelock
 import torch
 from tqdm import tqdm
 
-from errors import DataError
+from ep_moe.train.errors import DataError
 
 logger = logging.getLogger("ep_moe.train.data")
 

@@ -61,7 +61,15 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from checkpoint import (
+from ep_moe.layer import moe_layers, update_expert_biases
+from ep_moe.parallel import (
+    ParallelMesh,
+    apply_fsdp,
+    init_parallel_mesh,
+    is_expert_param,
+    sync_gradients,
+)
+from ep_moe.train.checkpoint import (
     DirLock,
     Layout,
     complete_checkpoints,
@@ -72,22 +80,13 @@ from checkpoint import (
     resume,
     save_checkpoint,
 )
-from config import JobConfig, TrainingConfig
-from data import TokenBatches, TokenStreams, build_token_streams, is_token_data, load_tokenizer
-from errors import ConfigError, DataError
-from graphs import GraphedBlocks, graphs_unsupported
-from hf_model import HFModelSpec, build_hf_model, inspect_hf_model
-from model import MoETransformer
-from report import RunSummary, config_lines
-
-from ep_moe.layer import moe_layers, update_expert_biases
-from ep_moe.parallel import (
-    ParallelMesh,
-    apply_fsdp,
-    init_parallel_mesh,
-    is_expert_param,
-    sync_gradients,
-)
+from ep_moe.train.config import JobConfig, TrainingConfig
+from ep_moe.train.data import TokenBatches, TokenStreams, build_token_streams, is_token_data, load_tokenizer
+from ep_moe.train.errors import ConfigError, DataError
+from ep_moe.train.graphs import GraphedBlocks, graphs_unsupported
+from ep_moe.train.hf_model import HFModelSpec, build_hf_model, inspect_hf_model
+from ep_moe.train.model import MoETransformer
+from ep_moe.train.report import RunSummary, config_lines
 
 logger = logging.getLogger("ep_moe.train")
 

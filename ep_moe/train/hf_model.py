@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from errors import ConfigError
-from tokens import tokenizer_files
+from ep_moe.train.errors import ConfigError
+from ep_moe.train.tokens import tokenizer_files
 
 _NOT_ARCHITECTURE = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
                                "use_cache", "output_router_logits", "_experts_implementation",

@@ -46,8 +46,8 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from errors import DataError
-from tokens import (
+from ep_moe.train.errors import DataError
+from ep_moe.train.tokens import (
     TOKEN_SUFFIXES,
     MappedFile,
     TextTokenizer,
