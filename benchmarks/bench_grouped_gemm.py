@@ -15,7 +15,13 @@ in the dX kernel's) against ours without, on the same inputs, interleaved (A B A
 forward+backward with a top-k weight gradient as in training; the two runs of each give
 the noise to read the ratio against.
 
-    python benchmarks/bench_grouped_gemm.py [--tokens 8192] [--shapes all] [--sweep] [--bias]
+--fp8 also times the FP8 (e4m3) path (``ep_moe.kernels.fp8.grouped_gemm_fp8``: the rows quantized
+in the gather, forward and dX on FP8 tensor cores, dW bf16) against bf16 ``_grouped_mm`` and against
+``torch._scaled_grouped_mm`` (rowwise e4m3, fast accumulation) with the rows quantized in separate
+eager passes; weights are quantized once outside the timing for both (once per optimizer step).
+The down projection runs on sorted rows there (no scatter or top-k weight in the FP8 path yet).
+
+    python benchmarks/bench_grouped_gemm.py [--tokens 8192] [--shapes all] [--sweep] [--bias] [--fp8]
 """
 
 from __future__ import annotations
@@ -177,6 +183,47 @@ SWEEP_DW = [
 ]
 
 
+def time_fp8(p, projection):
+    """{variant: ms} of the FP8 path and the peers, and its error against bf16 _grouped_mm."""
+    from ep_moe.kernels.fp8 import grouped_gemm_fp8, quantize_rows_reference, quantized_weight
+
+    x, w, m_sizes, offsets, g = p["x"], p["w"], p["m_sizes"], p["offsets"], p["gather"]
+    gather = g if projection == "gate_up" else None
+    x_sorted = x[g.long()] if projection == "gate_up" else x
+    quantized_weight(w)  # once per step, as in training
+
+    def ours():
+        return grouped_gemm_fp8(x, w, m_sizes, gather_index=gather)
+
+    w_q, w_scale = quantize_rows_reference(w)
+    w_q_t = w_q.transpose(-2, -1)  # [E, K, N] column-major, as _scaled_grouped_mm takes it
+
+    def scaled_gmm(a_q, a_scale):
+        return torch._scaled_grouped_mm(a_q, w_q_t, a_scale, w_scale, offs=offsets, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+
+    def peer_with_quantization():  # the permutation copy, then a rowwise quantization in eager ops
+        return scaled_gmm(*quantize_rows_reference(x[g.long()] if projection == "gate_up" else x))
+
+    ref = grouped_mm(x_sorted, w, offsets)
+    err = rel_err(ours(), ref)
+    assert err < 6e-2, f"{projection}: FP8 differs from bf16 _grouped_mm by {err:.2e}"
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    quantized_weight(wg)
+    dy = torch.randn(p["rows"], p["n"], device="cuda", dtype=x.dtype)
+    ms = {"fp8_fwd": bench_ms(ours),
+          "fp8_fwdbwd": bench_ms(lambda: grouped_gemm_fp8(xg, wg, m_sizes, gather_index=gather).backward(dy))}
+    a_q, a_scale = quantize_rows_reference(x_sorted)
+    try:
+        peer_err = rel_err(scaled_gmm(a_q, a_scale), ref)
+        ms["scaled_gmm_fwd"] = bench_ms(lambda: scaled_gmm(a_q, a_scale))
+        ms["scaled_gmm_quant_fwd"] = bench_ms(peer_with_quantization)
+    except (RuntimeError, TypeError) as exc:  # not in every torch build
+        print(f"  torch._scaled_grouped_mm unavailable: {exc}", flush=True)
+        peer_err = None
+    return ms, err, peer_err
+
+
 def sweep(p, projection, which):
     """Time every sweep candidate for each pass of one projection; {pass: [(ms, cfg)]}."""
     x, w, m_sizes = p["x"], p["w"], p["m_sizes"]
@@ -224,6 +271,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time a grid of configs per pass")
     parser.add_argument("--sweep-passes", default="forward,dx,dw")
     parser.add_argument("--bias", action="store_true", help="also time ours with a per-expert bias against without")
+    parser.add_argument("--fp8", action="store_true", help="also time the FP8 path and torch._scaled_grouped_mm")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
     args = parser.parse_args()
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
@@ -258,6 +306,15 @@ def main() -> None:
                       f"fwd+bwd {bias_ms['ours_bias_fwdbwd']:.3f} / {bias_ms['ours_fwdbwd']:.3f} ms = "
                       f"{bias_ms['ours_bias_fwdbwd'] / bias_ms['ours_fwdbwd']:.3f}x (repeat noise up to "
                       f"{noise:.1%})", flush=True)
+            if args.fp8:
+                fp8_ms, fp8_err, peer_err = time_fp8(p, projection)
+                row.update(fp8_ms=fp8_ms, fp8_err_vs_grouped_mm=fp8_err, scaled_gmm_err_vs_grouped_mm=peer_err)
+                peer = (f" | scaled_gmm {fp8_ms['scaled_gmm_fwd']:.3f} ms alone, "
+                        f"{fp8_ms['scaled_gmm_quant_fwd']:.3f} with its quantization" if peer_err is not None else "")
+                print(f"{name:16s} {projection:7s} FP8 fwd {fp8_ms['fp8_fwd']:.3f} ms "
+                      f"({flops / fp8_ms['fp8_fwd'] / 1e9:.0f} TF/s, {ms['gmm_fwd'] / fp8_ms['fp8_fwd']:.2f}x bf16 gmm) "
+                      f"fwd+bwd {fp8_ms['fp8_fwdbwd']:.3f} ms ({ms['gmm_fwdbwd'] / fp8_ms['fp8_fwdbwd']:.2f}x) "
+                      f"err {fp8_err:.2e}{peer}", flush=True)
             rows.append(row)
             print(f"{name:16s} {projection:7s} fwd ours {ms['ours_fwd']:.3f} ms "
                   f"({flops / ms['ours_fwd'] / 1e9:.0f} TF/s) gmm {ms['gmm_fwd']:.3f} "
@@ -269,8 +326,8 @@ def main() -> None:
             del p
             torch.cuda.empty_cache()
     out = args.out or REPO / "benchmarks" / "results" / (
-        f"grouped_gemm{'_bias' if args.bias else ''}_{env['device'].replace(' ', '_')}.json")
-    save_results(out, {"tokens": args.tokens, "matmul_tflops": ceiling, "bias": args.bias,
+        f"grouped_gemm{'_bias' if args.bias else ''}{'_fp8' if args.fp8 else ''}_{env['device'].replace(' ', '_')}_x1.json")
+    save_results(out, {"tokens": args.tokens, "matmul_tflops": ceiling, "bias": args.bias, "fp8": args.fp8,
                        "configs": {k: v.to_dict() for k, v in vars(configs).items()},
                        "results": rows, "sweeps": sweeps})
     print(json.dumps({"saved": str(out)}))

@@ -211,6 +211,8 @@ def _tiles_up_to_source(source_ends_ptr, e, w, m_e, NUM_SOURCES: tl.constexpr, B
 #   of the unscaled tile with rows of D (the top-k weight gradient); fp32 accumulation. The
 #   weight and the dot belong to the store row, the load row or (PER_ROUTED_ROW) the routed
 #   row r itself, when several routed rows load the same A row (a slot sum's backward).
+#   FP8_SCALES: A and B hold e4m3 values (ep_moe.kernels.fp8); the fp32 tile is multiplied by
+#   the A row's scale and the expert's output-channel scale first, before any bias or weight.
 #   HAS_BIAS, forward (B_TRANSPOSED): the expert's bias row is added to the fp32 tile before
 #   the row weight, one [BLOCK_N] load per tile. HAS_BIAS, dX with ROW_DOT: the bias's share
 #   of the row weight's gradient, the dot of each A row (dy) with the bias over the reduced
@@ -234,6 +236,7 @@ def _tiles_up_to_source(source_ends_ptr, e, w, m_e, NUM_SOURCES: tl.constexpr, B
 def _grouped_rows_kernel(
     a_ptr, b_ptr, b_desc, out_ptr, m_sizes_ptr,
     load_idx_ptr, store_idx_ptr, scale_ptr, bias_ptr,
+    a_scale_ptr, b_scale_ptr,
     d_ptr, d_idx_ptr, row_dot_ptr,
     source_ends_ptr, arrival_ptr, arrival_base, first_source, end_source,
     num_experts, num_rows, N, K,
@@ -241,11 +244,11 @@ def _grouped_rows_kernel(
     stride_be, stride_bk, stride_bn,
     stride_om, stride_on,
     stride_dm, stride_dn,
-    stride_bias_e,
+    stride_bias_e, stride_b_scale_e,
     # Meta-parameters
     TILE_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, FP8_SCALES: tl.constexpr,
     LOAD_IDX: tl.constexpr, STORE_IDX: tl.constexpr,
     SCALE: tl.constexpr, SCALE_BY_LOAD_ROW: tl.constexpr, PER_ROUTED_ROW: tl.constexpr,
     ROW_DOT: tl.constexpr, D_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -320,6 +323,11 @@ def _grouped_rows_kernel(
                     acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
                     a_ptrs += BLOCK_K * stride_ak
                     b_ptrs += BLOCK_K * stride_bk
+                if FP8_SCALES:
+                    a_scale = tl.load(a_scale_ptr + a_rows)
+                    b_scale = tl.load(b_scale_ptr + tl.cast(e, tl.int64) * stride_b_scale_e + offs_n, mask=col_ok,
+                                      other=0.0)
+                    acc = acc * a_scale[:, None] * b_scale[None, :]
                 if HAS_BIAS and B_TRANSPOSED:
                     bias = tl.load(bias_ptr + tl.cast(e, tl.int64) * stride_bias_e + offs_n, mask=col_ok, other=0.0)
                     acc += bias.to(tl.float32)[None, :]
@@ -486,6 +494,7 @@ def launch_rows(
     dot_idx: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     source_window: tuple[torch.Tensor, int] | None = None,
+    fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Launch the row-tiled kernel: forward (``transpose_w=True``) or dX (``False``).
 
@@ -500,8 +509,10 @@ def launch_rows(
     When rows of ``a`` are still landing (:func:`ep_moe.kernels.arrival.rows_arriving`), the
     tiles wait for them source by source. ``source_window=(source_ends, w)``: only the rows
     of source ``w`` (each expert's rows sorted by source, ``source_ends`` [E, S] of them from
-    sources <= w), each (expert, source) segment tiled on its own. Inputs are trusted:
-    :mod:`ep_moe.kernels.ops` validates them.
+    sources <= w), each (expert, source) segment tiled on its own.
+    ``fp8_scales=(a_scale, w_scale)``: ``a`` and ``w`` hold e4m3 values; ``a_scale`` [rows of
+    a] and ``w_scale`` [E, output columns] (fp32, contiguous) scale the fp32 products
+    (:mod:`ep_moe.kernels.fp8`). Inputs are trusted: :mod:`ep_moe.kernels.ops` validates them.
     """
     num_experts, w_n, w_k = w.shape
     num_rows = load_idx.shape[0] if load_idx is not None else a.shape[0]
@@ -541,7 +552,9 @@ def launch_rows(
     _grouped_rows_kernel[grid](
         # absent optional tensors go as None: a constexpr the flags below prune, where a stand-in
         # tensor cost host time on every launch (specialized, and its pointer looked up)
-        a, w, b_desc, out, m_sizes, load_idx, store_idx, scale, bias, dot_with, dot_idx, row_dot, source_ends,
+        a, w, b_desc, out, m_sizes, load_idx, store_idx, scale, bias,
+        *(fp8_scales if fp8_scales is not None else (None, None)),
+        dot_with, dot_idx, row_dot, source_ends,
         arrival.landing.flag if arrival is not None else None,
         _int32_bits(arrival.landing.base) if arrival is not None else 0,
         first_source, end_source,
@@ -552,9 +565,10 @@ def launch_rows(
         dot_with.stride(0) if dot_with is not None else 0,
         dot_with.stride(1) if dot_with is not None else 0,
         bias.stride(0) if bias is not None else 0,
+        fp8_scales[1].stride(0) if fp8_scales is not None else 0,
         TILE_STRIDE=stride,
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
-        GROUP_SIZE_M=c.GROUP_SIZE_M,
+        GROUP_SIZE_M=c.GROUP_SIZE_M, FP8_SCALES=fp8_scales is not None,
         LOAD_IDX=load_idx is not None, STORE_IDX=store_idx is not None,
         SCALE=scale is not None, SCALE_BY_LOAD_ROW=scale_by_load_row, PER_ROUTED_ROW=per_routed_row,
         ROW_DOT=dot_with is not None, D_IDX=dot_idx is not None, HAS_BIAS=bias is not None,

@@ -1,0 +1,143 @@
+"""FP8 (e4m3) grouped GEMM (``ep_moe.kernels.fp8``): the row quantization (with the gather
+fused) against the recipe's PyTorch definition, bit for bit; the forward and dX against a
+float64 product of the same quantized operands; dW (bf16) against float64; the whole against
+the unquantized product within the recipe's bound; the weight's quantized copies made once
+per version; argument errors. Experts with no rows, every row on one expert, one row, sizes
+that are multiples of no block.
+
+On the CPU these run in the Triton interpreter (float16); on a GPU in bfloat16 too, with the
+FP8 tensor cores (``tests/gpu/test_fp8_cuda.py`` times it and adds users' shapes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_moe.kernels.fp8 import (E4M3, E4M3_MAX, MIN_AMAX, fp8_supported, grouped_gemm_fp8, quantize_rows,
+                                quantize_rows_reference, quantized_weight)
+from ep_moe.kernels.reference import grouped_gemm_reference
+from test_grouped_gemm import CASES, DEVICE, ON_GPU, rel_err
+
+DTYPES = [torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+# Relative Frobenius error of a product of the same quantized operands: fp32 accumulation
+# (FP8 tensor cores accumulate with fewer bits: the GPU's margin), one rounding to the output dtype.
+SAME_QUANT_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+E4M3_BOUND = 6e-2
+"""Relative Frobenius error of the FP8 product against the unquantized one, on Gaussian
+operands: each e4m3 value carries 3 mantissa bits (rounding error up to 2**-4 of it,
+about 2.5% on average), in both operands; measured 3.5-4.5e-2."""
+
+pytestmark = pytest.mark.skipif(not fp8_supported(DEVICE)[0], reason=fp8_supported(DEVICE)[1] or "no FP8")
+
+
+def _problem(case: str, dtype: torch.dtype, gather: bool, seed: int = 0):
+    sizes, n, k = CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(sizes)
+    tokens = max(1, (rows * 2) // 3) if gather else rows
+    x = torch.randn(tokens, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(len(sizes), n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    m_sizes = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    g = torch.randint(0, tokens, (rows,), generator=gen).to(DEVICE, torch.int32) if gather else None
+    return x, w, m_sizes, g
+
+
+def _dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return values.double() * scale.double().unsqueeze(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gather", [False, True], ids=["sorted", "gathered"])
+def test_quantize_rows_is_the_recipe_bit_for_bit(dtype, gather):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 1100, generator=gen).to(DEVICE, dtype)  # K past one 1024-wide block
+    x[3] = 0  # an all-zero row: a finite scale, zeros out
+    x[5, 7] = 300.0  # one large value sets its row's scale
+    g = torch.randint(0, 37, (50,), generator=gen).to(DEVICE, torch.int32) if gather else None
+    q, scale = quantize_rows(x, g)
+    rows = x[g.long()] if gather else x
+    q_ref, scale_ref = quantize_rows_reference(rows)
+    assert q.dtype == E4M3 and q.shape == rows.shape and scale.dtype == torch.float32
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert q.float().abs().amax(1).max() <= E4M3_MAX
+    zero_rows = (rows == 0).all(1)
+    assert torch.equal(scale[zero_rows], torch.full_like(scale[zero_rows], MIN_AMAX / E4M3_MAX))
+    assert (q.float()[zero_rows] == 0).all()
+    err = (_dequantized(q, scale) - rows.double()).abs() / rows.double().abs().amax(1, keepdim=True).clamp_min(1e-30)
+    assert err.max() <= 2.0**-4  # half an e4m3 step at the top binade: 2**-4 of the row's amax
+    empty_q, empty_scale = quantize_rows(x, torch.empty(0, dtype=torch.int32, device=DEVICE))
+    assert empty_q.shape == (0, 1100) and empty_scale.shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gather", [False, True], ids=["sorted", "gathered"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_product_and_gradients_match_float64_of_the_same_quantization(case, gather, dtype):
+    x, w, m_sizes, g = _problem(case, dtype, gather)
+    x.requires_grad_()
+    w.requires_grad_()
+    y = grouped_gemm_fp8(x, w, m_sizes, gather_index=g)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    assert y.dtype == dx.dtype == dw.dtype == dtype and y.shape == (m_sizes.sum().item(), w.shape[1])
+
+    rows = x.detach()[g.long()] if gather else x.detach()
+    xq = _dequantized(*quantize_rows_reference(rows))
+    wq = _dequantized(*quantize_rows_reference(w.detach()))
+    tol = SAME_QUANT_TOL[dtype]
+    y_ref = grouped_gemm_reference(xq, wq, m_sizes)
+    assert rel_err(y, y_ref) < tol, "forward"
+
+    dyq = _dequantized(*quantize_rows_reference(dy))
+    wtq = _dequantized(*quantize_rows_reference(w.detach().transpose(1, 2))).transpose(1, 2)
+    dx_rows = grouped_gemm_reference(dyq, wtq.transpose(1, 2), m_sizes)  # dy @ w[e], w quantized per (e, k)
+    dx_ref = torch.zeros(x.shape, dtype=torch.float64, device=DEVICE)
+    dx_ref.index_add_(0, g.long(), dx_rows) if gather else dx_ref.copy_(dx_rows)
+    assert rel_err(dx, dx_ref) < tol, "dx"
+
+    ends = torch.cumsum(m_sizes.long(), 0).tolist()
+    dw_ref = torch.stack([dy[e0:e1].double().T @ rows[e0:e1].double()
+                          for e0, e1 in zip([0] + ends[:-1], ends)])
+    assert rel_err(dw, dw_ref) < tol, "dw"
+    if m_sizes.sum() == 0:
+        assert (dw == 0).all() and (dx == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_product_stays_within_the_recipes_bound_of_the_unquantized_one(dtype):
+    x, w, m_sizes, g = _problem("ragged", dtype, gather=True, seed=3)
+    y = grouped_gemm_fp8(x, w, m_sizes, gather_index=g)
+    err = rel_err(y, grouped_gemm_reference(x.double(), w.double(), m_sizes, gather_index=g))
+    assert 1e-2 < err < E4M3_BOUND  # quantized (not silently bf16), within the bound
+
+
+def test_weights_are_quantized_once_per_version():
+    _, w, _, _ = _problem("ragged", torch.float16, gather=False)
+    first = quantized_weight(w)
+    assert quantized_weight(w) is first  # a second call of the same step
+    with torch.no_grad():
+        w.mul_(2)  # an optimizer step updates in place
+    second = quantized_weight(w)
+    assert second is not first
+    assert torch.equal(second.forward[1], 2 * first.forward[1])
+    assert second.dx[0].shape == (w.shape[0], w.shape[2], w.shape[1]) and second.dx[0].is_contiguous()
+
+
+def test_bad_arguments_are_named():
+    x, w, m_sizes, _ = _problem("ragged", torch.float16, gather=False)
+    with pytest.raises(TypeError, match="x and w must both be bfloat16 or float16"):
+        grouped_gemm_fp8(x.float(), w.float(), m_sizes)
+    with pytest.raises(ValueError, match=r"w must be \[E, N, K\]"):
+        grouped_gemm_fp8(x, w[:, :, :-1], m_sizes)
+    with pytest.raises(ValueError, match="m_sizes must be int32"):
+        grouped_gemm_fp8(x, w, m_sizes.long())
+
+
+def test_devices_without_fp8_say_why(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fp8_supported(torch.device("cpu")) == (True, "")  # the kernels run in the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ok, why = fp8_supported(torch.device("cpu"))
+    assert not ok and "CUDA GPUs with FP8 tensor cores" in why
