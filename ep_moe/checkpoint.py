@@ -62,8 +62,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from ep_moe.distributed import gathered_expert_rows, is_expert_param
 from ep_moe.layer import MoELayer
-from ep_moe.parallel import gathered_expert_rows, is_expert_param
 
 logger = logging.getLogger(__name__)
 

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
-import hashlib
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Literal, Optional, get_args
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
-from ep_moe.ep.base import all_gather_single
 from ep_moe.routing import DropPolicy, ScoreFunc
 
 Activation = Literal["swiglu", "gelu", "relu", "geglu", "gelu_tanh", "silu", "identity"]
@@ -350,34 +345,3 @@ def _refusing_removed_fields(init):
 
 
 MoEConfig.__init__ = _refusing_removed_fields(MoEConfig.__init__)
-
-
-@torch.compiler.disable  # a collective and a host read, once per layer
-def check_same_config(config: MoEConfig, group: ProcessGroup, device: torch.device,
-                      others: Optional[dict[str, Any]] = None) -> None:
-    """Raise unless every rank of ``group`` passes the same ``config`` and the same
-    ``others`` (named values: the parameters' dtype, the input's width...): one small
-    all-gather of digests and a host read; collective. Ranks whose settings differ
-    (``top_k``, ``dispatch``, the hidden size of their input, ...) would exchange messages of
-    different sizes, which aborts gloo and can hang NCCL; the error names what differs."""
-    others = others or {}
-    values = {**{field.name: getattr(config, field.name) for field in dataclasses.fields(config)}, **others}
-    mine = torch.tensor([_digest(value) for value in values.values()], dtype=torch.int64, device=device)
-    size = dist.get_world_size(group)
-    every = mine.new_empty(size * len(values))
-    all_gather_single(every, mine, group=group)
-    differ = [name for name, column in zip(values, every.view(size, -1).T.tolist()) if len(set(column)) > 1]
-    config_differ = [name for name in differ if name not in others]
-    if differ:
-        shown = config_differ or differ
-        mine_values = ", ".join(f"{name}={values[name]!r}" for name in shown)
-        what = ("the MoEConfig of this layer", "build the layer with the same MoEConfig") if config_differ else (
-            "the parameters or input of this layer", "give every rank a layer of the same dtype and inputs of "
-            "the same width and dtype")
-        raise ValueError(f"{what[0]} differs across the EP group in {shown} (this rank: {mine_values}); "
-                         f"{what[1]} on every rank")
-
-
-def _digest(value) -> int:
-    """A 64-bit digest of a config value's repr, the same on every rank."""
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)

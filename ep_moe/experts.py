@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ep_moe.config import GATED_ACTIVATIONS, Activation, MoEConfig
+from ep_moe.distributed import gathered_expert_rows, mark_expert_param
 from ep_moe.grouped_mm_experts import grouped_mm_mlp, once_differentiable_output, use_grouped_mm
 from ep_moe.kernels.activation import ClampedSwiGLU, gated
 from ep_moe.kernels.config import GemmConfigs
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.kernels.ops import layer_grouped_gemm, layer_grouped_gemm_slot_sum
 from ep_moe.kernels.permute import sum_slot_rows
-from ep_moe.parallel import gathered_expert_rows, mark_expert_param
 from ep_moe.routing import RoutingMetadata, combine_slots
 
 if TYPE_CHECKING:

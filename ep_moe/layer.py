@@ -41,13 +41,12 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ep_moe.config import MoEConfig, check_experts_divide, check_same_config
+from ep_moe.config import MoEConfig, check_experts_divide
+from ep_moe.distributed import all_gather_single, check_same_config, group_size, resolve_ep_group
 from ep_moe.ep import build_dispatcher, resolve_dispatch
-from ep_moe.ep.base import all_gather_single, group_size
 from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts, compute_dtype
 from ep_moe.forward_graphs import ForwardGraphs
 from ep_moe.kernels.ops import debug_enabled
-from ep_moe.parallel import resolve_ep_group
 from ep_moe.routing import (RouterOutput, capacity_keep_mask, check_routing, expert_capacity, mask_out_of_range,
                             out_of_range_message, route)
 
@@ -438,7 +437,7 @@ class MoELayer(nn.Module):
 
     def _agree_first_call(self, x: torch.Tensor) -> torch.dtype:
         """First call at EP>1: every rank of the EP group checks that all have the same
-        config, parameter dtype and input width and dtype (:func:`ep_moe.config.check_same_config`).
+        config, parameter dtype and input width and dtype (:func:`ep_moe.distributed.check_same_config`).
         A rank whose input fails its own check still takes part, then raises its error, so
         its peers raise too instead of waiting in a collective it never joins. Returns the
         :meth:`compute_dtype`. A meta input (shape inference, :meth:`_meta_forward`) is

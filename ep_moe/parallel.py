@@ -41,7 +41,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-EXPERT_PARAM_ATTR = "_ep_moe_expert"
+from ep_moe.distributed import is_expert_param, mark_expert_param, resolve_ep_group
 
 
 @dataclass(frozen=True)
@@ -237,44 +237,6 @@ def groups_from_mesh(mesh: Union[DeviceMesh, ParallelMesh], *, ep_axis: str = "e
     ep_mesh, edp_mesh = mesh[ep_axis], mesh[edp_axis]
     return ExpertParallelGroups(ep_group=ep_mesh.get_group(), edp_group=edp_mesh.get_group(),
                                 ep_size=ep_mesh.size(), edp_size=edp_mesh.size())
-
-
-def resolve_ep_group(ep_group: Union[None, ProcessGroup, DeviceMesh], name: str = "ep_group",
-                     axis: str = "ep") -> Optional[ProcessGroup]:
-    """The process group behind ``ep_group``: None (one rank), a group, or a 1-D DeviceMesh
-    (``name`` and ``axis`` word the errors)."""
-    if ep_group is None or isinstance(ep_group, ProcessGroup):
-        return ep_group
-    if isinstance(ep_group, DeviceMesh):
-        if ep_group.ndim != 1:
-            raise ValueError(f"{name} is a {ep_group.ndim}-D DeviceMesh; pass one axis of it, e.g. "
-                             f"mesh['{axis}'] (a 1-D mesh)")
-        return ep_group.get_group()
-    raise ValueError(f"{name} must be None, a ProcessGroup or a 1-D DeviceMesh, got {type(ep_group).__name__}")
-
-
-def mark_expert_param(param: nn.Parameter) -> nn.Parameter:
-    """Tag ``param`` as sharded over the EP group (synced over the EDP group only)."""
-    setattr(param, EXPERT_PARAM_ATTR, True)
-    return param
-
-
-def is_expert_param(param: torch.Tensor) -> bool:
-    """Whether ``param`` was tagged by :func:`mark_expert_param`."""
-    return getattr(param, EXPERT_PARAM_ATTR, False)
-
-
-def gathered_expert_rows(stacked: torch.Tensor) -> torch.Tensor:
-    """A stacked expert tensor [e, ...] (a parameter or its optimizer state) ready to be split
-    row by row into per-expert tensors: gathered in one collective when FSDP shards it by
-    whole experts (a DTensor on ``Shard(0)``), else as it is. Indexing a ``Shard(0)`` DTensor
-    by row gathers the whole tensor for every row, and each row's view keeps its copy alive:
-    e collectives and e copies where one does. Call on every rank of its mesh alike."""
-    if isinstance(stacked, DTensor) and any(p.is_shard(0) for p in stacked.placements):
-        from torch.distributed.tensor import Replicate
-
-        return stacked.redistribute(stacked.device_mesh, [Replicate()] * stacked.device_mesh.ndim)
-    return stacked
 
 
 def expert_param_names(model: nn.Module) -> list[str]:

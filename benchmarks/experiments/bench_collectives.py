@@ -20,7 +20,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ep_moe.ep.base import all_gather_single, reduce_scatter_single  # the names of the torch at hand
+from ep_moe.distributed import all_gather_single, reduce_scatter_single  # the names of the torch at hand
 
 
 def time_ms(fn, iters: int, warmup: int = 5) -> float:

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ep_moe.ep.base import Dispatcher, Exchange, PendingExchange, all_gather_single, reduce_scatter_single
+from ep_moe.distributed import all_gather_single, reduce_scatter_single
+from ep_moe.ep.base import Dispatcher, Exchange, PendingExchange
 from ep_moe.ep.pipeline import expert_pipeline
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.routing import RouterOutput, RoutingMetadata, count_sorted, sort_slots

@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from ep_moe.ep.base import (Dispatcher, PendingExchange, all_gather_single, group_size, refuse_double_backward,
-                            round_up)
+from ep_moe.distributed import all_gather_single, group_size
+from ep_moe.ep.base import Dispatcher, PendingExchange, refuse_double_backward, round_up
 from ep_moe.ep.pipeline import expert_pipeline
 from ep_moe.ep.slot_rows import (
     EXPERT_COUNTS,

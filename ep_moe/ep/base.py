@@ -1,6 +1,7 @@
 """What every expert-parallel path shares: the :class:`Dispatcher` steps the layer calls,
 the :class:`Exchange` protocol the expert pipeline drives, pending collectives, and small
-collective helpers.
+helpers of the exchanges (the collectives other floors share too are in
+:mod:`ep_moe.distributed`).
 
 A dispatcher is one path (``MoEConfig.dispatch``, chosen once in
 :func:`ep_moe.ep.build_dispatcher`). :class:`ep_moe.MoELayer` calls its steps in order::
@@ -29,11 +30,6 @@ if TYPE_CHECKING:
     from ep_moe.experts import GroupedExperts
 
 
-def group_size(group: Optional[ProcessGroup]) -> int:
-    """Ranks in ``group``; 1 for ``None``."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
 def refuse_double_backward() -> None:
     """At the start of the backward of the EP exchanges' autograd functions: raise where the
     backward builds a graph of itself (``create_graph=True``, grad mode on), which their
@@ -49,12 +45,6 @@ def refuse_double_backward() -> None:
 def round_up(value: int, multiple: int) -> int:
     """``value`` rounded up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple
-
-
-# all_gather_into_tensor / reduce_scatter_tensor became all_gather_single /
-# reduce_scatter_single in newer PyTorch (the old names warn there); same arguments
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class PendingExchange:

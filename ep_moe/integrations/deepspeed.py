@@ -158,9 +158,10 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from ep_moe.config import Activation, MoEConfig
+from ep_moe.distributed import is_expert_param
 from ep_moe.integrations.deepspeed_gate import DeepSpeedGate, check_arguments
 from ep_moe.layer import MoELayer
-from ep_moe.parallel import build_ep_groups, ep_layout, is_expert_param
+from ep_moe.parallel import build_ep_groups, ep_layout
 
 _GATE_NAMES = ("gate_proj", "w1", "gate")
 _UP_NAMES = ("up_proj", "w3", "up")

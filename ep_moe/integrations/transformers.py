@@ -46,13 +46,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.config import Dispatch, MoEConfig, check_experts_divide, check_same_config
+from ep_moe.config import Dispatch, MoEConfig, check_experts_divide
+from ep_moe.distributed import all_gather_single, check_same_config, group_size, mark_expert_param, resolve_ep_group
 from ep_moe.ep import build_dispatcher
-from ep_moe.ep.base import all_gather_single, group_size
 from ep_moe.experts import ActivationArg, StackedExpertsMath, compute_dtype
 from ep_moe.forward_graphs import ForwardGraphs, graphable, only_own_modules
 from ep_moe.kernels.activation import ClampedSwiGLU
-from ep_moe.parallel import mark_expert_param, resolve_ep_group
 from ep_moe.routing import RouterOutput, count_ids
 
 try:
@@ -200,7 +199,7 @@ class HFExperts(StackedExpertsMath):
 
     def agree(self, x_TH: torch.Tensor) -> None:
         """First call at EP>1: every rank of the group checks that all run the same experts
-        on inputs of the same width and dtype (:func:`ep_moe.config.check_same_config`), so
+        on inputs of the same width and dtype (:func:`ep_moe.distributed.check_same_config`), so
         a mismatch raises on every rank instead of hanging an exchange."""
         module = self.module
         others = {"experts module": type(module).__qualname__, "compute dtype": x_TH.dtype,

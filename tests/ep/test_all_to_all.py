@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
+from ep_moe.distributed import group_size
 from ep_moe.ep import all_to_all as dispatch
-from ep_moe.ep.base import group_size
 from ep_moe.ep.all_to_all import (
     NcclExchange,
     SplitSizes,
