@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ep_moe.distributed import is_expert_param, mark_expert_param, resolve_ep_group
+from ep_moe.layer import MoELayer
 
 
 @dataclass(frozen=True)
@@ -491,8 +492,6 @@ def apply_fsdp(
     ("edp", "ep") DeviceMesh (:func:`init_ep_mesh`). Raises ``ValueError`` when an MoE layer
     was built on another EP group than ``mesh.ep``.
     """
-    from ep_moe.layer import MoELayer  # lazy: ep_moe.layer imports this module
-
     fully_shard, MixedPrecisionPolicy, register_fsdp_forward_method = _fsdp_api()
     pm = mesh if isinstance(mesh, ParallelMesh) else ParallelMesh.from_device_mesh(mesh)
     if mp_policy is not None and (param_dtype is not None or reduce_dtype is not None):
