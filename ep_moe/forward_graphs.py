@@ -29,17 +29,13 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Protocol, Union
+from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, Union
 
 import torch
 from torch.nn.modules import module as nn_module
 
-from ep_moe.experts import GroupedExperts
 from ep_moe.grouped_mm_experts import fused_kernels_only
 from ep_moe.kernels.ops import debug_enabled
-
-if TYPE_CHECKING:
-    from ep_moe.layer import MoELayer
 
 Inputs = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 """A graphed forward's input: one tensor, or several (copied in, each, before a replay)."""
@@ -108,14 +104,6 @@ class ForwardGraphs:
         self._replayed: Optional[torch.cuda.Event] = None
         self.enabled = enabled
         """Set False to run every forward eagerly (also set after too many recaptures)."""
-
-    @staticmethod
-    def takes(layer: "MoELayer", x: torch.Tensor) -> bool:
-        """Whether this call of ``layer`` may run graphed: :func:`graphable`, dropless, the
-        grouped experts on the Triton backend, and only the layer's own modules with no
-        hooks inside (module docstring)."""
-        return (graphable(x) and layer.config.capacity_factor is None and layer.config.backend != "torch"
-                and isinstance(layer.experts, GroupedExperts) and only_own_modules(layer))
 
     def __call__(self, owner: GraphedForward, x: Inputs, eager: Callable[..., torch.Tensor]) -> torch.Tensor:
         """``eager(*x)`` (the owner's forward), through a graph once the shape is common."""

@@ -45,7 +45,7 @@ from ep_moe.config import MoEConfig, check_experts_divide
 from ep_moe.distributed import all_gather_single, check_same_config, group_size, resolve_ep_group
 from ep_moe.ep import build_dispatcher, resolve_dispatch
 from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts, compute_dtype
-from ep_moe.forward_graphs import ForwardGraphs
+from ep_moe.forward_graphs import ForwardGraphs, graphable, only_own_modules
 from ep_moe.kernels.ops import debug_enabled
 from ep_moe.routing import (RouterOutput, capacity_keep_mask, check_routing, expert_capacity, mask_out_of_range,
                             out_of_range_message, route)
@@ -339,9 +339,16 @@ class MoELayer(nn.Module):
         input shape has recurred (:mod:`ep_moe.forward_graphs`): the same math on the fused
         kernels, at a few launches' host time.
         """
-        if self.forward_graphs is not None and route_fn is None and ForwardGraphs.takes(self, x):
+        if self.forward_graphs is not None and route_fn is None and self.takes_graphs(x):
             return self.forward_graphs(self, x, self._eager_forward)
         return self._eager_forward(x, route_fn)
+
+    def takes_graphs(self, x: torch.Tensor) -> bool:
+        """Whether this call may run graphed (:mod:`ep_moe.forward_graphs`):
+        :func:`~ep_moe.forward_graphs.graphable`, dropless, the grouped experts on the Triton
+        backend, and only the layer's own modules with no hooks inside."""
+        return (graphable(x) and self.config.capacity_factor is None and self.config.backend != "torch"
+                and isinstance(self.experts, GroupedExperts) and only_own_modules(self))
 
     # what ForwardGraphs asks of the layer it graphs (ep_moe.forward_graphs.GraphedForward)
     def graphed_tensors(self):

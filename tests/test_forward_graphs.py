@@ -82,7 +82,7 @@ def _layer(**overrides):
 
 
 def _call(layer, x):
-    """The layer's forward through its graphs (``ForwardGraphs.takes`` is False on the CPU)."""
+    """The layer's forward through its graphs (``MoELayer.takes_graphs`` is False on the CPU)."""
     with torch.no_grad():
         return layer.forward_graphs(layer, x, layer._eager_forward)
 
@@ -165,17 +165,17 @@ def test_expert_bias_counts_each_call_once(captures):
 def test_which_calls_may_be_graphed(monkeypatch):
     layer = _layer()
     x = torch.randn(4, H)
-    assert not fg.ForwardGraphs.takes(layer, x)  # a CPU tensor
+    assert not layer.takes_graphs(x)  # a CPU tensor
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with torch.no_grad():
-        assert fg.ForwardGraphs.takes(layer, x)
-        assert not fg.ForwardGraphs.takes(layer, torch.randn(fg.MAX_GRAPHED_TOKENS + 1, H))
-        assert not fg.ForwardGraphs.takes(_layer(capacity_factor=1.0), x)
-        assert not fg.ForwardGraphs.takes(_layer(backend="torch"), x)
+        assert layer.takes_graphs(x)
+        assert not layer.takes_graphs(torch.randn(fg.MAX_GRAPHED_TOKENS + 1, H))
+        assert not _layer(capacity_factor=1.0).takes_graphs(x)
+        assert not _layer(backend="torch").takes_graphs(x)
         monkeypatch.setenv("EP_MOE_DEBUG", "1")
-        assert not fg.ForwardGraphs.takes(layer, x)
-    assert not fg.ForwardGraphs.takes(layer, x)  # autograd on
+        assert not layer.takes_graphs(x)
+    assert not layer.takes_graphs(x)  # autograd on
 
 
 def test_copies_of_a_layer_capture_their_own_and_keep_the_switch(captures):
@@ -226,28 +226,28 @@ def test_hooks_other_modules_and_tensor_subclasses_keep_the_forward_eager(monkey
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with torch.no_grad():
-        assert fg.ForwardGraphs.takes(layer, x)
+        assert layer.takes_graphs(x)
         handle = layer.experts.register_forward_pre_hook(lambda module, args: None)
-        assert not fg.ForwardGraphs.takes(layer, x), "a replay would skip the experts' hook"
+        assert not layer.takes_graphs(x), "a replay would skip the experts' hook"
         handle.remove()
         handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
-        assert not fg.ForwardGraphs.takes(layer, x), "a replay would skip a global hook"
+        assert not layer.takes_graphs(x), "a replay would skip a global hook"
         handle.remove()
-        assert fg.ForwardGraphs.takes(layer, x)
+        assert layer.takes_graphs(x)
 
         class Adapter(torch.nn.Module):  # another library's module inside the layer
             def forward(self, t):
                 return t
 
         layer.router.adapter = Adapter()
-        assert not fg.ForwardGraphs.takes(layer, x)
+        assert not layer.takes_graphs(x)
         del layer.router.adapter
 
         class Wrapped(torch.Tensor):
             pass
 
-        assert not fg.ForwardGraphs.takes(layer, x.as_subclass(Wrapped))
-        assert fg.ForwardGraphs.takes(layer, x)
+        assert not layer.takes_graphs(x.as_subclass(Wrapped))
+        assert layer.takes_graphs(x)
 
 
 def test_a_bad_input_raises_its_own_error_every_time_and_leaves_graphs_on(captures):
