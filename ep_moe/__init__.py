@@ -5,9 +5,10 @@ Public surface: :func:`grouped_gemm` (fused Triton grouped GEMM with autograd),
 :mod:`ep_moe.integrations.deepspeed`.
 """
 
+from ep_moe import _version
 from ep_moe.kernels.config import GemmConfigs, KernelConfig
 from ep_moe.kernels.ops import grouped_gemm
 from ep_moe.layer import MoEConfig, MoELayer
 
 __all__ = ["GemmConfigs", "KernelConfig", "MoEConfig", "MoELayer", "grouped_gemm"]
-__version__ = "0.1.0"
+__version__ = _version.__version__

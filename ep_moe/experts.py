@@ -144,7 +144,7 @@ class StackedExpertsMath:
     def problems(self, dtype: torch.dtype) -> list["GemmProblem"]:
         """The grouped GEMMs of these experts in ``dtype``, as :mod:`ep_moe.autotune` keys
         them (a bias changes no problem: it costs one row read per output tile)."""
-        from ep_moe.autotune.space import GemmProblem  # lazy: ep_moe.autotune may import this module
+        from ep_moe.autotune.space import GemmProblem  # lazy: `import ep_moe` does not load the autotuner
 
         cfg = self.config
         common = dict(num_local_experts=self.num_local_experts, top_k=cfg.top_k,

@@ -53,6 +53,7 @@ import filelock
 import torch
 import triton
 
+from ep_moe import _version
 from ep_moe.autotune.space import DeviceLimits, GemmProblem, ModelShape, Table, TunedBucket
 from ep_moe.configs import resolve_preset
 from ep_moe.kernels.config import PASSES
@@ -195,14 +196,12 @@ def parse_record(data: Any, key: CacheKey | None = None) -> Table:
 
 
 def _record(key: CacheKey, table: Table, write_id: str) -> dict[str, Any]:
-    from ep_moe import __version__
-
     return {
         "schema_version": SCHEMA_VERSION,
         "digest": key.digest(),
         "key": key.to_dict(),
         "buckets": {str(b): table[b].to_dict() for b in sorted(table)},
-        "versions": {"ep_moe": __version__, "torch": torch.__version__, "triton": triton.__version__},
+        "versions": {"ep_moe": _version.__version__, "torch": torch.__version__, "triton": triton.__version__},
         "write_id": write_id,
         "updated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "written_by": f"{socket.gethostname()}:{os.getpid()}",
