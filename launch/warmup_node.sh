@@ -3,7 +3,7 @@
 #
 #   launch/warmup_node.sh --model NAME_OR_FILE --ep-size N --tokens T [other `ep-moe autotune` options]
 #
-# --model is a preset in configs/models/ (e.g. qwen3-30b-a3b) or a JSON shape file; --ep-size
+# --model is a preset of ep_moe/configs/models/ (e.g. qwen3-30b-a3b) or a JSON shape file; --ep-size
 # and --tokens (tokens per rank per step) should match the training job, since the cache
 # keys on the local expert count and the row bucket. With several GPUs the script runs
 # `ep-moe autotune` under torchrun over all of them: rank 0 tunes and writes the cache, the

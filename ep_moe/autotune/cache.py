@@ -721,7 +721,7 @@ def load_shipped(key: CacheKey) -> Table | None:
 def load_model_shape(name_or_file: str) -> ModelShape:
     """A model's MoE shape from a JSON file path or the name of a preset shipped in
     ``ep_moe/configs/models/`` (:func:`ep_moe.configs.resolve_preset`)."""
-    path = resolve_preset("models", name_or_file, "model")
+    path = resolve_preset("models", name_or_file, f"model {name_or_file!r}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:

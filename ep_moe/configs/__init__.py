@@ -35,13 +35,13 @@ def preset_names(kind: str) -> list[str]:
 
 def resolve_preset(kind: str, name_or_file: str | Path, what: str) -> Path:
     """The file ``name_or_file`` names: an existing file's path as given, else the preset
-    of that name. Raises ``ValueError`` naming ``what`` (e.g. ``"model"``, ``"--config"``)
-    and listing the presets when it is neither."""
+    of that name. Raises ``ValueError`` starting with ``what`` (e.g. ``"--config x"``) and
+    listing the presets when it is neither."""
     path = Path(name_or_file).expanduser()
     if path.is_file():
         return path
     name = str(name_or_file)
     if name in preset_names(kind):
         return preset_dir(kind) / f"{name}{SUFFIXES[kind]}"
-    raise ValueError(f"{what} {name!r}: no such file and no preset of that name; "
+    raise ValueError(f"{what}: no such file and no preset of that name; "
                      f"presets: {', '.join(preset_names(kind)) or 'none found'}")

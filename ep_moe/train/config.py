@@ -165,7 +165,7 @@ class TrainingConfig:
     host sync, collectives and Triton launches and compiles the rest)."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Capture each transformer block's forward and backward in CUDA graphs and replay them
-    (``launch/graphs.py``): the host stops setting the pace of small models. ``auto``: on
+    (``ep_moe/train/graphs.py``): the host stops setting the pace of small models. ``auto``: on
     where it can work (CUDA; EP=1 or a dispatch without host syncs, ``moe.dispatch=
     'all_gather'`` or ``'all_gather_copy_engine'``; neither ``compile`` nor
     ``activation_checkpointing`` nor ``parallel.fsdp``), else off with the reason logged;
@@ -734,7 +734,7 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> 
     if args.config is None:
         args.config = DEFAULT_HF_CONFIG if args.hf_model else DEFAULT_CONFIG
     try:
-        config_file = resolve_preset("train", args.config, "--config")
+        config_file = resolve_preset("train", args.config, f"--config {args.config}")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     raw = _read_toml(config_file)

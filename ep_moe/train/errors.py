@@ -1,10 +1,10 @@
 """Errors the user fixes: a config value, a data file, a checkpoint on disk.
 
-``launch/train.py`` prints their message as one line (rank 0 only: each is raised alike on
-every rank, from the same config and files, before the process group exists or after the
-ranks agreed) and exits with status 2, without a traceback. Any other exception is a bug,
-or a failure of the run itself, and keeps its traceback. Each message names the input and
-the fix.
+The trainer's ``main`` (``ep_moe/train/train.py``) prints their message as one line (rank 0
+only: each is raised alike on every rank, from the same config and files, before the process
+group exists or after the ranks agreed) and exits with status 2, without a traceback. Any
+other exception is a bug, or a failure of the run itself, and keeps its traceback. Each
+message names the input and the fix.
 """
 
 

@@ -117,7 +117,7 @@ class ModelConfig:
 
     hf: str = ""
     """A Hugging Face MoE model folder (``config.json``, optionally safetensors weights and a
-    tokenizer): train that model, its experts run by ep_moe (``launch/hf_model.py``), instead
+    tokenizer): train that model, its experts run by ep_moe (``ep_moe/train/hf_model.py``), instead
     of this built-in one. Its config.json then sets the shape: no other ``[model]`` key, and
     ``[moe]`` takes only ``dispatch``, ``backend`` and ``all_gather_row_bound``."""
     vocab_size: int = 256
@@ -246,7 +246,7 @@ class MoETransformer(nn.Module):
         self.checkpoint_blocks = False
         """Recompute each block in the backward (non-reentrant activation checkpointing)."""
         self.graphed_blocks = None
-        """The blocks captured in CUDA graphs (``launch/graphs.py``), replayed in training forwards."""
+        """The blocks captured in CUDA graphs (``ep_moe/train/graphs.py``), replayed in training forwards."""
 
     def _init_dense_weights(self) -> None:
         """Normal(0, init_std) for embeddings and projections, with the residual-stream

@@ -1,4 +1,4 @@
-"""The training loop behind ``launch/train.py``: set up ranks, build, train, log, checkpoint.
+"""The training loop behind ``ep_moe/train/train.py``: set up ranks, build, train, log, checkpoint.
 
 Parallelism: every rank is a data-parallel rank with its own batches; the experts of each
 MoE layer are split over EP groups of ``ep_size`` consecutive ranks. One mesh
@@ -577,7 +577,7 @@ class Trainer:
         return reason
 
     def _capture_graphs(self) -> None:
-        """Capture the blocks in CUDA graphs for this run's batch shape (``launch/graphs.py``)."""
+        """Capture the blocks in CUDA graphs for this run's batch shape (``ep_moe/train/graphs.py``)."""
         if self.graphs_off is not None:
             if self.ranks.rank == 0 and self.ranks.device.type == "cuda":
                 logger.info("CUDA graphs off: %s", self.graphs_off)
