@@ -1,4 +1,5 @@
-"""The ``ep-moe`` console script: ``autotune`` (per-node warmup) and ``cache`` housekeeping.
+"""The ``ep-moe`` console script: ``autotune`` (per-node warmup), ``cache`` housekeeping and
+``train`` (the trainer, :func:`ep_moe.train.train.main`, which parses its own options).
 
 Thin by design: parse, call public functions of :mod:`ep_moe.autotune`, print. Every
 failure the user can fix ends in one line on stderr and a non-zero exit status (2: bad
@@ -21,14 +22,17 @@ from ep_moe.autotune.coordinate import MAX_WARMUP_TIMEOUT, target_buckets
 from ep_moe.autotune.bench import Tuner
 from ep_moe.autotune.cache import CacheDirError, default_cache, load_model_shape, printable, read_file
 from ep_moe.autotune.space import ELEMENT_BYTES, GemmProblem
+from ep_moe.configs import preset_names
 from ep_moe.kernels.config import PASSES
 
 
-DESCRIPTION = "Tune the grouped GEMM kernels of ep_moe on this node, and manage their cache."
+DESCRIPTION = "Tune the grouped GEMM kernels of ep_moe on this node, manage their cache, and train."
 EXAMPLES = """examples:
   ep-moe autotune --model mixtral-8x7b --ep-size 1 --tokens 8192
+  ep-moe autotune --model qwen3-30b-a3b --ep-size 8 --dry-run
   torchrun --nproc-per-node 8 -m ep_moe.cli autotune --model deepseek-v3 --ep-size 8 --tokens 8192
-  ep-moe cache list | show KEY | clear | path"""
+  ep-moe cache list | show KEY | clear | path
+  ep-moe train --steps 50     (several processes: torchrun --nproc-per-node 2 -m ep_moe.train)"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
 
     tune = sub.add_parser("autotune", help="tune (or load) kernel configs of a model's MoE layer and cache them "
                                            "(needs a CUDA GPU)")
-    tune.add_argument("--model", required=True, help="preset name in configs/models/ or a JSON file")
+    tune.add_argument("--model", required=True,
+                      help=f"a model shape preset ({', '.join(preset_names('models'))}) or a JSON file")
     tune.add_argument("--ep-size", type=int, default=1, help="expert-parallel size (local experts = E / ep-size)")
     tune.add_argument("--tokens", type=int, nargs="+", default=None,
                       help="tokens per rank to tune for (default: the standard row buckets)")
@@ -49,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds rank 0 may wait for cache locks and tuning shares (the other ranks: "
                            f"that plus a grace); > 0 and at most {MAX_WARMUP_TIMEOUT:.0f} (a week)")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tune.add_argument("--dry-run", action="store_true",
+                      help="print the grouped GEMM problems and row buckets it would tune, and stop (no GPU needed)")
 
     cache = sub.add_parser("cache", help="inspect or clear the autotune cache")
     cache_sub = cache.add_subparsers(dest="action", required=True)
@@ -58,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     cache_sub.add_parser("clear", help="delete the files the cache wrote and their lock files (each under its "
                                        "lock); anything else is listed and left alone")
     cache_sub.add_parser("path", help="print the cache directory")
+
+    sub.add_parser("train", add_help=False, help="train a MoE model in this process (ep-moe train --help lists the "
+                                                 "trainer's options; several: torchrun -m ep_moe.train)")
     return parser
 
 
@@ -88,11 +98,23 @@ def _can_tune() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _dry_run(problems: list[GemmProblem], tokens: list[int] | None) -> str:
+    """One line per problem: what ``autotune`` would tune, and for which row buckets."""
+    lines = []
+    for p in problems:
+        buckets = ",".join(str(b) for b in target_buckets(p, tokens))
+        lines.append(f"{p.projection} e{p.num_local_experts} n{p.n} k{p.k} top{p.top_k} {p.dtype}  rows {buckets}")
+    return "\n".join(lines)
+
+
 def _autotune(args: argparse.Namespace) -> int:
+    problems = load_model_shape(args.model).problems(args.ep_size, args.dtype)
+    if args.dry_run:
+        print(_dry_run(problems, args.tokens))
+        return 0
     if not _can_tune():
         print(NO_GPU, file=sys.stderr)
         return 1
-    problems = load_model_shape(args.model).problems(args.ep_size, args.dtype)
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched:  # under torchrun: the node's GPUs warm up together, rank 0 tunes
         if torch.cuda.is_available():
@@ -175,9 +197,23 @@ def _cache(args: argparse.Namespace) -> int:
     return _show(cache, args.key)
 
 
+def _train(argv: list[str]) -> int:
+    """``ep-moe train``: the trainer's own main, which parses ``argv`` and exits 2 on a
+    user error. Imported here: the other commands do not load the trainer."""
+    from ep_moe.train.train import main as train_main
+
+    train_main(argv, prog="ep-moe train")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ep-moe``; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "train":  # everything after ``train`` is the trainer's
+        return _train(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -77,6 +77,27 @@ def test_autotune_without_a_gpu_exits_1_with_one_line_and_writes_nothing(isolate
     assert not cache_dir().exists(), "no cache directory, no lock files"
 
 
+def test_autotune_dry_run_resolves_the_shipped_preset_without_a_gpu(isolated, monkeypatch, capsys):
+    """``--dry-run`` names the problems and row buckets of a preset (package data) and
+    stops: no GPU, no tuning, no cache directory."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main(["autotune", "--model", "qwen3-30b-a3b", "--ep-size", "8", "--tokens", "8192", "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["gate_up e16 n1536 k2048 top8 bfloat16  rows 65536",
+                                                    "down e16 n2048 k768 top8 bfloat16  rows 65536"]
+    assert not cache_dir().exists()
+
+
+def test_train_runs_the_trainers_main(monkeypatch):
+    """``ep-moe train ARGS``: everything after ``train`` goes to the trainer's own parser."""
+    import ep_moe.train.train as train_module
+
+    calls = []
+    monkeypatch.setattr(train_module, "main", lambda argv, prog: calls.append((argv, prog)))
+    assert cli.main(["train", "--config", "gpu", "--steps", "3", "-v", "--help"]) == 0
+    assert cli.main(["-v", "train"]) == 0
+    assert calls == [(["--config", "gpu", "--steps", "3", "-v", "--help"], "ep-moe train"), ([], "ep-moe train")]
+
+
 @pytest.mark.parametrize("exists", [False, True])
 def test_list_of_an_empty_cache_says_so(isolated, capsys, exists):
     if exists:
@@ -138,6 +159,6 @@ def _help_texts() -> list[str]:
 
 def test_help_is_plain_text():
     texts = _help_texts()
-    assert len(texts) == 7  # ep-moe, autotune, cache and its four actions
+    assert len(texts) == 8  # ep-moe, autotune, cache and its four actions, train (its options are the trainer's)
     for text in texts:
         assert "``" not in text and ":func:" not in text and ":mod:" not in text, text
