@@ -2,10 +2,10 @@
 
 - pure functions: model FLOPs and MFU on a hand-computed example; the analytic parameter
   count against real ``MoETransformer``s (GQA, head_dim, tied embeddings, shared experts,
-  GELU); ``configs/train/qwen3_ep.toml`` parses into the shape it documents; kernel names
+  GELU); the ``qwen3_ep`` preset parses into the shape it documents; kernel names
   to categories; the trace breakdown (interval arithmetic, launch-to-phase attribution,
   exposed communication, idle) on a synthetic GPU trace whose answer is worked out below;
-- the CPU smoke run: the benchmark under torchrun with 2 gloo ranks on ``tiny.toml``
+- the CPU smoke run: the benchmark under torchrun with 2 gloo ranks on the ``tiny`` preset
   (EP=2), 1 warm-up + 2 timed + 1 profiled step, and its JSON checked (about 6 s);
 - the scaling plot from result files (needs matplotlib, else skipped).
 
@@ -32,21 +32,18 @@ from ep_moe import MoEConfig  # noqa: E402
 
 
 @pytest.fixture
-def launch(monkeypatch):
-    """``launch/`` on sys.path, as when torchrun runs ``launch/train.py``."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
-    import config
-    import model
+def train_modules():
+    from ep_moe.train import config, model
 
     return config, model
 
 
 # --- FLOPs and MFU --------------------------------------------------------------------------
 
-def test_model_flops_hand_computed(launch):
+def test_model_flops_hand_computed(train_modules):
     """tiny.toml's model: D=128, 2 layers, 4 heads of 32 (MHA), V=256 untied, 8 experts,
     top-2, SwiGLU I=128, L=64."""
-    _, model = launch
+    _, model = train_modules
     cfg = model.ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4)
     moe = MoEConfig(hidden_size=128, num_experts=8, top_k=2, intermediate_size=128)
     f = model_flops(cfg, moe, seq_len=64)
@@ -74,8 +71,8 @@ def test_model_flops_hand_computed(launch):
     dict(model=dict(vocab_size=512, dim=96, n_layers=1, n_heads=6, n_kv_heads=3, head_dim=8),
          moe=dict(num_experts=4, top_k=1, num_shared_experts=1, shared_intermediate_size=40)),
 ])
-def test_total_params_match_the_model(launch, shape):
-    _, model = launch
+def test_total_params_match_the_model(train_modules, shape):
+    _, model = train_modules
     cfg = model.ModelConfig(**shape["model"])
     moe = MoEConfig(hidden_size=cfg.dim, intermediate_size=24, **shape["moe"])
     torch.manual_seed(0)
@@ -83,10 +80,10 @@ def test_total_params_match_the_model(launch, shape):
     assert model_flops(cfg, moe, 32)["total_params"] == sum(p.numel() for p in net.parameters())
 
 
-def test_qwen3_ep_config(launch, monkeypatch):
-    config, _ = launch
+def test_qwen3_ep_config(train_modules, monkeypatch):
+    config, _ = train_modules
     monkeypatch.setattr(config, "host_memory_bytes", lambda: None)  # a GPU preset: not this host's to fit
-    job = config.parse_args(["--config", str(REPO / "configs" / "train" / "qwen3_ep.toml")])
+    job = config.parse_args(["--config", "qwen3_ep"])
     m, moe, t = job.model, job.moe_config(), job.training
     assert (m.dim, m.n_layers, m.vocab_size, m.n_heads, m.kv_heads, m.head_size) == (2048, 4, 32768, 32, 4, 128)
     assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (128, 8, 768)
@@ -221,7 +218,7 @@ def test_bench_train_cpu_two_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "benchmarks" / "bench_train.py"), "--config", str(REPO / "configs" / "train" / "tiny.toml"),
+           str(REPO / "benchmarks" / "bench_train.py"), "--config", "tiny",
            "--device", "cpu", "--warmup", "1", "--steps", "2", "--profile-steps", "1",
            "--set", "training.batch_size=8", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)

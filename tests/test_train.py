@@ -1,7 +1,7 @@
 """End-to-end tests of the training entry points, on CPU.
 
-- ``launch/train.py`` under ``torchrun --nproc-per-node 2`` (gloo, torch experts, EP=2):
-  the loss falls; resuming from a checkpoint logs exactly the losses of the uninterrupted
+- ``launch/train.py`` (the checkout's entry point of ``ep_moe.train``) under ``torchrun
+  --nproc-per-node 2`` (gloo, torch experts, EP=2): the loss falls; resuming from a checkpoint logs exactly the losses of the uninterrupted
   run, also with activation checkpointing (and, to rounding, with compiled blocks); the
   EP=2 checkpoint also resumes at EP=1 (experts resharded on load). These runs save in the
   default format, DCP (``tests/test_train_dcp.py``: other layouts, faults).
@@ -11,8 +11,9 @@
   (either format).
 - a validation split too short for one sequence: named in the error, or not needed when
   evaluation is off.
-- in-process: config overrides and their errors (type checks included), checkpoint
-  discovery, data batches.
+- in-process: config overrides and their errors (type checks included), every preset,
+  checkpoint discovery, data batches.
+- the other entry points, ``python -m ep_moe.train`` and ``ep-moe train``.
 - ``launch/warmup_node.sh``: the first run tunes, the second is a pure cache hit.
 
 Each trainer run is a subprocess, so the Triton interpreter that ``conftest.py`` switches
@@ -214,14 +215,14 @@ def test_resume_drops_metrics_past_the_resumed_step(full_run, branched_run):
 
 
 @pytest.mark.parametrize("fmt", ["dcp", "native"])
-def test_resume_takes_optimizer_settings_from_the_config(launch_modules, tmp_path, caplog, fmt):
+def test_resume_takes_optimizer_settings_from_the_config(train_modules, tmp_path, caplog, fmt):
     """A resume with other AdamW settings uses them (and says which differ), while the
     per-parameter state comes from the checkpoint, in either format; a checkpoint's
     ``fused`` flag (here as if saved on a GPU) does not carry over either. A group of one."""
-    checkpoint, config, _ = launch_modules
-    import model
+    checkpoint, config, _ = train_modules
     import torch.distributed as dist
-    import trainer
+
+    from ep_moe.train import model, trainer
 
     def build(*argv):
         job = config.parse_args(["--set", "model.n_layers=1", *argv])
@@ -270,21 +271,17 @@ def test_short_validation_split(tmp_path):
     assert [r["step"] for r in records] == [1, 2]
 
 
-# --- in-process checks of the launch modules -----------------------------------------------
+# --- in-process checks of the trainer's modules ---------------------------------------------
 
 @pytest.fixture
-def launch_modules(monkeypatch):
-    """``launch/`` on sys.path, as when torchrun runs ``launch/train.py``."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
-    import checkpoint
-    import config
-    import data
+def train_modules():
+    from ep_moe.train import checkpoint, config, data
 
     return checkpoint, config, data
 
 
-def test_config_overrides(launch_modules):
-    _, config, _ = launch_modules
+def test_config_overrides(train_modules):
+    _, config, _ = train_modules
     job = config.parse_args(["--set", "moe.num_experts=16", "--set", "training.lr=1e-3", "--steps", "7",
                              "--data", "corpus.txt", "--set", "training.betas=[0.8, 0.9]"])
     assert job.moe_config().num_experts == 16 and job.moe_config().hidden_size == job.model.dim
@@ -304,11 +301,11 @@ class _OptionalField:
     limit: Optional[int] = None
 
 
-def test_config_values_are_type_checked(launch_modules):
+def test_config_values_are_type_checked(train_modules):
     """A value of the wrong type fails in parsing, naming the field and the type it takes
     (a value of the right type outside a field's choices is a wrong value); ints pass for
     floats (converted), TOML arrays become tuples."""
-    _, config, _ = launch_modules
+    _, config, _ = train_modules
     wrong = {"training.steps=1e1": "an integer", 'training.lr="3e-3"': "a number",
              "training.betas=[0.9]": "a list of 2 values", "training.betas=[0.9, '1']": "a list of 2 values",
              "checkpoint.resume=true": "a string", "logging.sample_prompt=42": "a string",
@@ -328,25 +325,33 @@ def test_config_values_are_type_checked(launch_modules):
         config._section("x", _OptionalField, {"limit": 1.5}, "test")
 
 
-def test_every_preset_parses(launch_modules, monkeypatch):
-    """Every config in configs/train/ parses (the GPU presets' host memory is not this host's
-    business: the check is off here)."""
-    _, config, _ = launch_modules
+def test_every_preset_parses(train_modules, monkeypatch, tmp_path):
+    """Every preset of ep_moe/configs/train/ parses by name (the GPU presets' host memory is
+    not this host's business: the check is off here), and a file of the user's by path, also
+    one named like a preset."""
+    from ep_moe.configs import preset_dir, preset_names
+
+    _, config, _ = train_modules
     monkeypatch.setattr(config, "host_memory_bytes", lambda: None)
-    presets = sorted((REPO / "configs" / "train").glob("*.toml"))
-    assert len(presets) >= 3
-    for path in presets:
-        hf = ["--hf-model", "some/folder", "--data", "corpus.txt"] if path.name == "hf.toml" else []
-        config.parse_args(["--config", str(path), *hf])
+    presets = preset_names("train")
+    assert {"tiny", "gpu", "hf"} <= set(presets)
+    for name in presets:
+        hf = ["--hf-model", "some/folder", "--data", "corpus.txt"] if name == "hf" else []
+        config.parse_args(["--config", name, *hf])
     with pytest.raises(ValueError, match=r"model.hf is empty: pass the Hugging Face model folder with --hf-model"):
-        config.parse_args(["--config", str(REPO / "configs" / "train" / "hf.toml")])
+        config.parse_args(["--config", "hf"])
+    mine = tmp_path / "tiny"
+    mine.write_text((preset_dir("train") / "tiny.toml").read_text().replace("steps = 200", "steps = 7"))
+    monkeypatch.chdir(tmp_path)
+    assert config.parse_args(["--config", "tiny"]).training.steps == 7, "a file by that name comes first"
+    assert config.parse_args(["--config", str(preset_dir("train") / "gpu.toml")]).model.dim > 128
 
 
-def test_latest_checkpoint_skips_partial_ones(launch_modules, tmp_path):
+def test_latest_checkpoint_skips_partial_ones(train_modules, tmp_path):
     """Only directories holding the COMPLETE marker are candidates, newest first; a
     ``.partial`` without it, or a step directory without it (a save or a deletion was
     interrupted), is passed over; a path must be complete."""
-    checkpoint, _, _ = launch_modules
+    checkpoint, _, _ = train_modules
     assert checkpoint.resume_candidates("latest", tmp_path / "missing") == []
     for name in ("step_00000010", "step_00000020", "step_00000030.partial", "step_00000040"):
         (tmp_path / name).mkdir()
@@ -360,8 +365,8 @@ def test_latest_checkpoint_skips_partial_ones(launch_modules, tmp_path):
         checkpoint.resume_candidates(str(tmp_path / "step_00000040"), tmp_path)
 
 
-def test_batches_are_a_function_of_step_and_rank(launch_modules, tmp_path):
-    _, _, data = launch_modules
+def test_batches_are_a_function_of_step_and_rank(train_modules, tmp_path):
+    _, _, data = train_modules
     corpus = data.synthetic_corpus(1 << 14, seed=3)
     assert corpus.equal(data.synthetic_corpus(1 << 14, seed=3))
     ranks = [data.TokenBatches(corpus, seq_len=32, batch_size=4, dp_rank=r, dp_size=2, seed=0) for r in (0, 1)]
@@ -375,6 +380,29 @@ def test_batches_are_a_function_of_step_and_rank(launch_modules, tmp_path):
     tokens.write_bytes(bytes(range(10)) * 2)  # ten uint16 ids 0x0100, 0x0302, ...
     ids, vocab = data.load_tokens(str(tokens))
     assert ids.numel() == 10 and vocab == 0x0908 + 1
+
+
+def test_module_and_console_entry_points(tmp_path):
+    """``python -m ep_moe.train`` trains from outside the checkout (one process: a group of
+    one); ``ep-moe train`` runs the same main: its help, and a bad ``--config`` in one line
+    with exit status 2."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ep_moe.train", "--steps", "2", "--set", "logging.log_interval=1",
+           "--set", "logging.progress_bar=false", "--set", "logging.sample_prompt=''",
+           "--checkpoint-dir", str(out / "ckpt"), "--metrics-file", str(out / "metrics.jsonl")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    if shutil.which("ep-moe", path=str(BIN)) is None:
+        pytest.skip("the ep-moe console script is not installed (pip install -e .)")
+    help_text = subprocess.run(["ep-moe", "train", "--help"], cwd=tmp_path, env=_env(), capture_output=True,
+                               text=True, timeout=120).stdout
+    assert help_text.startswith("usage: ep-moe train") and "--config" in help_text
+    bad = subprocess.run(["ep-moe", "train", "--config", "no-such-preset"], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--config no-such-preset: no such file and no preset of that name; presets: " in bad.stderr
 
 
 MICRO_MODEL = {"name": "micro", "num_experts": 2, "hidden_size": 16, "intermediate_size": 16,

@@ -4,7 +4,7 @@ Each rank builds the same model twice from one seed (the layer draws its experts
 global id, so the weights do not depend on the EP size): once at EP=1 (all 8 experts on
 each rank, data parallel over both) and once at EP=2 (4 experts per rank). Both run the
 rank's own batch, the trainer's gradient sync (``sync_gradients``) and then its clipping
-(``launch/trainer.py:clip_gradients``) to a tenth of the global norm. The EP=2 run must
+(``ep_moe/train/trainer.py:clip_gradients``) to a tenth of the global norm. The EP=2 run must
 report the EP=1 global norm and leave, dense and expert shard alike, the EP=1 clipped
 gradients. Measured: within 4e-7 (relative) of EP=1 when right; with the expert-norm
 all-reduce removed (each rank's norm from its own experts only), the norm is 1.0 to 1.2%
@@ -13,7 +13,6 @@ too small and the clipped gradients 1.0 to 1.2% too large, 1000 times ``RTOL``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,8 +36,7 @@ def _model(ep_group):
     """The trainer's model (2 layers, 8 experts, top-2, the torch experts), seed 0. A small
     vocabulary and wide experts with a larger init give the experts a large share of the
     gradient norm, which is what a broken expert-norm reduction gets wrong."""
-    import config
-    import model
+    from ep_moe.train import config, model
 
     job = config.parse_args(["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=2",
                              "--set", f"model.vocab_size={VOCAB}", "--set", "moe.num_experts=8",
@@ -52,8 +50,8 @@ def _clipped(net, ep_group, edp_group, tokens_BL, clip, folded=True):
     """Forward, backward, the trainer's sync and clipping (``folded``: as the trainer runs
     them, the averaging folded into the clip's multiply; else averaged first); (global norm,
     clipped gradients by name, expert gradients keyed by global expert id)."""
-    import trainer
     from ep_moe.parallel import is_expert_param
+    from ep_moe.train import trainer
 
     logits_BLV = net(tokens_BL[:, :-1])
     loss = F.cross_entropy(logits_BLV.flatten(0, 1), tokens_BL[:, 1:].flatten())
@@ -73,7 +71,6 @@ def _clipped(net, ep_group, edp_group, tokens_BL, clip, folded=True):
 
 
 def _clip_worker(rank: int, world_size: int):
-    sys.path.insert(0, str(REPO / "launch"))
     from ep_moe.parallel import build_ep_groups
 
     ep1, ep2 = build_ep_groups(1), build_ep_groups(2)

@@ -1,4 +1,4 @@
-"""Tests of the trainer's data (``launch/data.py``, ``launch/tokens.py``), in process, on the CPU.
+"""Tests of the trainer's data (``ep_moe/train/data.py``, ``ep_moe/train/tokens.py``), in process, on the CPU.
 
 - sources: a text file, a ``.jsonl`` file, a folder (recursive, sorted), a glob, a
   ``save_to_disk`` Dataset and DatasetDict, each tokenized equal to the reference (each
@@ -35,26 +35,25 @@ DOCS = sample_documents(60, seed=1)
 
 
 @pytest.fixture
-def data(monkeypatch):
-    """``launch/data.py`` (``launch/`` on sys.path, as under torchrun)."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
-    import data
+def data():
+    """``ep_moe/train/data.py``."""
+    from ep_moe.train import data
 
     return data
 
 
 @pytest.fixture
-def tokens(data):
-    """``launch/tokens.py``."""
-    import tokens
+def tokens():
+    """``ep_moe/train/tokens.py``."""
+    from ep_moe.train import tokens
 
     return tokens
 
 
 @pytest.fixture
-def errors(data):
-    """``launch/errors.py``."""
-    import errors
+def errors():
+    """``ep_moe/train/errors.py``."""
+    from ep_moe.train import errors
 
     return errors
 
@@ -347,9 +346,8 @@ def test_cache_locations(data, tokenizer, tmp_path, monkeypatch, caplog):
 WORKER = """
 import hashlib, json, sys, time
 from pathlib import Path
-launch, spec, tokenizer_dir, ready, me = sys.argv[1:]
-sys.path.insert(0, launch)
-import data, tokens
+from ep_moe.train import data, tokens
+spec, tokenizer_dir, ready, me = sys.argv[1:]
 tokens.BATCH_PIECES = 4
 calls = []
 real = tokens.TextTokenizer.encode_batch
@@ -375,7 +373,7 @@ def test_concurrent_builders_share_one_cache(data, tokenizer_dir, tmp_path):
     ready = tmp_path / "ready"
     ready.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(REPO / "launch"), spec, str(tokenizer_dir),
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, spec, str(tokenizer_dir),
                                str(ready), str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env) for rank in range(2)]
     results = []
@@ -419,7 +417,7 @@ def _dataset_dict_without_train(tmp_path, monkeypatch):
 
 
 def _unreadable(tmp_path, monkeypatch):
-    import tokens
+    from ep_moe.train import tokens
 
     path = _write(tmp_path / "corpus" / "secret.txt", "hidden")
     _write(tmp_path / "corpus" / "open.txt", "visible")

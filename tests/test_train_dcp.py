@@ -1,7 +1,7 @@
 """The trainer's DCP checkpoints (``checkpoint.format = "dcp"``, the default), on CPU.
 
-Under ``torchrun`` (gloo, ``configs/train/tiny.toml`` shortened to ``STEPS`` steps; a
-wrapper around ``launch/train.py`` dumps every rank's weights and AdamW state, keyed by
+Under ``torchrun`` (gloo, the ``tiny`` preset shortened to ``STEPS`` steps; a
+wrapper around the trainer's ``main`` dumps every rank's weights and AdamW state, keyed by
 global expert id, after each save and after resuming):
 
 - a run at (world 4, EP 4) saves step 2; resumed at EP 2 (EP 2 x DP 2), EP 1 (DP 4) and at
@@ -50,16 +50,15 @@ BIN = Path(sys.executable).parent
 STEPS = 4
 SAVED = 2
 """The step of the checkpoint every resumed run starts from."""
-RUN_ARGS = ["--config", "configs/train/tiny.toml", "--steps", str(STEPS), "--set", "training.batch_size=4",
+RUN_ARGS = ["--config", "tiny", "--steps", str(STEPS), "--set", "training.batch_size=4",
             "--set", "logging.log_interval=1", "--set", "logging.eval_interval=0",
             "--set", "logging.progress_bar=false", "--set", "logging.sample_prompt=''"]
 
 WRAPPER = """
-import os, signal, sys
+import os, signal
 import torch
-sys.path.insert(0, {launch!r})
-import checkpoint, train, trainer
 from ep_moe.parallel import is_expert_param
+from ep_moe.train import checkpoint, train, trainer
 
 DUMP = {dump!r}
 KILL_AT = int(os.environ.get("KILL_SAVE_AT", "0"))
@@ -120,7 +119,7 @@ def _train(out: Path, world: int, ep: int, *extra: str, ckpt: Path, kill_at: int
     """One run of the wrapped trainer; its metrics, dumps, log and exit status."""
     out.mkdir(parents=True, exist_ok=True)
     script = out / "train_dumping.py"
-    script.write_text(WRAPPER.format(launch=str(REPO / "launch"), dump=str(out / "dump")))
+    script.write_text(WRAPPER.format(dump=str(out / "dump")))
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(world), "--standalone", str(script), *RUN_ARGS,
            "--ep-size", str(ep), "--checkpoint-dir", str(ckpt), "--metrics-file", str(out / "metrics.jsonl"), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(KILL_SAVE_AT=str(kill_at)), capture_output=True, text=True,
@@ -225,17 +224,12 @@ class Kill(BaseException):
 
 
 @pytest.fixture
-def launch(monkeypatch):
-    """The launch modules (``launch/`` on sys.path, no torchrun environment) and a gloo
-    group of one, torn down afterwards."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
+def train(monkeypatch):
+    """The trainer's modules (no torchrun environment) and a gloo group of one, torn down
+    afterwards."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    import checkpoint
-    import config
-    import errors
-    import model
-    import trainer
+    from ep_moe.train import checkpoint, config, errors, model, trainer
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield SimpleNamespace(checkpoint=checkpoint, config=config, errors=errors, model=model, trainer=trainer,
@@ -244,13 +238,13 @@ def launch(monkeypatch):
         dist.destroy_process_group()
 
 
-def _build(launch, *extra: str, seed: int = 0, steps: int = 2):
+def _build(train, *extra: str, seed: int = 0, steps: int = 2):
     """This config's job, model and AdamW with state (``seed``: of the weights and of
     ``steps`` steps of random gradients)."""
-    job = launch.config.parse_args([*TINY, *extra])
+    job = train.config.parse_args([*TINY, *extra])
     torch.manual_seed(seed)
-    net = launch.model.MoETransformer(job.model, job.moe_config(), None)
-    optimizer = launch.trainer.build_optimizer(net, job.training, torch.device("cpu"))
+    net = train.model.MoETransformer(job.model, job.moe_config(), None)
+    optimizer = train.trainer.build_optimizer(net, job.training, torch.device("cpu"))
     for _ in range(steps):
         for p in net.parameters():
             p.grad = torch.randn_like(p) * 1e-2
@@ -259,16 +253,16 @@ def _build(launch, *extra: str, seed: int = 0, steps: int = 2):
     return job, net, optimizer
 
 
-def _save(launch, root: Path, step: int, job, net, optimizer, keep: int = 0, fmt: str = "dcp") -> Path:
-    return launch.checkpoint.save_checkpoint(root, step, launch.layout, net, optimizer,
+def _save(train, root: Path, step: int, job, net, optimizer, keep: int = 0, fmt: str = "dcp") -> Path:
+    return train.checkpoint.save_checkpoint(root, step, train.layout, net, optimizer,
                                              {"step": step, "data": {"step": step}}, {"config": job.to_dict()},
                                              keep, format=fmt)
 
 
-def _resume(launch, spec: str, root: Path, *extra: str):
+def _resume(train, spec: str, root: Path, *extra: str):
     """``checkpoint.resume`` into a new model and optimizer, as the trainer does."""
-    job, net, optimizer = _build(launch, *extra, seed=1, steps=0)
-    found = launch.checkpoint.resume(spec, root, launch.layout, net, optimizer, job.to_dict())
+    job, net, optimizer = _build(train, *extra, seed=1, steps=0)
+    found = train.checkpoint.resume(spec, root, train.layout, net, optimizer, job.to_dict())
     return found, net, optimizer
 
 
@@ -288,40 +282,40 @@ def _listing(root: Path) -> list[str]:
 
 
 @pytest.fixture
-def saved(launch, tmp_path):
+def saved(train, tmp_path):
     """Complete DCP checkpoints of steps 10, 20 and 30 in ``tmp_path / "ckpt"``."""
     root = tmp_path / "ckpt"
-    job, net, optimizer = _build(launch)
+    job, net, optimizer = _build(train)
     for step in STEPS_SAVED:
-        _save(launch, root, step, job, net, optimizer)
+        _save(train, root, step, job, net, optimizer)
     return SimpleNamespace(root=root, job=job, net=net, optimizer=optimizer)
 
 
-def test_format_config(launch):
+def test_format_config(train):
     """``dcp`` is the default; another value names the field and the choices."""
-    assert launch.config.parse_args([]).checkpoint.format == "dcp"
-    assert launch.config.parse_args(["--set", "checkpoint.format='native'"]).checkpoint.format == "native"
-    with pytest.raises(launch.errors.ConfigError, match=r"^--set checkpoint.format='torch': checkpoint.format="
+    assert train.config.parse_args([]).checkpoint.format == "dcp"
+    assert train.config.parse_args(["--set", "checkpoint.format='native'"]).checkpoint.format == "native"
+    with pytest.raises(train.errors.ConfigError, match=r"^--set checkpoint.format='torch': checkpoint.format="
                                                         r"'torch' is not an allowed value: use one of 'dcp', 'native'"):
-        launch.config.parse_args(["--set", "checkpoint.format='torch'"])
+        train.config.parse_args(["--set", "checkpoint.format='torch'"])
     with pytest.raises(ValueError, match=r"checkpoint.format='x': use 'dcp' or 'native'"):
-        launch.checkpoint.CheckpointConfig(format="x")
+        train.checkpoint.CheckpointConfig(format="x")
 
 
-def test_both_formats_round_trip_and_resume_from_one_directory(launch, tmp_path):
+def test_both_formats_round_trip_and_resume_from_one_directory(train, tmp_path):
     """Each format loads back exactly (weights, AdamW state, RNG); a directory holding both
     resumes from the newest, whatever its format."""
     root = tmp_path / "ckpt"
-    job, net, optimizer = _build(launch)
-    _save(launch, root, 10, job, net, optimizer, fmt="native")
+    job, net, optimizer = _build(train)
+    _save(train, root, 10, job, net, optimizer, fmt="native")
     rng = torch.get_rng_state()
-    _save(launch, root, 20, job, net, optimizer, fmt="dcp")
+    _save(train, root, 20, job, net, optimizer, fmt="dcp")
     assert (_ckpt(root, 20) / ".metadata").is_file() and not (_ckpt(root, 20) / "dense.pt").exists()
     assert json.loads((_ckpt(root, 20) / "meta.json").read_text())["format"] == "dcp"
     want = {k: v.clone() for k, v in _state(net, optimizer).items()}
     for step in (20, 10):
         torch.manual_seed(123)
-        (path, extra), other, other_optimizer = _resume(launch, "latest", root)
+        (path, extra), other, other_optimizer = _resume(train, "latest", root)
         assert (path, extra) == (_ckpt(root, step), {"step": step, "data": {"step": step}})
         got = _state(other, other_optimizer)
         assert got.keys() == want.keys()
@@ -356,20 +350,20 @@ the native format shares (meta.json, rng) are probed in every way in tests/fault
 
 
 @pytest.mark.parametrize("name, corruption", sorted(DAMAGE))
-def test_damaged_file(launch, saved, name, corruption, caplog):
+def test_damaged_file(train, saved, name, corruption, caplog):
     """``--resume step_30`` with one damaged file: the error names the checkpoint, why and
     ``--resume`` with step_20; ``--resume latest`` skips it, naming it, and loads step_20."""
     CORRUPTIONS[corruption](_ckpt(saved.root, 30) / name)
     before = _listing(saved.root)
-    with pytest.raises(launch.errors.CheckpointError) as err:
-        _resume(launch, str(_ckpt(saved.root, 30)), saved.root)
+    with pytest.raises(train.errors.CheckpointError) as err:
+        _resume(train, str(_ckpt(saved.root, 30)), saved.root)
     message = str(err.value)
     assert message.startswith(f"cannot resume from checkpoint {_ckpt(saved.root, 30)}: "), message
     assert re.search(DAMAGE[name, corruption], message), message
     assert f"--resume {_ckpt(saved.root, 20)}" in message and "\n" not in message, message
     assert _listing(saved.root) == before
     with caplog.at_level(logging.WARNING):
-        (path, extra), _, _ = _resume(launch, "latest", saved.root)
+        (path, extra), _, _ = _resume(train, "latest", saved.root)
     assert (path, extra["step"]) == (_ckpt(saved.root, 20), 20)
     assert re.search(rf"skipping \S+step_00000030: cannot resume from checkpoint", caplog.text), caplog.text
 
@@ -378,7 +372,7 @@ def test_damaged_file(launch, saved, name, corruption, caplog):
 def _kill_at(monkeypatch, root: Path, op: str, nth: int, seen: list[str]):
     """Raise Kill at the ``nth`` call of ``op`` on a path under ``root``, appending each op
     to ``seen``: DCP's writes of its data files and of its ``.metadata``, and the file-system
-    steps of ``launch/checkpoint.py`` (DCP's ``.metadata`` is a temp file renamed into place)."""
+    steps of ``ep_moe/train/checkpoint.py`` (DCP's ``.metadata`` is a temp file renamed into place)."""
     originals = {"dcp.write_data": (FileSystemWriter, "write_data", None),
                  "dcp.finish": (FileSystemWriter, "finish", None),
                  "torch.save": (torch, "save", 1), "rmtree": (shutil, "rmtree", 0), "os.replace": (os, "replace", 0),
@@ -413,34 +407,34 @@ IN_PLACE = KILL_POINTS.index(("rename", 2))
 
 
 @pytest.mark.parametrize("op, nth", KILL_POINTS)
-def test_kill_during_save(launch, saved, monkeypatch, op, nth):
+def test_kill_during_save(train, saved, monkeypatch, op, nth):
     """Killed at any step of a DCP save that prunes: every checkpoint that looks complete
     loads, step_30 is never lost, a save killed before its marker does not count (DCP's own
     ``.metadata`` is not enough), ``--resume latest`` takes step_40 once marked; the same save
     then succeeds, leaving nothing behind."""
     with pytest.raises((Kill, CheckpointException)), _kill_at(monkeypatch, saved.root, op, nth, []):
-        _save(launch, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=2)
+        _save(train, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=2)
     at = KILL_POINTS.index((op, nth))
-    complete = launch.checkpoint.complete_checkpoints(saved.root)
+    complete = train.checkpoint.complete_checkpoints(saved.root)
     assert _ckpt(saved.root, 30) in complete, _listing(saved.root)
     assert (_ckpt(saved.root, 40) in complete) == (at > IN_PLACE), _listing(saved.root)
-    marked = [p.name for p in saved.root.glob("step_00000040*") if (p / launch.checkpoint.MARKER).is_file()]
+    marked = [p.name for p in saved.root.glob("step_00000040*") if (p / train.checkpoint.MARKER).is_file()]
     assert bool(marked) == (at > MARKED), _listing(saved.root)
     for path in complete:
-        (_, extra), _, _ = _resume(launch, str(path), saved.root)
-        assert extra["step"] == launch.checkpoint.checkpoint_step(path)
-    (_, extra), _, _ = _resume(launch, "latest", saved.root)
+        (_, extra), _, _ = _resume(train, str(path), saved.root)
+        assert extra["step"] == train.checkpoint.checkpoint_step(path)
+    (_, extra), _, _ = _resume(train, "latest", saved.root)
     assert extra["step"] == (40 if at > MARKED else 30)
-    _save(launch, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=2)
+    _save(train, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=2)
     assert sorted(p.name for p in saved.root.iterdir()) == ["step_00000030", "step_00000040"]
 
 
-def test_kill_points_cover_every_step(launch, saved, monkeypatch):
+def test_kill_points_cover_every_step(train, saved, monkeypatch):
     """The kill points above are every file-system step the save takes (update them when
     the save changes)."""
     seen = []
     with _kill_at(monkeypatch, saved.root, "none", 0, seen):
-        _save(launch, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=2)
+        _save(train, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=2)
     assert seen == SAVE_STEPS
 
 
@@ -450,19 +444,19 @@ def test_kill_points_cover_every_step(launch, saved, monkeypatch):
     (["--set", "moe.num_experts=8"], "moe.num_experts=4 in the checkpoint, 8 in this run"),
     (["--set", "moe.intermediate_size=16"], "moe.intermediate_size=32 in the checkpoint, 16 in this run"),
 ])
-def test_another_model_config_names_the_fields(launch, saved, change, named):
-    with pytest.raises(launch.errors.CheckpointError) as err:
-        _resume(launch, str(_ckpt(saved.root, 30)), saved.root, *change)
+def test_another_model_config_names_the_fields(train, saved, change, named):
+    with pytest.raises(train.errors.CheckpointError) as err:
+        _resume(train, str(_ckpt(saved.root, 30)), saved.root, *change)
     message = str(err.value)
     assert "saved with another model config (" in message and named in message, message
     assert message.index(named) < message.index("so its tensors do not fit this model"), message
 
 
-def test_non_finite_state_is_never_saved(launch, saved):
+def test_non_finite_state_is_never_saved(train, saved):
     before = _listing(saved.root)
     param = saved.net.get_parameter("layers.0.moe.experts.gate_up")
     with torch.no_grad():
         saved.optimizer.state[param]["exp_avg"][1, 0] = float("nan")
     with pytest.raises(FloatingPointError, match=r"refusing to save the checkpoint of step 40: .*experts.gate_up"):
-        _save(launch, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=1)
+        _save(train, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=1)
     assert _listing(saved.root) == before

@@ -35,14 +35,12 @@ NORM = "layers.0.attn_norm.weight"
 
 
 @pytest.fixture
-def launch(monkeypatch):
-    """``launch/`` on sys.path (as under torchrun), no torchrun environment; the process
-    group a Trainer starts is torn down afterwards."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
+def train_modules(monkeypatch):
+    """The trainer's config and trainer modules, no torchrun environment; the process group
+    a Trainer starts is torn down afterwards."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    import config
-    import trainer
+    from ep_moe.train import config, trainer
 
     yield config, trainer
     import torch.distributed as dist
@@ -95,10 +93,10 @@ def _assert_finite(path: Path, scratch: Path) -> None:
             assert torch.isfinite(value).all(), f"{file.name}: {key}"
 
 
-def test_nan_weights_stop_the_run_and_keep_the_good_checkpoints(launch, monkeypatch, tmp_path):
+def test_nan_weights_stop_the_run_and_keep_the_good_checkpoints(train_modules, monkeypatch, tmp_path):
     """The issue's run: NaN in a norm weight at step 25, 40 steps, a checkpoint every 10,
     keep 2. It stops at step 26 naming it; step_10 and step_20 stay, nothing later exists."""
-    config, trainer = launch
+    config, trainer = train_modules
     _corrupt_after(trainer, monkeypatch, 25)
     run = trainer.Trainer(_job(config, tmp_path, "--steps", "40"))
     with pytest.raises(FloatingPointError, match=r"step 26: non-finite loss or gradient norm.*"
@@ -111,10 +109,10 @@ def test_nan_weights_stop_the_run_and_keep_the_good_checkpoints(launch, monkeypa
         _assert_finite(path, tmp_path / "converted.pt")
 
 
-def test_nan_weights_are_never_saved(launch, monkeypatch, tmp_path):
+def test_nan_weights_are_never_saved(train_modules, monkeypatch, tmp_path):
     """NaN written right after the optimizer step of a save step: the save refuses, names
     the step and the tensor, and the earlier checkpoints are not pruned."""
-    config, trainer = launch
+    config, trainer = train_modules
     _corrupt_after(trainer, monkeypatch, 30)
     run = trainer.Trainer(_job(config, tmp_path, "--steps", "40"))
     with pytest.raises(FloatingPointError, match=rf"refusing to save the checkpoint of step 30: .*{NORM}"):
@@ -136,8 +134,8 @@ def _nan_loss_at(trainer, monkeypatch, steps: set[int]) -> None:
     monkeypatch.setattr(trainer.Trainer, "_loss", loss)
 
 
-def test_max_skipped_steps_skips_then_stops(launch, monkeypatch, tmp_path, caplog):
-    config, trainer = launch
+def test_max_skipped_steps_skips_then_stops(train_modules, monkeypatch, tmp_path, caplog):
+    config, trainer = train_modules
     _nan_loss_at(trainer, monkeypatch, {3, 5})
     run = trainer.Trainer(_job(config, tmp_path, "--steps", "6", "--set", "training.max_skipped_steps=1"))
     with pytest.raises(FloatingPointError, match=r"step 5: non-finite .*max_skipped_steps=1, 1 skipped"):
@@ -156,9 +154,7 @@ def test_max_skipped_steps_skips_then_stops(launch, monkeypatch, tmp_path, caplo
 
 
 WRAPPER = """
-import os, sys
-sys.path.insert(0, {launch!r})
-import trainer, train
+from ep_moe.train import train, trainer
 
 original = trainer.Trainer._loss
 
@@ -178,7 +174,7 @@ def test_nan_loss_on_one_rank_stops_every_rank(tmp_path):
     shared finite flag sees it): both ranks stop at step 3, the job exits non-zero in
     time, and only the step-2 checkpoint exists."""
     script = tmp_path / "nan_train.py"
-    script.write_text(textwrap.dedent(WRAPPER.format(launch=str(REPO / "launch"))))
+    script.write_text(textwrap.dedent(WRAPPER))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--standalone", str(script), "--steps", "6",
@@ -196,15 +192,15 @@ def test_nan_loss_on_one_rank_stops_every_rank(tmp_path):
 @pytest.mark.parametrize("assignment", ["training.lr=inf", "training.lr=nan", "training.weight_decay=nan",
                                         "training.grad_clip=nan", "training.min_lr_ratio=nan",
                                         "training.weight_decay=inf", "training.betas=[nan, 0.95]"])
-def test_non_finite_config_values_are_rejected(launch, assignment):
-    config, _ = launch
+def test_non_finite_config_values_are_rejected(train_modules, assignment):
+    config, _ = train_modules
     field = assignment.partition("=")[0]
     with pytest.raises(ValueError, match=rf"{re.escape(field)}=.* must be finite"):
         config.parse_args(["--set", assignment])
 
 
-def test_max_skipped_steps_is_checked(launch):
-    config, _ = launch
+def test_max_skipped_steps_is_checked(train_modules):
+    config, _ = train_modules
     with pytest.raises(ValueError, match=r"training.max_skipped_steps=-1 must be >= 0"):
         config.parse_args(["--set", "training.max_skipped_steps=-1"])
     assert config.parse_args([]).training.max_skipped_steps == 0
@@ -217,11 +213,11 @@ def test_max_skipped_steps_is_checked(launch):
     ("training.dtype='fp16'", "training.dtype='fp16' is not an allowed value: use one of 'float32', 'bfloat16'"),
 ])
 def test_config_error_under_torchrun_is_printed_once(tmp_path, assignment, expected):
-    """Both ranks exit with status 2 (torchrun reports them); rank 0 alone prints the
-    error, as one line; neither rank prints a traceback."""
+    """Both ranks of ``torchrun -m ep_moe.train`` exit with status 2 (torchrun reports them);
+    rank 0 alone prints the error, as one line; neither rank prints a traceback."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
-    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--standalone", "launch/train.py", "--set", assignment,
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--standalone", "-m", "ep_moe.train", "--set", assignment,
            "--checkpoint-dir", str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
@@ -230,5 +226,5 @@ def test_config_error_under_torchrun_is_printed_once(tmp_path, assignment, expec
     line = next(line for line in output.splitlines() if "train.py: error:" in line)
     assert expected in line, line
     assert "exitcode  : 2" in output, output[-2000:]
-    assert "ConfigError" not in output and 'File "' + str(REPO / "launch") not in output, output[-3000:]
+    assert "ConfigError" not in output and 'File "' + str(REPO / "ep_moe" / "train") not in output, output[-3000:]
     assert not (tmp_path / "ckpt").exists()

@@ -1,8 +1,8 @@
 """The trainer under FSDP2 (``parallel.fsdp = true``), on CPU.
 
-Under ``torchrun`` (gloo, ``configs/train/tiny.toml`` shortened to ``STEPS`` steps, the clip
+Under ``torchrun`` (gloo, the ``tiny`` preset shortened to ``STEPS`` steps, the clip
 of 1.0 biting every step): one launch per world size runs several trainer runs one after
-the other in the same processes (a wrapper around ``launch/train.py``'s ``main``, each run
+the other in the same processes (a wrapper around the trainer's ``main``, each run
 on a process group of its own), since starting the processes costs more than the runs.
 
 - FSDP at (world 2, EP 1), (2, 2) and (4, 2) logs the losses, aux losses, global gradient
@@ -53,7 +53,7 @@ RTOL = 1e-5
 """fp32: the same math as the replicated run, summed in another order."""
 BF16_RTOL = 2e-3
 """bf16 weights under FSDP against fp32 weights under bf16 autocast: measured 1e-4."""
-RUN_ARGS = ["--config", "configs/train/tiny.toml", "--steps", str(STEPS), "--set", "training.batch_size=4",
+RUN_ARGS = ["--config", "tiny", "--steps", str(STEPS), "--set", "training.batch_size=4",
             "--set", "logging.log_interval=1", "--set", f"logging.eval_interval={SAVED}",
             "--set", "logging.eval_batches=1", "--set", "logging.progress_bar=false",
             "--set", "logging.sample_prompt=''"]
@@ -64,8 +64,7 @@ WRAPPER = """
 import datetime, json, logging, os, sys
 import torch
 import torch.distributed as dist
-sys.path.insert(0, {launch!r})
-import train, trainer
+from ep_moe.train import train, trainer
 
 RANK = int(os.environ["RANK"])
 logging.getLogger().setLevel(logging.INFO if RANK == 0 else logging.WARNING)  # train.main's, once a handler is there
@@ -126,7 +125,7 @@ def _launch(root: Path, world: int, runs: list[tuple[str, list[str], "int | None
     """Under one ``torchrun`` of ``world`` processes, each (name, arguments, rank to put a
     NaN in before saving) run in turn; per name its metrics, rank 0's log, each rank's outcome."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "wrapper.py").write_text(WRAPPER.format(launch=str(REPO / "launch")))
+    (root / "wrapper.py").write_text(WRAPPER.format())
     (root / "runs.json").write_text(json.dumps([[name, RUN_ARGS + argv, nan] for name, argv, nan in runs]))
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(world), "--standalone", str(root / "wrapper.py"),
            str(root / "runs.json")]
@@ -263,25 +262,20 @@ def test_non_finite_shard_is_never_saved(world2):
 
 
 @pytest.fixture
-def launch(monkeypatch):
-    """The launch modules (``launch/`` on sys.path, no torchrun environment)."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
+def train(monkeypatch):
+    """The trainer's modules (no torchrun environment)."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    import checkpoint
-    import config
-    import errors
-    import graphs
-    import model
-    import trainer
+    from ep_moe.train import checkpoint, config, errors, graphs, model, trainer
+
     return SimpleNamespace(checkpoint=checkpoint, config=config, errors=errors, graphs=graphs, model=model,
                            trainer=trainer)
 
 
-def test_fsdp_config(launch):
+def test_fsdp_config(train):
     """Off by default; typed; native checkpoints and CUDA graphs 'on' refused with it, naming
     the field, who set it and the fix."""
-    parse, ConfigError = launch.config.parse_args, launch.errors.ConfigError
+    parse, ConfigError = train.config.parse_args, train.errors.ConfigError
     assert parse([]).parallel.fsdp is False
     assert parse(FSDP).parallel.fsdp is True
     with pytest.raises(ConfigError, match=r"^--set parallel.fsdp=1: parallel.fsdp=1 \(int\) has the wrong type: "
@@ -298,43 +292,43 @@ def test_fsdp_config(launch):
     assert parse(FSDP + ["--set", "training.cuda_graphs='off'"]).training.cuda_graphs == "off"
 
 
-def test_cuda_graphs_off_under_fsdp(launch):
+def test_cuda_graphs_off_under_fsdp(train):
     """``auto`` keeps the graphs off under FSDP with a reason naming it (logged by the trainer)."""
-    reason = launch.graphs.graphs_unsupported("all_gather", torch.device("cuda"), compile=False,
+    reason = train.graphs.graphs_unsupported("all_gather", torch.device("cuda"), compile=False,
                                               activation_checkpointing=False, fsdp=True)
     assert reason.startswith("parallel.fsdp=true: FSDP gathers each block's weights")
-    assert launch.graphs.graphs_unsupported("all_gather", torch.device("cuda"), compile=False,
+    assert train.graphs.graphs_unsupported("all_gather", torch.device("cuda"), compile=False,
                                             activation_checkpointing=False) is None
 
 
-def test_native_checkpoint_is_refused_by_a_sharded_model(launch, tmp_path):
+def test_native_checkpoint_is_refused_by_a_sharded_model(train, tmp_path):
     """A native checkpoint does not load into a model sharded with FSDP, nor does a sharded
     model save one: both say why and what to do (a gloo group of one)."""
     from ep_moe.parallel import apply_fsdp, init_parallel_mesh
 
     small = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
              "--set", "moe.num_experts=4", "--set", "moe.intermediate_size=32"]
-    job = launch.config.parse_args(small)
-    layout = launch.checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1)
+    job = train.config.parse_args(small)
+    layout = train.checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         def build(fsdp: bool):
             torch.manual_seed(0)
-            net = launch.model.MoETransformer(job.model, job.moe_config(), None)
+            net = train.model.MoETransformer(job.model, job.moe_config(), None)
             if fsdp:
                 apply_fsdp(net, init_parallel_mesh(1, device_type="cpu"))
-            return net, launch.trainer.build_optimizer(net, job.training, torch.device("cpu"))
+            return net, train.trainer.build_optimizer(net, job.training, torch.device("cpu"))
 
         net, optimizer = build(fsdp=False)
-        path = launch.checkpoint.save_checkpoint(tmp_path, 1, layout, net, optimizer, {"step": 1, "data": {"step": 1}},
+        path = train.checkpoint.save_checkpoint(tmp_path, 1, layout, net, optimizer, {"step": 1, "data": {"step": 1}},
                                                  {"config": job.to_dict()}, 0, format="native")
         net, optimizer = build(fsdp=True)
-        with pytest.raises(launch.errors.CheckpointError, match=rf"^cannot resume from checkpoint {path}: it is in "
+        with pytest.raises(train.errors.CheckpointError, match=rf"^cannot resume from checkpoint {path}: it is in "
                                                                 r"the native format .* parallel.fsdp=false"):
-            launch.checkpoint.load_checkpoint(path, layout, net, optimizer, job.to_dict())
+            train.checkpoint.load_checkpoint(path, layout, net, optimizer, job.to_dict())
         with pytest.raises(ValueError, match=r"format='native' saves replicated dense weights, but the model is "
                                              r"sharded"):
-            launch.checkpoint.save_checkpoint(tmp_path, 2, layout, net, optimizer, {"step": 2, "data": {"step": 2}},
+            train.checkpoint.save_checkpoint(tmp_path, 2, layout, net, optimizer, {"step": 2, "data": {"step": 2}},
                                               {"config": job.to_dict()}, 0, format="native")
     finally:
         dist.destroy_process_group()

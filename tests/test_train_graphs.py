@@ -1,4 +1,4 @@
-"""The trainer's CUDA graphs of the blocks (``launch/graphs.py``), on the CPU.
+"""The trainer's CUDA graphs of the blocks (``ep_moe/train/graphs.py``), on the CPU.
 
 Capture itself needs a GPU (``tests/gpu/test_train_matrix_nccl.py`` trains with it; on 2x
 H200 a graphed run follows the eager one as closely as two eager runs follow each other).
@@ -29,12 +29,6 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _launch_on_path(monkeypatch):
-    """``launch/`` on sys.path, as when torchrun runs ``launch/train.py``."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
 
 
 class _Sentinel:
@@ -81,8 +75,7 @@ def _fake_make_graphed_callables(sentinels: list):
 
 
 def _model(z_loss_coef: float = 1e-3):
-    import config
-    import model
+    from ep_moe.train import config, model
 
     job = config.parse_args(["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=2",
                              "--set", "model.vocab_size=16", "--set", "moe.num_experts=4",
@@ -103,7 +96,7 @@ def _step(net, tokens_BL):
 
 
 def _graph(net, batch: int, seq: int, monkeypatch, sentinels: list):
-    import graphs
+    from ep_moe.train import graphs
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", _fake_make_graphed_callables(sentinels))
     sample = torch.randn(batch, seq, net.cfg.dim)
@@ -158,7 +151,7 @@ def test_other_batch_shape_is_refused(monkeypatch):
 def test_release_graphs_frees_them(monkeypatch):
     """After ``Trainer.release_graphs`` nothing holds a graph, though the last step's MoE
     losses (graph outputs) were kept in the layers' stats."""
-    import trainer
+    from ep_moe.train import trainer
 
     _, net = _model()
     sentinels: list = []
@@ -182,7 +175,7 @@ def test_release_graphs_frees_them(monkeypatch):
     ("local", "cuda", False, True, "activation checkpointing"),
 ])
 def test_graphs_unsupported(dispatch, device, compile, checkpointing, reason):
-    import graphs
+    from ep_moe.train import graphs
 
     got = graphs.graphs_unsupported(dispatch, torch.device(device), compile=compile,
                                     activation_checkpointing=checkpointing)
@@ -193,8 +186,8 @@ def test_graphs_unsupported(dispatch, device, compile, checkpointing, reason):
 
 
 def test_cuda_graphs_setting_is_checked():
-    import config
-    from errors import ConfigError
+    from ep_moe.train import config
+    from ep_moe.train.errors import ConfigError
 
     assert config.parse_args([]).training.cuda_graphs == "auto"
     with pytest.raises(ConfigError, match="cuda_graphs"):

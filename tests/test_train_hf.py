@@ -1,4 +1,4 @@
-"""The trainer on Hugging Face models (``launch/train.py --hf-model DIR --data FILES``), on CPU.
+"""The trainer on Hugging Face models (``ep_moe.train --hf-model DIR --data FILES``), on CPU.
 
 A tiny random Qwen3-MoE saved with ``save_pretrained`` beside a BPE tokenizer trained here
 (no network), fine-tuned on jsonl text tokenized into the trainer's cache:
@@ -63,18 +63,15 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def launch_modules(monkeypatch):
-    """``launch/`` on sys.path, as when torchrun runs ``launch/train.py``."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
-    import config
-    import trainer
+def train_modules():
+    from ep_moe.train import config, trainer
 
     return config, trainer
 
 
-def _in_process(launch_modules, args: list[str]):
+def _in_process(train_modules, args: list[str]):
     """A Trainer of this process alone (a group of one, gloo)."""
-    config, trainer = launch_modules
+    config, trainer = train_modules
     return trainer.Trainer(config.parse_args(args))
 
 
@@ -83,12 +80,12 @@ def _close(trainer_module, trainer) -> None:
     trainer_module.destroy_distributed()
 
 
-def _train_two_steps(launch_modules, folder: Path, corpus: Path, tmp_path: Path):
+def _train_two_steps(train_modules, folder: Path, corpus: Path, tmp_path: Path):
     """Fine-tune the HF folder two steps in this process (checkpoints and the export under
     ``tmp_path / "ckpt"``, metrics in ``tmp_path / "metrics.jsonl"``); step 1's batch
     (inputs, targets) and the trained model's logits on its inputs."""
-    _, trainer_module = launch_modules
-    trainer = _in_process(launch_modules, ["--hf-model", str(folder), "--data", str(corpus), *COMMON, "--steps", "2",
+    _, trainer_module = train_modules
+    trainer = _in_process(train_modules, ["--hf-model", str(folder), "--data", str(corpus), *COMMON, "--steps", "2",
                                            "--checkpoint-dir", str(tmp_path / "ckpt"),
                                            "--metrics-file", str(tmp_path / "metrics.jsonl")])
     try:
@@ -99,12 +96,12 @@ def _train_two_steps(launch_modules, folder: Path, corpus: Path, tmp_path: Path)
         _close(trainer_module, trainer)
 
 
-def test_step1_loss_matches_transformers_and_export_round_trips(launch_modules, hf_dir, corpus, tmp_path):
+def test_step1_loss_matches_transformers_and_export_round_trips(train_modules, hf_dir, corpus, tmp_path):
     """Fine-tuning the saved model: step 1's loss and router loss are plain transformers'
     (eager experts) on the same batch; after two steps the exported folder loads in plain
     transformers, tokenizer included, with the trained model's logits."""
     metrics = tmp_path / "metrics.jsonl"
-    inputs, targets, trained_logits = _train_two_steps(launch_modules, hf_dir, corpus, tmp_path)
+    inputs, targets, trained_logits = _train_two_steps(train_modules, hf_dir, corpus, tmp_path)
     plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
     out = plain(input_ids=inputs, output_router_logits=True)
     record = json.loads(metrics.read_text().splitlines()[0])
@@ -120,11 +117,11 @@ def test_step1_loss_matches_transformers_and_export_round_trips(launch_modules, 
     assert transformers.AutoTokenizer.from_pretrained(exported).eos_token is not None
 
 
-def test_pure_bf16_parameters_train(launch_modules, hf_dir, corpus, tmp_path):
+def test_pure_bf16_parameters_train(train_modules, hf_dir, corpus, tmp_path):
     """``training.param_dtype='bfloat16'``: parameters and AdamW state in bf16, no autocast;
     the loss is finite and the weights move."""
-    _, trainer_module = launch_modules
-    trainer = _in_process(launch_modules, ["--hf-model", str(hf_dir), "--data", str(corpus), *COMMON, "--steps", "2",
+    _, trainer_module = train_modules
+    trainer = _in_process(train_modules, ["--hf-model", str(hf_dir), "--data", str(corpus), *COMMON, "--steps", "2",
                                            "--set", "training.dtype='bfloat16'",
                                            "--set", "training.param_dtype='bfloat16'",
                                            "--set", "checkpoint.interval=-1", "--export-hf", "",
@@ -154,7 +151,8 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(out: Path, hf_dir: Path, corpus: Path, *extra: str) -> list[dict]:
-    """``torchrun --nproc-per-node 2 launch/train.py --hf-model ... --data ...``; its metrics."""
+    """``torchrun --nproc-per-node 2 launch/train.py --hf-model ... --data ...`` (the checkout's
+    entry point); its metrics."""
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--standalone", "launch/train.py", "--hf-model",
            str(hf_dir), "--data", str(corpus), *COMMON, "--checkpoint-dir", str(out / "ckpt"),
            "--metrics-file", str(out / "metrics.jsonl"), *extra]
@@ -226,11 +224,11 @@ def test_fsdp_run_matches_replicated(ep2_run, hf_dir, corpus, tmp_path):
 # Bad input: one line naming it, before any process group
 
 
-def _fails(launch_modules, args: list[str], error: str, match: str) -> None:
-    """The Trainer raises ``error`` (of launch/errors.py) matching ``match``; before the
+def _fails(train_modules, args: list[str], error: str, match: str) -> None:
+    """The Trainer raises ``error`` (of ep_moe/train/errors.py) matching ``match``; before the
     process group exists, except for a checkpoint (read once the ranks are up)."""
-    config, trainer_module = launch_modules
-    import errors
+    config, trainer_module = train_modules
+    from ep_moe.train import errors
 
     try:
         with pytest.raises(getattr(errors, error), match=match):
@@ -240,59 +238,59 @@ def _fails(launch_modules, args: list[str], error: str, match: str) -> None:
         trainer_module.destroy_distributed()
 
 
-def test_model_folder_errors(launch_modules, hf_dir, corpus, tmp_path):
+def test_model_folder_errors(train_modules, hf_dir, corpus, tmp_path):
     """A folder without config.json, a family without MoE layers, weights that are not
     safetensors, a folder without a tokenizer for text data."""
     data = ["--data", str(corpus)]
     empty = tmp_path / "empty"
     empty.mkdir()
-    _fails(launch_modules, ["--hf-model", str(empty), *data], "ConfigError", r"model.hf=.*empty' has no config.json")
-    _fails(launch_modules, ["--hf-model", str(tmp_path / "nowhere"), *data], "ConfigError", r"is not a folder")
+    _fails(train_modules, ["--hf-model", str(empty), *data], "ConfigError", r"model.hf=.*empty' has no config.json")
+    _fails(train_modules, ["--hf-model", str(tmp_path / "nowhere"), *data], "ConfigError", r"is not a folder")
     dense = tmp_path / "dense"
     config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     transformers.Qwen3ForCausalLM(config).save_pretrained(dense)
-    _fails(launch_modules, ["--hf-model", str(dense), *data], "ConfigError", r"'qwen3' model without MoE layers")
+    _fails(train_modules, ["--hf-model", str(dense), *data], "ConfigError", r"'qwen3' model without MoE layers")
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
     (pickled / "pytorch_model.bin").write_bytes(b"0")
-    _fails(launch_modules, ["--hf-model", str(pickled), *data], "ConfigError",
+    _fails(train_modules, ["--hf-model", str(pickled), *data], "ConfigError",
            r"holds weights as pytorch_model.bin, not safetensors")
     untokenized = tmp_path / "no_tokenizer"
     tiny_model("qwen3_moe", vocab=VOCAB).save_pretrained(untokenized)
-    _fails(launch_modules, ["--hf-model", str(untokenized), *data], "DataError", r"holds no tokenizer files")
+    _fails(train_modules, ["--hf-model", str(untokenized), *data], "DataError", r"holds no tokenizer files")
 
 
-def test_refused_experts_and_ep_size(launch_modules, hf_dir, corpus, monkeypatch):
+def test_refused_experts_and_ep_size(train_modules, hf_dir, corpus, monkeypatch):
     """Experts ep_moe cannot run exactly, and an EP size that does not divide the experts."""
     import ep_moe.integrations.transformers as ep_hf
 
-    config, trainer_module = launch_modules
+    config, trainer_module = train_modules
     job = config.parse_args(["--hf-model", str(hf_dir), "--data", str(corpus), "--ep-size", "3"])
     with pytest.raises(ValueError, match=r"parallel.ep_size=3 must divide the world size \(3\) and the model's 8 "
                                          r"experts \(model.hf\)"):
         trainer_module.check_parallel(job, 3, 8)
     monkeypatch.setattr(ep_hf, "unsupported_reason", lambda module: "a post-expert norm")
-    _fails(launch_modules, ["--hf-model", str(hf_dir), "--data", str(corpus)], "ConfigError",
+    _fails(train_modules, ["--hf-model", str(hf_dir), "--data", str(corpus)], "ConfigError",
            r"ep_moe cannot run the experts of this 'qwen3_moe' model \(model.layers.0.mlp.experts: a post-expert norm")
 
 
-def test_data_errors(launch_modules, hf_dir, tmp_path):
+def test_data_errors(train_modules, hf_dir, tmp_path):
     """Token ids past the model's vocabulary; an empty data file."""
     wide = tmp_path / "wide.u32"
     torch.full((4096,), VOCAB + 5, dtype=torch.int32).numpy().tofile(wide)
-    _fails(launch_modules, ["--hf-model", str(hf_dir), "--data", str(wide)], "DataError",
+    _fails(train_modules, ["--hf-model", str(hf_dir), "--data", str(wide)], "DataError",
            rf"has token ids up to {VOCAB + 5}, past the vocabulary of model.hf=.* \({VOCAB} ids\); tokenize the data "
            "with this model's tokenizer")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    _fails(launch_modules, ["--hf-model", str(hf_dir), "--data", str(empty)], "DataError", r"empty")
+    _fails(train_modules, ["--hf-model", str(hf_dir), "--data", str(empty)], "DataError", r"empty")
 
 
-def test_config_errors(launch_modules, hf_dir, corpus):
+def test_config_errors(train_modules, hf_dir, corpus):
     """The built-in model's keys, [moe] shape keys, no data, the native checkpoint format."""
-    config, _ = launch_modules
+    config, _ = train_modules
     hf = ["--hf-model", str(hf_dir), "--data", str(corpus)]
     cases = {("--set", "model.dim=64"): r"--set model.dim=64: model.dim describe the built-in model, but model.hf=",
              ("--set", "moe.num_experts=4"): r"moe.num_experts describe the built-in model's MoE layers.*\[moe\] "
@@ -306,11 +304,11 @@ def test_config_errors(launch_modules, hf_dir, corpus):
         config.parse_args(["--hf-model", str(hf_dir)])
 
 
-def test_checkpoint_of_another_model(launch_modules, hf_dir, corpus, tmp_path):
+def test_checkpoint_of_another_model(train_modules, hf_dir, corpus, tmp_path):
     """Resuming a checkpoint of another HF model names the config.json values that differ."""
-    _, trainer_module = launch_modules
+    _, trainer_module = train_modules
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--export-hf", ""]
-    trainer = _in_process(launch_modules, ["--hf-model", str(hf_dir), "--data", str(corpus), *COMMON, "--steps", "1",
+    trainer = _in_process(train_modules, ["--hf-model", str(hf_dir), "--data", str(corpus), *COMMON, "--steps", "1",
                                            *ckpt])
     try:
         trainer.train()
@@ -321,12 +319,12 @@ def test_checkpoint_of_another_model(launch_modules, hf_dir, corpus, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (other / name).write_bytes((hf_dir / name).read_bytes())
     step1 = str(tmp_path / "ckpt" / "step_00000001")
-    _fails(launch_modules, ["--hf-model", str(other), "--data", str(corpus), *COMMON, *ckpt, "--resume", step1],
+    _fails(train_modules, ["--hf-model", str(other), "--data", str(corpus), *COMMON, *ckpt, "--resume", step1],
            "CheckpointError", r"model.hf_config.hidden_size=32 in the checkpoint, 48 in this run")
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "mixtral", "deepseek_v3"])
-def test_other_families_train_and_export(launch_modules, family, corpus, tmp_path):
+def test_other_families_train_and_export(train_modules, family, corpus, tmp_path):
     """GPT-OSS (transposed, interleaved experts with biases and the clamped gate), Mixtral
     and DeepSeek-V3 (sigmoid group routing, a shared expert, a dense first layer) fine-tune
     in the trainer, and their exports load in plain transformers with the trained logits."""
@@ -334,7 +332,7 @@ def test_other_families_train_and_export(launch_modules, family, corpus, tmp_pat
     tiny_model(family, vocab=VOCAB, std=0.05, dense_layers=1 if family == "deepseek_v3" else 0).save_pretrained(folder)
     train_tokenizer(folder, sample_documents(60, seed=1))
     metrics = tmp_path / "metrics.jsonl"
-    inputs, _, trained_logits = _train_two_steps(launch_modules, folder, corpus, tmp_path)
+    inputs, _, trained_logits = _train_two_steps(train_modules, folder, corpus, tmp_path)
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf")

@@ -1,6 +1,6 @@
 """Every EP path trains like EP=1, through the trainer (CPU, gloo, 2 ranks).
 
-``launch/train.py`` under ``torchrun --nproc-per-node 2`` with ``configs/train/tiny.toml``
+``launch/train.py`` under ``torchrun --nproc-per-node 2`` with the ``tiny`` preset
 (2 layers, 8 experts, top-2; 16 sequences of 64 tokens per rank), seed 0 and so the same
 global batch, for ``STEPS`` steps, every step logged to the metrics file:
 
@@ -72,7 +72,7 @@ RTOL = {"float32": {"loss": 1e-5, "grad_norm": 1e-4},
 """Largest relative difference to the EP=1 run allowed at any step, per dtype and field
 (how they were chosen: the module docstring)."""
 RUN_ARGS = [
-    "--config", "configs/train/tiny.toml",
+    "--config", "tiny",
     "--steps", str(STEPS),
     "--set", "logging.log_interval=1",
     "--set", "logging.eval_interval=0",

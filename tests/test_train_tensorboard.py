@@ -1,7 +1,7 @@
-"""``launch/train.py --tensorboard DIR``: rank 0 writes what it logs as TensorBoard scalars,
+"""The trainer's ``--tensorboard DIR``: rank 0 writes what it logs as TensorBoard scalars,
 and without the ``tensorboard`` package the run stops at once with one line naming the fix.
 
-Each run is one process of ``launch/train.py`` (no torchrun: a group of one), on the CPU
+Each run is one process of the trainer (no torchrun: a group of one), on the CPU
 with the torch experts (``TRITON_INTERPRET`` off, as in ``tests/test_train.py``).
 """
 
@@ -25,10 +25,9 @@ TRAIN_TAGS = {"train/loss", "train/aux_loss", "train/lr", "train/grad_norm", "tr
 
 
 def _train(tmp_path: Path, *extra: str, prelude: str = "") -> subprocess.CompletedProcess:
-    """``launch/train.py`` in one process from the repository root; ``prelude`` runs first
-    in the same interpreter."""
-    code = (f"{prelude}\nimport runpy, sys\nsys.argv = {['launch/train.py', *RUN_ARGS, *extra]!r}\n"
-            "sys.path.insert(0, 'launch')\nrunpy.run_path('launch/train.py', run_name='__main__')\n")
+    """The trainer's ``main`` in one process from the repository root; ``prelude`` runs
+    first in the same interpreter."""
+    code = f"{prelude}\nfrom ep_moe.train.train import main\nmain({[*RUN_ARGS, *extra]!r})\n"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """Shared helpers of the text-data tests (tests/test_train_data.py, the trainer tests that
 train on text): varied English-like documents made up on the spot, a small byte-level BPE
 tokenizer trained on them and saved as a Hugging Face tokenizer folder, and writers for
-the file kinds ``launch/data.py`` reads. Nothing is downloaded. ``train_tokenizer`` needs
+the file kinds ``ep_moe/train/data.py`` reads. Nothing is downloaded. ``train_tokenizer`` needs
 ``tokenizers`` and ``transformers``: import it after ``pytest.importorskip("transformers")``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fault probes of the checkpoint directory (``launch/checkpoint.py``, ``launch/trainer.py``;
+"""Fault probes of the checkpoint directory (``ep_moe/train/checkpoint.py``, ``ep_moe/train/trainer.py``;
 issue 46), in process on the CPU unless said otherwise:
 
 - what the trainer did not write is never deleted nor renamed: a symlink to an archived
@@ -39,7 +39,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytestmark = pytest.mark.faults
 
@@ -66,41 +65,15 @@ def no_hang():
     signal.signal(signal.SIGALRM, previous)
 
 
-@pytest.fixture
-def launch(monkeypatch):
-    """The launch modules (``launch/`` on sys.path, no torchrun environment); any process
-    group a probe starts is torn down afterwards."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    import checkpoint
-    import config
-    import errors
-    import model
-    import train
-    import trainer
-
-    yield SimpleNamespace(checkpoint=checkpoint, config=config, errors=errors, model=model, train=train,
-                          trainer=trainer)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _layout(train):
+    return train.checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1)
 
 
-@pytest.fixture
-def group(launch):
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-
-
-def _layout(launch):
-    return launch.checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1)
-
-
-def _build(launch, *extra: str):
-    job = launch.config.parse_args([*TINY, *extra])
+def _build(train, *extra: str):
+    job = train.config.parse_args([*TINY, *extra])
     torch.manual_seed(0)
-    net = launch.model.MoETransformer(job.model, job.moe_config(), None)
-    optimizer = launch.trainer.build_optimizer(net, job.training, torch.device("cpu"))
+    net = train.model.MoETransformer(job.model, job.moe_config(), None)
+    optimizer = train.trainer.build_optimizer(net, job.training, torch.device("cpu"))
     for p in net.parameters():
         p.grad = torch.full_like(p, 1e-3)
     optimizer.step()
@@ -108,15 +81,15 @@ def _build(launch, *extra: str):
     return job, net, optimizer
 
 
-def _save(launch, root: Path, step: int, built, keep: int = 0) -> Path:
+def _save(train, root: Path, step: int, built, keep: int = 0) -> Path:
     job, net, optimizer = built
-    return launch.checkpoint.save_checkpoint(root, step, _layout(launch), net, optimizer,
+    return train.checkpoint.save_checkpoint(root, step, _layout(train), net, optimizer,
                                              {"step": step, "data": {"step": step}}, {"config": job.to_dict()}, keep)
 
 
-def _resume(launch, spec: str, root: Path):
-    job, net, optimizer = _build(launch)
-    return launch.checkpoint.resume(spec, root, _layout(launch), net, optimizer, job.to_dict())
+def _resume(train, spec: str, root: Path):
+    job, net, optimizer = _build(train)
+    return train.checkpoint.resume(spec, root, _layout(train), net, optimizer, job.to_dict())
 
 
 def _ckpt(root: Path, step: int) -> Path:
@@ -128,56 +101,56 @@ def _names(root: Path) -> list[str]:
 
 
 @pytest.fixture
-def saved(launch, group, tmp_path):
+def saved(train, group, tmp_path):
     """Complete checkpoints of steps 10, 20 and 30 in ``tmp_path / "ckpt"``, and a complete
     archived one of step 5 in ``tmp_path / "archive"``."""
     root, archive = tmp_path / "ckpt", tmp_path / "archive"
-    built = _build(launch)
+    built = _build(train)
     for step in STEPS:
-        _save(launch, root, step, built)
-    _save(launch, archive, 5, built)
+        _save(train, root, step, built)
+    _save(train, archive, 5, built)
     return SimpleNamespace(root=root, archive=archive, built=built)
 
 
-def _assert_archive_intact(launch, saved) -> None:
+def _assert_archive_intact(train, saved) -> None:
     """The archived step_5 is complete and resumes."""
     path = _ckpt(saved.archive, 5)
-    assert (path / launch.checkpoint.MARKER).is_file(), f"the archive lost its marker: {_names(path)}"
-    found, extra = _resume(launch, str(path), saved.archive)
+    assert (path / train.checkpoint.MARKER).is_file(), f"the archive lost its marker: {_names(path)}"
+    found, extra = _resume(train, str(path), saved.archive)
     assert (found, extra["step"]) == (path, 5)
 
 
 # --- what the trainer did not write ----------------------------------------------------------
 
-def test_pruning_leaves_a_symlinked_archive_alone(launch, saved, caplog):
+def test_pruning_leaves_a_symlinked_archive_alone(train, saved, caplog):
     """The issue's case: ``step_00000005`` in checkpoint.dir is a symlink to an archived
     step. Pruning (keep=2) deletes step_10 and step_20 only; the link stays, the archive
     keeps its marker and resumes, no ``.deleting`` is left, and the log names the link."""
     link = _ckpt(saved.root, 5)
     link.symlink_to(_ckpt(saved.archive, 5), target_is_directory=True)
     with caplog.at_level(logging.WARNING):
-        _save(launch, saved.root, 40, saved.built, keep=2)
+        _save(train, saved.root, 40, saved.built, keep=2)
     assert _names(saved.root) == ["step_00000005", "step_00000030", "step_00000040"]
     assert link.is_symlink()
-    _assert_archive_intact(launch, saved)
+    _assert_archive_intact(train, saved)
     assert re.search(r"step_00000005.*symlink", caplog.text), caplog.text
 
 
-def test_resume_reads_through_a_link_but_pruning_does_not_delete_it(launch, saved):
+def test_resume_reads_through_a_link_but_pruning_does_not_delete_it(train, saved):
     """A link to an archived step newer than the others is what ``--resume latest`` loads
     (reading is fine); the next save with keep=1 prunes the real ones, never the link."""
-    archived = _save(launch, saved.archive, 50, saved.built)
+    archived = _save(train, saved.archive, 50, saved.built)
     link = _ckpt(saved.root, 50)
     link.symlink_to(archived, target_is_directory=True)
-    found, extra = _resume(launch, "latest", saved.root)
+    found, extra = _resume(train, "latest", saved.root)
     assert (found, extra["step"]) == (link, 50)
-    _save(launch, saved.root, 60, saved.built, keep=1)
+    _save(train, saved.root, 60, saved.built, keep=1)
     assert _names(saved.root) == ["step_00000050", "step_00000060"]
-    assert link.is_symlink() and (archived / launch.checkpoint.MARKER).is_file()
+    assert link.is_symlink() and (archived / train.checkpoint.MARKER).is_file()
 
 
 @pytest.mark.parametrize("suffix", [".partial", ".deleting"])
-def test_a_linked_partial_or_deleting_is_never_cleaned_through(launch, saved, suffix, caplog):
+def test_a_linked_partial_or_deleting_is_never_cleaned_through(train, saved, suffix, caplog):
     """``step_40.partial`` or ``step_7.deleting`` as a link to the archive: the save's
     cleanup of interrupted saves and deletions does not follow it. A ``.partial`` in the
     way of the save refuses it, naming it and the fix; a ``.deleting`` is left, named."""
@@ -186,62 +159,62 @@ def test_a_linked_partial_or_deleting_is_never_cleaned_through(launch, saved, su
     link.symlink_to(_ckpt(saved.archive, 5), target_is_directory=True)
     with caplog.at_level(logging.WARNING):
         if suffix == ".partial":
-            with pytest.raises(launch.errors.CheckpointError,
+            with pytest.raises(train.errors.CheckpointError,
                                match=r"step_00000040\.partial.*symlink.*move it out of checkpoint\.dir"):
-                _save(launch, saved.root, 40, saved.built, keep=2)
+                _save(train, saved.root, 40, saved.built, keep=2)
         else:
-            _save(launch, saved.root, 40, saved.built, keep=2)
+            _save(train, saved.root, 40, saved.built, keep=2)
             assert re.search(r"step_00000007\.deleting.*symlink", caplog.text), caplog.text
     assert link.is_symlink()
     assert not list(saved.root.glob(f"*{suffix}.deleting")), _names(saved.root)
-    _assert_archive_intact(launch, saved)
+    _assert_archive_intact(train, saved)
 
 
-def test_latest_does_not_finish_a_linked_partial(launch, saved, caplog):
+def test_latest_does_not_finish_a_linked_partial(train, saved, caplog):
     """``step_30.partial`` linking to a complete archived step looks like an interrupted
     re-save; ``--resume latest`` must not replace the real step_30 with the link."""
     link = saved.root / "step_00000030.partial"
     link.symlink_to(_ckpt(saved.archive, 5), target_is_directory=True)
     with caplog.at_level(logging.WARNING):
-        found, extra = _resume(launch, "latest", saved.root)
+        found, extra = _resume(train, "latest", saved.root)
     assert (found, extra["step"]) == (_ckpt(saved.root, 30), 30)
     assert not _ckpt(saved.root, 30).is_symlink() and link.is_symlink()
     assert re.search(r"step_00000030\.partial.*symlink", caplog.text), caplog.text
-    _assert_archive_intact(launch, saved)
+    _assert_archive_intact(train, saved)
 
 
-def test_a_stray_file_named_like_a_step(launch, saved, caplog):
+def test_a_stray_file_named_like_a_step(train, saved, caplog):
     """A regular file ``step_00000004``: pruning leaves it (it is no checkpoint); a save of
     step 4 refuses, naming it and the fix, instead of renaming it and crashing with
     NotADirectoryError; the file is untouched."""
     stray = _ckpt(saved.root, 4)
     stray.write_text("my notes")
-    _save(launch, saved.root, 40, saved.built, keep=1)
-    with pytest.raises(launch.errors.CheckpointError,
+    _save(train, saved.root, 40, saved.built, keep=1)
+    with pytest.raises(train.errors.CheckpointError,
                        match=r"step_00000004 is in the way: it is a file, not a checkpoint directory this trainer "
                              r"wrote; move it out of checkpoint\.dir"):
-        _save(launch, saved.root, 4, saved.built, keep=1)
+        _save(train, saved.root, 4, saved.built, keep=1)
     assert stray.read_text() == "my notes"
     assert _names(saved.root) == ["step_00000004", "step_00000040"]
 
 
-def _main(launch, capsys, *argv: str) -> tuple[int, str]:
+def _main(train, capsys, *argv: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exc:
-        launch.train.main([*TINY, *argv])
+        train.train.main([*TINY, *argv])
     return exc.value.code, capsys.readouterr().err
 
 
-def test_trainer_refuses_a_stray_entry_it_would_save_over(launch, capsys, monkeypatch, tmp_path):
+def test_trainer_refuses_a_stray_entry_it_would_save_over(train, capsys, monkeypatch, tmp_path):
     """checkpoint.dir holds a file ``step_00000004`` and the run saves step 4 (interval 2):
     refused before step 1 (not after 4 steps), one line naming the entry and the fix."""
     root = tmp_path / "ckpt"
     root.mkdir()
     (root / "step_00000004").write_text("my notes")
     steps = []
-    original = launch.trainer.Trainer.train_step
-    monkeypatch.setattr(launch.trainer.Trainer, "train_step",
+    original = train.trainer.Trainer.train_step
+    monkeypatch.setattr(train.trainer.Trainer, "train_step",
                         lambda self, step: steps.append(step) or original(self, step))
-    code, err = _main(launch, capsys, "--steps", "6", "--set", "checkpoint.interval=2", "--checkpoint-dir", str(root))
+    code, err = _main(train, capsys, "--steps", "6", "--set", "checkpoint.interval=2", "--checkpoint-dir", str(root))
     assert code == 2 and err.count("\n") == 1, err
     assert re.search(r"checkpoint\.dir=.* holds step_00000004 \(a file, not a checkpoint directory this trainer "
                      r"wrote\), where this run saves step 4: move it away, or pass another checkpoint\.dir", err), err
@@ -251,31 +224,31 @@ def test_trainer_refuses_a_stray_entry_it_would_save_over(launch, capsys, monkey
 
 # --- steps of any width ------------------------------------------------------------------------
 
-def test_steps_of_any_width(launch, saved):
+def test_steps_of_any_width(train, saved):
     """step_100000000 (9 digits) is newer than step_99999999: ``latest`` picks it, and
     pruning orders by step, not by name."""
     for step in (99_999_999, 100_000_000):
-        _save(launch, saved.root, step, saved.built)
+        _save(train, saved.root, step, saved.built)
     assert _ckpt(saved.root, 100_000_000).name == "step_100000000"
-    found, extra = _resume(launch, "latest", saved.root)
+    found, extra = _resume(train, "latest", saved.root)
     assert (found.name, extra["step"]) == ("step_100000000", 100_000_000)
-    _save(launch, saved.root, 100_000_001, saved.built, keep=2)
+    _save(train, saved.root, 100_000_001, saved.built, keep=2)
     assert _names(saved.root) == ["step_100000000", "step_100000001"]
 
 
 # --- a name that disagrees with meta.json ------------------------------------------------------
 
-def test_name_that_disagrees_with_meta_json(launch, saved, caplog):
+def test_name_that_disagrees_with_meta_json(train, saved, caplog):
     """step_20 copied by hand as step_40: an explicit resume is refused, naming both steps;
     ``latest`` skips it by name and loads step_30."""
     shutil.copytree(_ckpt(saved.root, 20), _ckpt(saved.root, 40))
-    with pytest.raises(launch.errors.CheckpointError) as err:
-        _resume(launch, str(_ckpt(saved.root, 40)), saved.root)
+    with pytest.raises(train.errors.CheckpointError) as err:
+        _resume(train, str(_ckpt(saved.root, 40)), saved.root)
     message = str(err.value)
     assert re.search(r"checkpoint \S+step_00000040: its name says step 40 but its meta\.json says step 20", message)
     assert "\n" not in message
     with caplog.at_level(logging.WARNING):
-        found, extra = _resume(launch, "latest", saved.root)
+        found, extra = _resume(train, "latest", saved.root)
     assert (found, extra["step"]) == (_ckpt(saved.root, 30), 30)
     assert re.search(r"skipping \S+step_00000040: .*its name says step 40 but its meta\.json says step 20",
                      caplog.text), caplog.text
@@ -293,7 +266,7 @@ time.sleep(120)
 """
 
 
-def test_second_trainer_on_a_held_dir_is_refused(launch, capsys, tmp_path):
+def test_second_trainer_on_a_held_dir_is_refused(train, capsys, tmp_path):
     """Another live process holds ``checkpoint.dir/.lock``: the trainer refuses to start, in
     one line naming the holder's host and pid and the fix; the holder's lock is untouched."""
     root = tmp_path / "ckpt"
@@ -302,7 +275,7 @@ def test_second_trainer_on_a_held_dir_is_refused(launch, capsys, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "holding"
-        code, err = _main(launch, capsys, "--steps", "2", "--checkpoint-dir", str(root))
+        code, err = _main(train, capsys, "--steps", "2", "--checkpoint-dir", str(root))
         assert code == 2 and err.count("\n") == 1, err
         assert re.search(rf"checkpoint\.dir='{re.escape(str(root))}' is in use by another trainer "
                          rf"\(host {re.escape(socket.gethostname())}, pid {holder.pid}\b", err), err
@@ -320,7 +293,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_stale_lock_of_a_dead_process_is_taken_over(launch, tmp_path, caplog):
+def test_stale_lock_of_a_dead_process_is_taken_over(train, tmp_path, caplog):
     """A lock left by a process of this host that no longer runs (a SIGKILLed trainer):
     taken over with a warning naming it; held with this process's pid while the trainer
     lives; gone after close."""
@@ -329,57 +302,57 @@ def test_stale_lock_of_a_dead_process_is_taken_over(launch, tmp_path, caplog):
     lock = root / ".lock"
     dead = _dead_pid()
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead}))
-    job = launch.config.parse_args([*TINY, "--steps", "2", "--checkpoint-dir", str(root)])
+    job = train.config.parse_args([*TINY, "--steps", "2", "--checkpoint-dir", str(root)])
     with caplog.at_level(logging.WARNING):
-        run = launch.trainer.Trainer(job)
+        run = train.trainer.Trainer(job)
     try:
         assert re.search(rf"stale lock .*\.lock.* pid {dead}\b.*no longer runs", caplog.text), caplog.text
         assert json.loads(lock.read_text())["pid"] == os.getpid()
         run.train()
     finally:
         run.close()
-        launch.trainer.destroy_distributed()
+        train.trainer.destroy_distributed()
     assert not lock.exists(), "released at close"
     assert _names(root) == ["step_00000002"]
 
 
-def test_lock_of_another_host_is_not_broken(launch, tmp_path):
+def test_lock_of_another_host_is_not_broken(train, tmp_path):
     """A lock naming another host: whether that run lives cannot be told from here, so it
     is refused, naming the lock file to delete if that run is gone."""
     root = tmp_path / "ckpt"
     root.mkdir()
     (root / ".lock").write_text(json.dumps({"host": "some-other-node", "pid": 4242}))
-    job = launch.config.parse_args([*TINY, "--steps", "2", "--checkpoint-dir", str(root)])
-    with pytest.raises(launch.errors.ConfigError, match=r"in use by another trainer \(host some-other-node, pid 4242"
+    job = train.config.parse_args([*TINY, "--steps", "2", "--checkpoint-dir", str(root)])
+    with pytest.raises(train.errors.ConfigError, match=r"in use by another trainer \(host some-other-node, pid 4242"
                                                         r".*if that run is gone, delete \S+\.lock"):
-        launch.trainer.Trainer(job)
+        train.trainer.Trainer(job)
 
 
-def test_lock_of_another_host_without_heartbeat_is_taken_over(launch, tmp_path, caplog):
+def test_lock_of_another_host_without_heartbeat_is_taken_over(train, tmp_path, caplog):
     """A lock of another host whose heartbeat stopped LOCK_STALE_S ago (a job preempted there,
     restarted here): taken over with a warning naming that host."""
     root = tmp_path / "ckpt"
     root.mkdir()
     lock = root / ".lock"
     lock.write_text(json.dumps({"host": "some-other-node", "pid": 4242}))
-    past = time.time() - launch.checkpoint.LOCK_STALE_S - 5
+    past = time.time() - train.checkpoint.LOCK_STALE_S - 5
     os.utime(lock, (past, past))
-    job = launch.config.parse_args([*TINY, "--steps", "1", "--checkpoint-dir", str(root)])
+    job = train.config.parse_args([*TINY, "--steps", "1", "--checkpoint-dir", str(root)])
     with caplog.at_level(logging.WARNING):
-        run = launch.trainer.Trainer(job)
+        run = train.trainer.Trainer(job)
     try:
         assert re.search(r"taking over the lock \S+\.lock of host some-other-node, pid 4242, not refreshed", caplog.text)
         assert json.loads(lock.read_text())["pid"] == os.getpid()
     finally:
         run.close()
-        launch.trainer.destroy_distributed()
+        train.trainer.destroy_distributed()
 
 
-def test_the_holder_refreshes_its_lock(launch, tmp_path, monkeypatch):
+def test_the_holder_refreshes_its_lock(train, tmp_path, monkeypatch):
     """The holder's heartbeat keeps the lock file's modification time fresh."""
-    monkeypatch.setattr(launch.checkpoint, "LOCK_HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(train.checkpoint, "LOCK_HEARTBEAT_S", 0.05)
     root = tmp_path / "ckpt"
-    lock = launch.checkpoint.lock_checkpoint_dir(root)
+    lock = train.checkpoint.lock_checkpoint_dir(root)
     try:
         past = time.time() - 1000
         os.utime(root / ".lock", (past, past))
@@ -390,21 +363,20 @@ def test_the_holder_refreshes_its_lock(launch, tmp_path, monkeypatch):
     assert not (root / ".lock").exists()
 
 
-def test_lock_is_released_when_the_start_fails(launch, tmp_path):
+def test_lock_is_released_when_the_start_fails(train, tmp_path):
     """A start that fails after the lock was taken (here: a resume path that does not exist)
     leaves no lock behind."""
     root = tmp_path / "ckpt"
-    job = launch.config.parse_args([*TINY, "--steps", "2", "--checkpoint-dir", str(root),
+    job = train.config.parse_args([*TINY, "--steps", "2", "--checkpoint-dir", str(root),
                                     "--resume", str(root / "step_00000099")])
-    with pytest.raises(launch.errors.CheckpointError):
-        launch.trainer.Trainer(job)
+    with pytest.raises(train.errors.CheckpointError):
+        train.trainer.Trainer(job)
     assert not (root / ".lock").exists()
 
 
 TRAIN_SLOWLY = """
 import sys, time
-sys.path.insert(0, {launch!r})
-import train, trainer
+from ep_moe.train import train, trainer
 original = trainer.Trainer.train_step
 def train_step(self, step):
     time.sleep(0.05)
@@ -414,14 +386,14 @@ train.main(sys.argv[1:])
 """
 
 
-def test_two_trainer_processes_on_one_dir(launch, capsys, monkeypatch, tmp_path, caplog):
+def test_two_trainer_processes_on_one_dir(train, capsys, monkeypatch, tmp_path, caplog):
     """The issue's race: a trainer process runs (saving every step) in checkpoint.dir; a
     second one on the same directory exits 2 at once naming the first's pid, and the
     first keeps going. Once the first is SIGKILLed, a new run takes its stale lock over
     and resumes."""
     root = tmp_path / "ckpt"
     script = tmp_path / "slow.py"
-    script.write_text(TRAIN_SLOWLY.format(launch=str(REPO / "launch")))
+    script.write_text(TRAIN_SLOWLY)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     log = tmp_path / "first.log"
     with open(log, "w") as out:
@@ -436,8 +408,8 @@ def test_two_trainer_processes_on_one_dir(launch, capsys, monkeypatch, tmp_path,
         assert json.loads((root / ".lock").read_text())["pid"] == first.pid
         trained = []
         with monkeypatch.context() as m:
-            m.setattr(launch.trainer.Trainer, "train", lambda self: trained.append(self.step))
-            code, err = _main(launch, capsys, "--steps", "100000", "--checkpoint-dir", str(root), "--resume", "latest")
+            m.setattr(train.trainer.Trainer, "train", lambda self: trained.append(self.step))
+            code, err = _main(train, capsys, "--steps", "100000", "--checkpoint-dir", str(root), "--resume", "latest")
         assert code == 2 and f"pid {first.pid}" in err and "in use by another trainer" in err, err
         assert trained == [], "refused before training"
         time.sleep(0.5)
@@ -445,43 +417,43 @@ def test_two_trainer_processes_on_one_dir(launch, capsys, monkeypatch, tmp_path,
     finally:
         first.kill()
         first.wait()
-    last = launch.checkpoint.complete_checkpoints(root)[-1]
-    job = launch.config.parse_args([*TINY, "--steps", str(launch.checkpoint.checkpoint_step(last) + 1),
+    last = train.checkpoint.complete_checkpoints(root)[-1]
+    job = train.config.parse_args([*TINY, "--steps", str(train.checkpoint.checkpoint_step(last) + 1),
                                     "--checkpoint-dir", str(root), "--resume", "latest"])
     with caplog.at_level(logging.WARNING):
-        run = launch.trainer.Trainer(job)
+        run = train.trainer.Trainer(job)
     try:
         assert f"pid {first.pid}" in caplog.text and "stale lock" in caplog.text, caplog.text
-        assert run.step == launch.checkpoint.checkpoint_step(last)
+        assert run.step == train.checkpoint.checkpoint_step(last)
     finally:
         run.close()
-        launch.trainer.destroy_distributed()
+        train.trainer.destroy_distributed()
     assert not (root / ".lock").exists()
 
 
 # --- a resume with nothing left to train -------------------------------------------------------
 
-def test_resume_past_the_last_step_says_so(launch, tmp_path, caplog):
+def test_resume_past_the_last_step_says_so(train, tmp_path, caplog):
     """A run resumed at step 4 with training.steps=4 trains nothing, and says so naming the
     step and training.steps (a warning, exit 0); nothing is saved again."""
     root = tmp_path / "ckpt"
-    launch.train.main([*TINY, "--steps", "4", "--set", "checkpoint.interval=2", "--checkpoint-dir", str(root)])
+    train.train.main([*TINY, "--steps", "4", "--set", "checkpoint.interval=2", "--checkpoint-dir", str(root)])
     before = {p.name: p.stat().st_mtime_ns for p in root.iterdir()}
-    job = launch.config.parse_args([*TINY, "--steps", "4", "--checkpoint-dir", str(root), "--resume", "latest"])
-    run = launch.trainer.Trainer(job)
+    job = train.config.parse_args([*TINY, "--steps", "4", "--checkpoint-dir", str(root), "--resume", "latest"])
+    run = train.trainer.Trainer(job)
     try:
         with caplog.at_level(logging.WARNING):
             run.train()
     finally:
         run.close()
-        launch.trainer.destroy_distributed()
+        train.trainer.destroy_distributed()
     assert run.step == 4
     assert re.search(r"checkpoint step 4 >= training\.steps=4: nothing to train; raise --steps",
                      caplog.text), caplog.text
     assert {p.name: p.stat().st_mtime_ns for p in root.iterdir()} == before
 
 
-def test_hf_model_resumed_past_the_last_step_is_still_exported(launch, tmp_path, caplog):
+def test_hf_model_resumed_past_the_last_step_is_still_exported(train, tmp_path, caplog):
     """An HF model resumed at training.steps: nothing trained, a warning, and the export
     that ``--export-hf`` asks for is written."""
     transformers = pytest.importorskip("transformers")
@@ -499,13 +471,13 @@ def test_hf_model_resumed_past_the_last_step_is_still_exported(launch, tmp_path,
               "--set", "logging.progress_bar=false", "--set", "training.batch_size=2", "--set", "training.seq_len=16",
               "--checkpoint-dir", str(tmp_path / "ckpt")]
     for export, resume in ((str(tmp_path / "first"), []), (str(tmp_path / "again"), ["--resume", "latest"])):
-        run = launch.trainer.Trainer(launch.config.parse_args([*common, "--export-hf", export, *resume]))
+        run = train.trainer.Trainer(train.config.parse_args([*common, "--export-hf", export, *resume]))
         try:
             with caplog.at_level(logging.WARNING):
                 run.train()
         finally:
             run.close()
-            launch.trainer.destroy_distributed()
+            train.trainer.destroy_distributed()
     assert re.search(r"checkpoint step 2 >= training\.steps=2: nothing to train", caplog.text), caplog.text
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again")
     first = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "first")

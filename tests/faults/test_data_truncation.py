@@ -7,7 +7,7 @@ the length it mapped when it maps it and before each epoch (and each evaluation)
 stops with a ``DataError`` naming the file and the fix (exit status 2, one line).
 
 Each probe runs the trainer in a subprocess (a SIGBUS there fails the probe instead of
-killing pytest): a wrapper around ``launch/train.py`` truncates the file at a chosen
+killing pytest): a wrapper around the trainer's ``main`` truncates the file at a chosen
 point. A truncation in the middle of an epoch is not caught before the epoch ends (the
 checks cost one ``fstat`` per file and epoch, none per step).
 """
@@ -36,8 +36,7 @@ WINDOWS = 20
 
 WRAPPER = """
 import os, sys
-sys.path.insert(0, {launch!r})
-import train, trainer
+from ep_moe.train import train, trainer
 
 VICTIM, WHEN = sys.argv[1], sys.argv[2]
 
@@ -65,7 +64,7 @@ else:  # right after step WHEN
         out = original_step(self, step)
         if step == int(WHEN):
             os.truncate(victim(), 0)
-            print(f"truncated after step {{step}}", flush=True)
+            print(f"truncated after step {step}", flush=True)
         return out
 
     trainer.Trainer.train_step = train_step
@@ -75,7 +74,7 @@ train.main(sys.argv[4:])
 
 def _run(tmp_path: Path, victim: str, when: str, source: str, argv: list[str]) -> subprocess.CompletedProcess:
     script = tmp_path / "truncate.py"
-    script.write_text(WRAPPER.format(launch=str(REPO / "launch")))
+    script.write_text(WRAPPER)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run([sys.executable, str(script), victim, when, source, *argv], cwd=REPO,
                           env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)

@@ -20,7 +20,6 @@ import inspect
 import re
 import typing
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,20 +37,6 @@ TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_
         "--set", "moe.num_experts=4", "--set", "moe.intermediate_size=32", "--set", "moe.top_k=2",
         "--set", "training.batch_size=2", "--set", "training.seq_len=16", "--set", "training.device='cpu'",
         "--set", "logging.eval_interval=0", "--set", "data.synthetic_bytes=8192"]
-
-
-@pytest.fixture
-def launch(monkeypatch):
-    """The trainer's modules (``launch/`` on sys.path, no torchrun environment)."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    import config
-    import data
-    import errors
-    import model
-
-    return SimpleNamespace(config=config, data=data, errors=errors, model=model)
 
 
 def _mlp() -> nn.Module:
@@ -171,42 +156,42 @@ ABSURD = {
 
 
 @pytest.mark.parametrize("assignment", sorted(ABSURD))
-def test_absurd_trainer_value_is_refused_naming_the_key(launch, assignment):
-    with pytest.raises(launch.errors.ConfigError) as err:
-        launch.config.parse_args([*TINY, "--set", assignment])
+def test_absurd_trainer_value_is_refused_naming_the_key(train, assignment):
+    with pytest.raises(train.errors.ConfigError) as err:
+        train.config.parse_args([*TINY, "--set", assignment])
     message = str(err.value)
     assert message.startswith(f"--set {assignment}: "), message
     assert re.search(ABSURD[assignment], message), message
 
 
-def test_synthetic_bytes_is_not_checked_when_a_data_file_is_used(launch, tmp_path):
+def test_synthetic_bytes_is_not_checked_when_a_data_file_is_used(train, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("hello world\n" * 100)
-    job = launch.config.parse_args([*TINY, "--data", str(corpus), "--set", "data.synthetic_bytes=100000000000"])
+    job = train.config.parse_args([*TINY, "--data", str(corpus), "--set", "data.synthetic_bytes=100000000000"])
     assert job.data.synthetic_bytes == 10**11
 
 
-def test_the_largest_seed_runs_data_order(launch):
+def test_the_largest_seed_runs_data_order(train):
     """``training.seed``'s bound is data.py's real one: the validation split seeds its
     window order with ``(seed + 1) * 1_000_003 + epoch``, which must fit torch's 64-bit
     seed; at the largest seed, late epochs still draw, one past it is refused."""
-    top = launch.config.MAX_SEED
+    top = train.config.MAX_SEED
     tokens = torch.arange(64, dtype=torch.int64) % 256
     for seed in (top, top + 1):  # the training split, then the validation split (seed + 1)
-        batches = launch.data.TokenBatches(tokens, seq_len=8, batch_size=2, dp_rank=0, dp_size=1, seed=seed)
+        batches = train.data.TokenBatches(tokens, seq_len=8, batch_size=2, dp_rank=0, dp_size=1, seed=seed)
         batches.batch(10**9)  # epoch ~ 3e8
-    assert launch.config.TrainingConfig(seed=top).seed == top
+    assert train.config.TrainingConfig(seed=top).seed == top
     with pytest.raises(ValueError, match=rf"training.seed={top + 1} must be <= {top}"):
-        launch.config.TrainingConfig(seed=top + 1)
+        train.config.TrainingConfig(seed=top + 1)
     with pytest.raises(ValueError, match=r"training.seed=-1 must be >= 0"):
-        launch.config.TrainingConfig(seed=-1)
+        train.config.TrainingConfig(seed=-1)
 
 
-def test_weight_decay_times_lr_must_stay_below_one(launch):
+def test_weight_decay_times_lr_must_stay_below_one(train):
     """AdamW's decoupled decay multiplies each weight by ``1 - lr * weight_decay`` per step."""
     with pytest.raises(ValueError, match=r"training.lr \* training.weight_decay = 2 \(training.lr=2.0, "
                                          r"training.weight_decay=1.0\) must be < 1"):
-        launch.config.TrainingConfig(lr=2.0, weight_decay=1.0)
+        train.config.TrainingConfig(lr=2.0, weight_decay=1.0)
 
 
 def _numeric_fields(cls) -> set[str]:
@@ -215,14 +200,14 @@ def _numeric_fields(cls) -> set[str]:
             if hints[f.name] in (int, float) or typing.get_origin(hints[f.name]) is tuple}
 
 
-def test_every_numeric_trainer_field_has_a_rule(launch):
-    sections = {"training": launch.config.TrainingConfig, "parallel": launch.config.ParallelConfig,
-                "logging": launch.config.LoggingConfig}
-    covered = {key for key in launch.config.RANGES}
+def test_every_numeric_trainer_field_has_a_rule(train):
+    sections = {"training": train.config.TrainingConfig, "parallel": train.config.ParallelConfig,
+                "logging": train.config.LoggingConfig}
+    covered = {key for key in train.config.RANGES}
     for section, cls in sections.items():
         missing = {f"{section}.{name}" for name in _numeric_fields(cls)} - covered
         assert not missing, missing
-    assert {f"model.{name}" for name in _numeric_fields(launch.model.ModelConfig)} == set(launch.model.MODEL_RANGES)
+    assert {f"model.{name}" for name in _numeric_fields(train.model.ModelConfig)} == set(train.model.MODEL_RANGES)
 
 
 def _bounds_hold(cls, section: str, ranges: dict, base: dict):
@@ -253,8 +238,8 @@ def _bounds_hold(cls, section: str, ranges: dict, base: dict):
     return checked
 
 
-def test_each_trainer_rule_is_the_bound_enforced(launch):
-    c, m = launch.config, launch.model
+def test_each_trainer_rule_is_the_bound_enforced(train):
+    c, m = train.config, train.model
     assert _bounds_hold(c.TrainingConfig, "training", c.RANGES, dict(weight_decay=0.0)) >= 10
     assert _bounds_hold(c.ParallelConfig, "parallel", c.RANGES, {}) == 2
     assert _bounds_hold(c.LoggingConfig, "logging", c.RANGES, {}) == 4
@@ -284,33 +269,33 @@ def test_moe_config_every_numeric_rule_has_an_upper_bound():
                                     "--set", "moe.num_shared_experts=2", "--set", "moe.shared_intermediate_size=40"],
                                    ["--set", "moe.num_linears=1", "--set", "moe.activation='identity'",
                                     "--set", "moe.mlp_bias=true", "--set", "moe.num_shared_experts=2"]])
-def test_memory_estimate_counts_the_model_parameters(launch, extra):
-    job = launch.config.parse_args([*TINY, *extra])
-    net = launch.model.MoETransformer(job.model, job.moe_config(), None)
-    parts = launch.config.memory_estimate(job)
+def test_memory_estimate_counts_the_model_parameters(train, extra):
+    job = train.config.parse_args([*TINY, *extra])
+    net = train.model.MoETransformer(job.model, job.moe_config(), None)
+    parts = train.config.memory_estimate(job)
     params = sum(p.numel() for p in net.parameters())
     assert parts["parameters"] == 4 * params
     assert parts["gradients"] == 4 * params and parts["optimizer"] == 8 * params
     assert parts["logits"] == 2 * 4 * 2 * 16 * job.model.vocab_size
-    assert launch.config.estimate_memory_bytes(job) == sum(parts.values())
+    assert train.config.estimate_memory_bytes(job) == sum(parts.values())
 
 
-def test_memory_estimate_splits_the_experts_over_ep(launch):
-    job = launch.config.parse_args([*TINY, "--set", "parallel.ep_size=2"])
-    one = launch.config.parse_args(TINY)
+def test_memory_estimate_splits_the_experts_over_ep(train):
+    job = train.config.parse_args([*TINY, "--set", "parallel.ep_size=2"])
+    one = train.config.parse_args(TINY)
     moe = job.moe_config()
     experts = job.model.n_layers * moe.num_experts * (moe.gate_up_size + moe.intermediate_size) * moe.hidden_size
-    assert launch.config.memory_estimate(one)["parameters"] - launch.config.memory_estimate(
+    assert train.config.memory_estimate(one)["parameters"] - train.config.memory_estimate(
         job, world_size=2)["parameters"] == 4 * experts // 2
     # ep_size 0 is the world size
-    assert launch.config.memory_estimate(one, world_size=2) == launch.config.memory_estimate(job, world_size=2)
+    assert train.config.memory_estimate(one, world_size=2) == train.config.memory_estimate(job, world_size=2)
 
 
-def test_a_config_larger_than_the_host_is_refused_before_allocation(launch):
+def test_a_config_larger_than_the_host_is_refused_before_allocation(train):
     """Each field in range, together past any host: 2**24 ids x 2**16 dims is an 8 TiB
     embedding and head. Was: a raw allocator error (or the OOM killer) building the model."""
-    with pytest.raises(launch.errors.ConfigError) as err:
-        launch.config.parse_args([*TINY, "--set", "model.vocab_size=16777216", "--set", "model.dim=65536",
+    with pytest.raises(train.errors.ConfigError) as err:
+        train.config.parse_args([*TINY, "--set", "model.vocab_size=16777216", "--set", "model.dim=65536",
                                   "--set", "model.n_heads=512"])
     message = str(err.value)
     assert message.startswith("--set model."), message
@@ -318,18 +303,18 @@ def test_a_config_larger_than_the_host_is_refused_before_allocation(launch):
     assert "model.vocab_size" in message and "model.dim" in message
 
 
-def test_check_memory_on_a_small_host(launch):
-    job = launch.config.parse_args(TINY)
-    need = launch.config.estimate_memory_bytes(job)
-    launch.config.check_memory(job, host_bytes=need, on_host=True)
-    with pytest.raises(launch.errors.ConfigError, match=r"training state .* host memory"):
-        launch.config.check_memory(job, host_bytes=need - 1, on_host=True)
+def test_check_memory_on_a_small_host(train):
+    job = train.config.parse_args(TINY)
+    need = train.config.estimate_memory_bytes(job)
+    train.config.check_memory(job, host_bytes=need, on_host=True)
+    with pytest.raises(train.errors.ConfigError, match=r"training state .* host memory"):
+        train.config.check_memory(job, host_bytes=need - 1, on_host=True)
     # trained on a GPU, the host only builds the fp32 parameters (and the rotary tables)
-    build = launch.config.host_build_bytes(job)
-    assert build == launch.config.memory_estimate(job)["parameters"] + launch.config.memory_estimate(job)[
+    build = train.config.host_build_bytes(job)
+    assert build == train.config.memory_estimate(job)["parameters"] + train.config.memory_estimate(job)[
         "rotary tables"]
-    launch.config.check_memory(job, host_bytes=build, on_host=False)
-    with pytest.raises(launch.errors.ConfigError, match=r"float32 parameters each rank builds on the host"):
-        launch.config.check_memory(job, host_bytes=build - 1, on_host=False)
-    with pytest.raises(launch.errors.ConfigError, match=r"2 ranks on this host"):
-        launch.config.check_memory(job, host_bytes=need, on_host=True, ranks_per_host=2)
+    train.config.check_memory(job, host_bytes=build, on_host=False)
+    with pytest.raises(train.errors.ConfigError, match=r"float32 parameters each rank builds on the host"):
+        train.config.check_memory(job, host_bytes=build - 1, on_host=False)
+    with pytest.raises(train.errors.ConfigError, match=r"2 ranks on this host"):
+        train.config.check_memory(job, host_bytes=need, on_host=True, ranks_per_host=2)

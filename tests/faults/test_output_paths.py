@@ -1,4 +1,4 @@
-"""Fault probes of the trainer's output paths (``launch/trainer.py``; issue 46): each one
+"""Fault probes of the trainer's output paths (``ep_moe/train/trainer.py``; issue 46): each one
 that is of the wrong kind or cannot be written stops the run before step 1, in seconds,
 with a ``ConfigError`` naming the option and the fix, instead of a raw ``OSError`` at the
 first save (after up to ``checkpoint.interval`` steps) or a traceback:
@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -55,26 +54,12 @@ def no_hang():
 
 
 @pytest.fixture
-def launch(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    import config
-    import errors
-    import train
-    import trainer
-
-    yield SimpleNamespace(config=config, errors=errors, train=train, trainer=trainer)
-    trainer.destroy_distributed()
-
-
-@pytest.fixture
-def no_training(launch, monkeypatch):
+def no_training(train, monkeypatch):
     """Fails the probe if any step runs: the error must come before step 1."""
     def train_step(self, step):
         raise AssertionError(f"step {step} ran: the output path was to be refused before step 1")
 
-    monkeypatch.setattr(launch.trainer.Trainer, "train_step", train_step)
+    monkeypatch.setattr(train.trainer.Trainer, "train_step", train_step)
 
 
 def _deny_writes(monkeypatch, denied: Path) -> None:
@@ -89,10 +74,10 @@ def _deny_writes(monkeypatch, denied: Path) -> None:
     monkeypatch.setattr(os, "access", access)
 
 
-def _refused(launch, argv: list[str], option: str, pattern: str, before_group: bool, base=TINY) -> str:
-    job = launch.config.parse_args([*base, *argv])
-    with pytest.raises(launch.errors.ConfigError) as err:
-        launch.trainer.Trainer(job)
+def _refused(train, argv: list[str], option: str, pattern: str, before_group: bool, base=TINY) -> str:
+    job = train.config.parse_args([*base, *argv])
+    with pytest.raises(train.errors.ConfigError) as err:
+        train.trainer.Trainer(job)
     message = str(err.value)
     assert message.startswith(f"{option}="), message
     assert re.search(pattern, message), message
@@ -104,24 +89,24 @@ def _refused(launch, argv: list[str], option: str, pattern: str, before_group: b
 
 # --- checkpoint.dir -----------------------------------------------------------------------------
 
-def test_checkpoint_dir_that_is_a_file(launch, no_training, tmp_path):
+def test_checkpoint_dir_that_is_a_file(train, no_training, tmp_path):
     path = tmp_path / "ckpt"
     path.write_text("not a directory")
-    _refused(launch, ["--checkpoint-dir", str(path)], "checkpoint.dir",
+    _refused(train, ["--checkpoint-dir", str(path)], "checkpoint.dir",
              r"is a file, not a directory: pass a directory for the checkpoints \(--checkpoint-dir", True)
     assert path.read_text() == "not a directory"
 
 
-def test_checkpoint_dir_under_a_file(launch, no_training, tmp_path):
+def test_checkpoint_dir_under_a_file(train, no_training, tmp_path):
     (tmp_path / "somefile").write_text("x")
     path = tmp_path / "somefile" / "sub"
-    _refused(launch, ["--checkpoint-dir", str(path)], "checkpoint.dir",
+    _refused(train, ["--checkpoint-dir", str(path)], "checkpoint.dir",
              rf"cannot be created: '{re.escape(str(tmp_path / 'somefile'))}' is a file, not a directory: "
              r"pass another path \(--checkpoint-dir\)", True)
 
 
 @pytest.mark.parametrize("exists", [True, False])
-def test_checkpoint_dir_that_cannot_be_written(launch, no_training, monkeypatch, tmp_path, exists):
+def test_checkpoint_dir_that_cannot_be_written(train, no_training, monkeypatch, tmp_path, exists):
     """A read-only directory (simulated: ``os.access`` denies writes; the tests run as
     root), or a missing one whose parent is read-only."""
     parent = tmp_path / "readonly"
@@ -130,17 +115,17 @@ def test_checkpoint_dir_that_cannot_be_written(launch, no_training, monkeypatch,
     if exists:
         path.mkdir()
     _deny_writes(monkeypatch, parent)
-    _refused(launch, ["--checkpoint-dir", str(path)], "checkpoint.dir",
+    _refused(train, ["--checkpoint-dir", str(path)], "checkpoint.dir",
              r"cannot be (written|created).*(permission denied|not writable).*--checkpoint-dir", True)
     assert path.exists() == exists
 
 
-def test_checkpoint_dir_never_written_is_not_checked(launch, tmp_path):
+def test_checkpoint_dir_never_written_is_not_checked(train, tmp_path):
     """checkpoint.interval=-1 (never save), no resume, no export: the directory is not
     used, so a bad one does not stop the run."""
     path = tmp_path / "ckpt"
     path.write_text("not a directory")
-    run = launch.trainer.Trainer(launch.config.parse_args([*TINY, "--checkpoint-dir", str(path),
+    run = train.trainer.Trainer(train.config.parse_args([*TINY, "--checkpoint-dir", str(path),
                                                            "--set", "checkpoint.interval=-1"]))
     try:
         run.train()
@@ -151,26 +136,26 @@ def test_checkpoint_dir_never_written_is_not_checked(launch, tmp_path):
 
 # --- rank 0's files -----------------------------------------------------------------------------
 
-def test_metrics_file_that_is_a_directory(launch, no_training, tmp_path):
+def test_metrics_file_that_is_a_directory(train, no_training, tmp_path):
     path = tmp_path / "metrics"
     path.mkdir()
-    _refused(launch, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(path)],
+    _refused(train, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(path)],
              "logging.metrics_file", r"is a directory: pass a file path \(--metrics-file\)", False)
     assert not (tmp_path / "ckpt" / ".lock").exists(), "no lock left behind"
 
 
-def test_metrics_file_under_a_file(launch, no_training, tmp_path):
+def test_metrics_file_under_a_file(train, no_training, tmp_path):
     (tmp_path / "somefile").write_text("x")
-    _refused(launch, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file",
+    _refused(train, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file",
                       str(tmp_path / "somefile" / "run.jsonl")],
              "logging.metrics_file", r"cannot be created: '.*somefile' is a file, not a directory", False)
 
 
-def test_metrics_file_that_cannot_be_written(launch, no_training, monkeypatch, tmp_path):
+def test_metrics_file_that_cannot_be_written(train, no_training, monkeypatch, tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_text("")
     _deny_writes(monkeypatch, path)
-    _refused(launch, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(path)],
+    _refused(train, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(path)],
              "logging.metrics_file", r"cannot be written \(permission denied\).*--metrics-file", False)
 
 
@@ -192,21 +177,21 @@ class _Writer:
 
 
 @pytest.mark.parametrize("under_a_file", [False, True])
-def test_tensorboard_dir_that_is_a_file(launch, no_training, monkeypatch, tmp_path, under_a_file):
-    monkeypatch.setattr(launch.trainer, "tensorboard_writer_class", lambda: _Writer)
+def test_tensorboard_dir_that_is_a_file(train, no_training, monkeypatch, tmp_path, under_a_file):
+    monkeypatch.setattr(train.trainer, "tensorboard_writer_class", lambda: _Writer)
     (tmp_path / "runs").write_text("x")
     path = tmp_path / "runs" / "sub" if under_a_file else tmp_path / "runs"
     pattern = (r"cannot be created: '.*runs' is a file, not a directory" if under_a_file else
                r"is a file, not a directory: pass a directory \(--tensorboard")
-    _refused(launch, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--tensorboard", str(path)],
+    _refused(train, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--tensorboard", str(path)],
              "logging.tensorboard_dir", pattern, False)
 
 
-def test_good_paths_train(launch, monkeypatch, tmp_path):
+def test_good_paths_train(train, monkeypatch, tmp_path):
     """Paths that do not exist yet, under writable folders: the run trains and writes them."""
-    monkeypatch.setattr(launch.trainer, "tensorboard_writer_class", lambda: _Writer)
+    monkeypatch.setattr(train.trainer, "tensorboard_writer_class", lambda: _Writer)
     out = tmp_path / "out"
-    run = launch.trainer.Trainer(launch.config.parse_args(
+    run = train.trainer.Trainer(train.config.parse_args(
         [*TINY, "--checkpoint-dir", str(out / "ckpt"), "--metrics-file", str(out / "logs" / "run.jsonl"),
          "--tensorboard", str(out / "runs" / "tiny")]))
     try:
@@ -217,7 +202,7 @@ def test_good_paths_train(launch, monkeypatch, tmp_path):
     assert (out / "runs" / "tiny").is_dir() and (out / "ckpt" / "step_00000002").is_dir()
 
 
-def test_export_hf_that_is_a_file(launch, no_training, tmp_path):
+def test_export_hf_that_is_a_file(train, no_training, tmp_path):
     """An HF model whose ``--export-hf`` names a file: refused before step 1, not after the
     run with the export's raw error."""
     pytest.importorskip("transformers")
@@ -233,7 +218,7 @@ def test_export_hf_that_is_a_file(launch, no_training, tmp_path):
     corpus = write_jsonl(tmp_path / "docs.jsonl", sample_documents(100, seed=2))
     target = tmp_path / "export"
     target.write_text("x")
-    _refused(launch, ["--hf-model", str(hf_dir), "--data", str(corpus), "--checkpoint-dir", str(tmp_path / "ckpt"),
+    _refused(train, ["--hf-model", str(hf_dir), "--data", str(corpus), "--checkpoint-dir", str(tmp_path / "ckpt"),
                       "--export-hf", str(target)],
              "checkpoint.export_hf", r"is a file, not a directory: pass a folder for the HF export \(--export-hf.*"
                                      r"or '' for no export", False,
@@ -257,7 +242,7 @@ def test_bad_metrics_file_under_torchrun(tmp_path):
     assert proc.returncode != 0, output[-3000:]
     lines = re.findall(r"train\.py: error: .*", output)
     assert len(lines) == 1 and "logging.metrics_file=" in lines[0] and "is a directory" in lines[0], output[-3000:]
-    assert not re.search(r'File ".*launch/\w+\.py"', output), "no rank's traceback (torchrun prints its own)"
+    assert not re.search(r'File ".*(launch|ep_moe/train)/\w+\.py"', output), "no rank's traceback (torchrun prints its own)"
     codes = set(re.findall(r"exitcode\s*: (-?\d+)", output))  # a rank still tearing down gets torchrun's SIGTERM
     assert "2" in codes and codes <= {"2", "-15"}, output[-3000:]
     assert "step     1" not in output, output[-3000:]

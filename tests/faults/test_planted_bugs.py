@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -280,8 +279,7 @@ def test_combine_slots_gradients_match_float64_reference():
 def _clip_model(ep_group):
     """The trainer's model (2 layers, 8 experts, top-2, torch experts), seed 0 (as
     tests/test_train_clip.py)."""
-    import config
-    import model
+    from ep_moe.train import config, model
 
     job = config.parse_args(["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=2",
                              "--set", "model.vocab_size=16", "--set", "moe.num_experts=8",
@@ -292,8 +290,8 @@ def _clip_model(ep_group):
 
 
 def _clipped(net, ep_group, edp_group, tokens_BL, clip):
-    import trainer
     from ep_moe.parallel import is_expert_param
+    from ep_moe.train import trainer
 
     logits_BLV = net(tokens_BL[:, :-1])
     loss = F.cross_entropy(logits_BLV.flatten(0, 1), tokens_BL[:, 1:].flatten())
@@ -313,7 +311,6 @@ def _clipped(net, ep_group, edp_group, tokens_BL, clip):
 
 
 def _clip_world4_worker(rank, world_size):
-    sys.path.insert(0, str(REPO / "launch"))
     from ep_moe.parallel import build_ep_groups
 
     ep1, ep2 = build_ep_groups(1), build_ep_groups(2)  # DP=4; EP=2 x DP=2
@@ -328,7 +325,7 @@ def _clip_world4_worker(rank, world_size):
 
 @pytest.mark.distributed
 def test_clipping_at_ep2_by_dp2_matches_dp4():
-    """``launch/trainer.py:clip_gradients`` at world 4, EP=2 x DP=2, against EP=1 x DP=4:
+    """``ep_moe/train/trainer.py:clip_gradients`` at world 4, EP=2 x DP=2, against EP=1 x DP=4:
     the EP group is no longer the world. Planted: the expert norm all-reduced over the world
     (``dist.all_reduce(expert_sq)``): each expert counted twice, the norm ~2% too large.
     (The world-2 test, tests/test_train_clip.py, cannot tell the two groups apart.)"""

@@ -1,4 +1,4 @@
-"""Fault-injection probes of the trainer (``launch/``), in process, on the CPU.
+"""Fault-injection probes of the trainer (``ep_moe.train``), in process, on the CPU.
 
 Each probe feeds one fault and asserts a clean outcome: a ``UserError`` (one line from the
 entry point, exit status 2) naming the thing at fault and the fix; no good checkpoint
@@ -76,44 +76,16 @@ def no_hang():
     signal.signal(signal.SIGALRM, previous)
 
 
-@pytest.fixture
-def launch(monkeypatch):
-    """The launch modules (``launch/`` on sys.path, no torchrun environment); any process
-    group a probe starts is torn down afterwards."""
-    monkeypatch.syspath_prepend(str(REPO / "launch"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    import checkpoint
-    import config
-    import data
-    import errors
-    import model
-    import train
-    import trainer
-
-    yield SimpleNamespace(checkpoint=checkpoint, config=config, data=data, errors=errors, model=model,
-                          train=train, trainer=trainer)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _layout(train):
+    return train.checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1)
 
 
-@pytest.fixture
-def group(launch):
-    """A gloo group of one, as ``launch/train.py`` forms without torchrun."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-
-
-def _layout(launch):
-    return launch.checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1)
-
-
-def _build(launch, *extra: str):
+def _build(train, *extra: str):
     """This config's job, model (seed 0) and AdamW with state (one step of small gradients)."""
-    job = launch.config.parse_args([*TINY, *extra])
+    job = train.config.parse_args([*TINY, *extra])
     torch.manual_seed(0)
-    net = launch.model.MoETransformer(job.model, job.moe_config(), None)
-    optimizer = launch.trainer.build_optimizer(net, job.training, torch.device("cpu"))
+    net = train.model.MoETransformer(job.model, job.moe_config(), None)
+    optimizer = train.trainer.build_optimizer(net, job.training, torch.device("cpu"))
     for p in net.parameters():
         p.grad = torch.full_like(p, 1e-3)
     optimizer.step()
@@ -121,18 +93,18 @@ def _build(launch, *extra: str):
     return job, net, optimizer
 
 
-def _save(launch, root: Path, step: int, job, net, optimizer, keep: int = 0) -> Path:
-    return launch.checkpoint.save_checkpoint(root, step, _layout(launch), net, optimizer, {"step": step, "data": {"step": step}},
+def _save(train, root: Path, step: int, job, net, optimizer, keep: int = 0) -> Path:
+    return train.checkpoint.save_checkpoint(root, step, _layout(train), net, optimizer, {"step": step, "data": {"step": step}},
                                         {"config": job.to_dict()}, keep)
 
 
 @pytest.fixture
-def saved(launch, group, tmp_path):
+def saved(train, group, tmp_path):
     """Complete checkpoints of steps 10, 20 and 30 in ``tmp_path / "ckpt"``."""
     root = tmp_path / "ckpt"
-    job, net, optimizer = _build(launch)
+    job, net, optimizer = _build(train)
     for step in STEPS:
-        _save(launch, root, step, job, net, optimizer)
+        _save(train, root, step, job, net, optimizer)
     return SimpleNamespace(root=root, job=job, net=net, optimizer=optimizer)
 
 
@@ -140,15 +112,15 @@ def _ckpt(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def _load(launch, path: Path, *extra: str) -> dict:
+def _load(train, path: Path, *extra: str) -> dict:
     """``load_checkpoint`` of ``path`` into a fresh model of the TINY config (+ ``extra``)."""
-    job, net, optimizer = _build(launch, *extra)
-    return launch.checkpoint.load_checkpoint(path, _layout(launch), net, optimizer, job.to_dict())
+    job, net, optimizer = _build(train, *extra)
+    return train.checkpoint.load_checkpoint(path, _layout(train), net, optimizer, job.to_dict())
 
 
-def _resume(launch, spec: str, root: Path, *extra: str):
-    job, net, optimizer = _build(launch, *extra)
-    return launch.checkpoint.resume(spec, root, _layout(launch), net, optimizer, job.to_dict())
+def _resume(train, spec: str, root: Path, *extra: str):
+    job, net, optimizer = _build(train, *extra)
+    return train.checkpoint.resume(spec, root, _layout(train), net, optimizer, job.to_dict())
 
 
 def _listing(root: Path) -> list[str]:
@@ -170,13 +142,13 @@ UNKNOWN_KEYS = {
 
 
 @pytest.mark.parametrize("assignment", sorted(UNKNOWN_KEYS))
-def test_unknown_key_names_it_and_the_valid_keys(launch, assignment):
+def test_unknown_key_names_it_and_the_valid_keys(train, assignment):
     """The error blames ``--set`` (not the file), names the key, suggests the closest
     valid key and lists the section's keys, the closest first (``moe`` included: not a
     bare TypeError from MoEConfig)."""
     key, close, listing = UNKNOWN_KEYS[assignment]
-    with pytest.raises(launch.errors.ConfigError) as err:
-        launch.config.parse_args(["--set", assignment])
+    with pytest.raises(train.errors.ConfigError) as err:
+        train.config.parse_args(["--set", assignment])
     message = str(err.value)
     assert message.startswith(f"--set {assignment}: unknown key {key}"), message
     assert "tiny.toml" not in message
@@ -186,18 +158,18 @@ def test_unknown_key_names_it_and_the_valid_keys(launch, assignment):
     assert f"[{section}] takes {listing}" in message, message
 
 
-def test_unknown_key_in_the_file_blames_the_file(launch, tmp_path):
+def test_unknown_key_in_the_file_blames_the_file(train, tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[training]\nstepz = 10\n")
-    with pytest.raises(launch.errors.ConfigError, match=rf"^{re.escape(str(path))}: unknown key training.stepz; "
+    with pytest.raises(train.errors.ConfigError, match=rf"^{re.escape(str(path))}: unknown key training.stepz; "
                                                    r"did you mean training.steps\?"):
-        launch.config.parse_args(["--config", str(path)])
+        train.config.parse_args(["--config", str(path)])
 
 
-def test_unknown_table_names_the_close_one(launch):
-    with pytest.raises(launch.errors.ConfigError, match=r"^--set trainng.lr=1: unknown table\(s\) \[trainng\]; "
+def test_unknown_table_names_the_close_one(train):
+    with pytest.raises(train.errors.ConfigError, match=r"^--set trainng.lr=1: unknown table\(s\) \[trainng\]; "
                                                    r"did you mean \[training\]\?"):
-        launch.config.parse_args(["--set", "trainng.lr=1"])
+        train.config.parse_args(["--set", "trainng.lr=1"])
 
 
 WRONG_TYPES = {
@@ -208,11 +180,11 @@ WRONG_TYPES = {
 
 
 @pytest.mark.parametrize("assignment", sorted(WRONG_TYPES))
-def test_wrong_type_says_the_type(launch, assignment):
+def test_wrong_type_says_the_type(train, assignment):
     key = assignment.partition("=")[0]
-    with pytest.raises(launch.errors.ConfigError, match=rf"^--set {re.escape(assignment)}: {re.escape(key)}=.* has the "
+    with pytest.raises(train.errors.ConfigError, match=rf"^--set {re.escape(assignment)}: {re.escape(key)}=.* has the "
                                                    rf"wrong type: expected {WRONG_TYPES[assignment]}"):
-        launch.config.parse_args(["--set", assignment])
+        train.config.parse_args(["--set", assignment])
 
 
 WRONG_VALUES = {
@@ -222,10 +194,10 @@ WRONG_VALUES = {
 
 
 @pytest.mark.parametrize("assignment", sorted(WRONG_VALUES))
-def test_wrong_value_lists_the_allowed_ones(launch, assignment):
+def test_wrong_value_lists_the_allowed_ones(train, assignment):
     """A string that is not one of a field's choices is a wrong value, not a wrong type."""
-    with pytest.raises(launch.errors.ConfigError) as err:
-        launch.config.parse_args(["--set", assignment])
+    with pytest.raises(train.errors.ConfigError) as err:
+        train.config.parse_args(["--set", assignment])
     assert "is not an allowed value: use one of " + WRONG_VALUES[assignment] in str(err.value)
     assert "wrong type" not in str(err.value)
 
@@ -248,9 +220,9 @@ OUT_OF_RANGE = {
 
 
 @pytest.mark.parametrize("assignment", sorted(OUT_OF_RANGE))
-def test_bad_value_blames_the_command_line(launch, assignment):
-    with pytest.raises(launch.errors.ConfigError) as err:
-        launch.config.parse_args(["--set", assignment])
+def test_bad_value_blames_the_command_line(train, assignment):
+    with pytest.raises(train.errors.ConfigError) as err:
+        train.config.parse_args(["--set", assignment])
     assert str(err.value).startswith(f"--set {assignment}: "), str(err.value)
     assert OUT_OF_RANGE[assignment] in str(err.value)
 
@@ -260,41 +232,42 @@ def test_bad_value_blames_the_command_line(launch, assignment):
     (["--set", "training"], r"^--set 'training': expected SECTION.KEY=VALUE"),
     (["--set", "=3"], r"expected SECTION.KEY=VALUE"),
     (["--config", "missing.toml"], r"^--config missing.toml: no such file"),
+    (["--config", "tinyy"], r"^--config tinyy: no such file and no preset of that name; presets: .*\btiny\b"),
 ])
-def test_malformed_command_line(launch, argv, expected):
-    with pytest.raises(launch.errors.ConfigError, match=expected):
-        launch.config.parse_args(argv)
+def test_malformed_command_line(train, argv, expected):
+    with pytest.raises(train.errors.ConfigError, match=expected):
+        train.config.parse_args(argv)
 
 
-def test_config_file_that_is_not_toml(launch, tmp_path):
+def test_config_file_that_is_not_toml(train, tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[training\nsteps = 3\n")
-    with pytest.raises(launch.errors.ConfigError, match=rf"--config {re.escape(str(path))}: not a valid TOML file"):
-        launch.config.parse_args(["--config", str(path)])
+    with pytest.raises(train.errors.ConfigError, match=rf"--config {re.escape(str(path))}: not a valid TOML file"):
+        train.config.parse_args(["--config", str(path)])
 
 
-def test_moe_section_missing_required_keys(launch, tmp_path):
+def test_moe_section_missing_required_keys(train, tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[moe]\ntop_k = 2\n")
-    with pytest.raises(launch.errors.ConfigError, match=r"\[moe\] needs moe.intermediate_size, moe.num_experts"):
-        launch.config.parse_args(["--config", str(path)])
+    with pytest.raises(train.errors.ConfigError, match=r"\[moe\] needs moe.intermediate_size, moe.num_experts"):
+        train.config.parse_args(["--config", str(path)])
 
 
 @pytest.mark.parametrize("world, extra", [(2, ["--ep-size", "3"]), (4, ["--set", "moe.num_experts=6", "--ep-size", "4"]),
                                           (3, [])])
-def test_ep_size_that_does_not_divide(launch, world, extra):
+def test_ep_size_that_does_not_divide(train, world, extra):
     """Checked from the world size alone, before any process group exists."""
-    job = launch.config.parse_args([*TINY, *extra])
-    with pytest.raises(launch.errors.ConfigError, match=r"parallel.ep_size=\d+ must divide the world size .*--ep-size"):
-        launch.trainer.check_parallel(job, world, job.moe_config().num_experts)
+    job = train.config.parse_args([*TINY, *extra])
+    with pytest.raises(train.errors.ConfigError, match=r"parallel.ep_size=\d+ must divide the world size .*--ep-size"):
+        train.trainer.check_parallel(job, world, job.moe_config().num_experts)
     assert not dist.is_initialized()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
-def test_cuda_device_without_a_gpu(launch):
-    job = launch.config.parse_args([*TINY, "--set", "training.device='cuda'"])
-    with pytest.raises(launch.errors.ConfigError, match="no CUDA GPU is visible; use 'auto' or 'cpu'"):
-        launch.trainer.Trainer(job)
+def test_cuda_device_without_a_gpu(train):
+    job = train.config.parse_args([*TINY, "--set", "training.device='cuda'"])
+    with pytest.raises(train.errors.ConfigError, match="no CUDA GPU is visible; use 'auto' or 'cpu'"):
+        train.trainer.Trainer(job)
     assert not dist.is_initialized()
 
 
@@ -313,14 +286,14 @@ DATA_FAULTS = {
 
 
 @pytest.mark.parametrize("name", sorted(DATA_FAULTS))
-def test_bad_data_file_fails_before_the_process_group(launch, tmp_path, name):
+def test_bad_data_file_fails_before_the_process_group(train, tmp_path, name):
     content, expected = DATA_FAULTS[name]
     path = tmp_path / name
     if content is not None:
         path.write_bytes(content)
-    job = launch.config.parse_args([*TINY, "--data", str(path)])
-    with pytest.raises(launch.errors.DataError, match=expected):
-        launch.trainer.Trainer(job)
+    job = train.config.parse_args([*TINY, "--data", str(path)])
+    with pytest.raises(train.errors.DataError, match=expected):
+        train.trainer.Trainer(job)
     assert not dist.is_initialized(), "a data error must come before any collective"
 
 
@@ -361,14 +334,14 @@ CORRUPTIONS = {"truncated": (_truncate, "cannot be read|is not valid JSON"),
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 @pytest.mark.parametrize("name", CKPT_FILES)
-def test_corrupt_file_names_it_and_an_earlier_step(launch, saved, name, corruption):
+def test_corrupt_file_names_it_and_an_earlier_step(train, saved, name, corruption):
     """``--resume step_30`` with one damaged file: the error names the file, the checkpoint
     and ``--resume`` with step_20; nothing on disk is deleted."""
     damage, problem = CORRUPTIONS[corruption]
     damage(_ckpt(saved.root, 30) / name)
     before = _listing(saved.root)
-    with pytest.raises(launch.errors.CheckpointError) as err:
-        _resume(launch, str(_ckpt(saved.root, 30)), saved.root)
+    with pytest.raises(train.errors.CheckpointError) as err:
+        _resume(train, str(_ckpt(saved.root, 30)), saved.root)
     message = str(err.value)
     assert f"checkpoint {_ckpt(saved.root, 30)}: its file {name} " in message, message
     assert re.search(problem, message), message
@@ -379,22 +352,22 @@ def test_corrupt_file_names_it_and_an_earlier_step(launch, saved, name, corrupti
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 @pytest.mark.parametrize("name", CKPT_FILES)
-def test_latest_skips_a_corrupt_checkpoint(launch, saved, name, corruption, caplog):
+def test_latest_skips_a_corrupt_checkpoint(train, saved, name, corruption, caplog):
     """``--resume latest`` with step_30 damaged loads step_20 and logs why it skipped step_30."""
     CORRUPTIONS[corruption][0](_ckpt(saved.root, 30) / name)
     with caplog.at_level(logging.WARNING):
-        path, extra = _resume(launch, "latest", saved.root)
+        path, extra = _resume(train, "latest", saved.root)
     assert (path, extra["step"]) == (_ckpt(saved.root, 20), 20)
     assert re.search(rf"skipping .*step_00000030: .*its file {re.escape(name)} ", caplog.text), caplog.text
     assert _ckpt(saved.root, 30).is_dir(), "a damaged checkpoint is left for the user to inspect"
 
 
-def test_no_checkpoint_loads(launch, saved):
+def test_no_checkpoint_loads(train, saved):
     for step in STEPS:
         _empty(_ckpt(saved.root, step) / "dense.pt")
-    with pytest.raises(launch.errors.CheckpointError, match=r"no complete checkpoint in .* loads \(newest first\): "
+    with pytest.raises(train.errors.CheckpointError, match=r"no complete checkpoint in .* loads \(newest first\): "
                                                        r"step_00000030: .*step_00000020: .*step_00000010: "):
-        _resume(launch, "latest", saved.root)
+        _resume(train, "latest", saved.root)
 
 
 # --- kills in the middle of a save -------------------------------------------------------
@@ -446,62 +419,61 @@ files, meta and marker, then the old step_20 renamed away, unmarked and deleted,
 new one renamed into place."""
 
 
-def _check_after_kill(launch, root: Path) -> list[int]:
+def _check_after_kill(train, root: Path) -> list[int]:
     """Every checkpoint that looks complete loads; returns their steps."""
     steps = []
-    for path in launch.checkpoint.complete_checkpoints(root):
-        assert _load(launch, path)["step"] == launch.checkpoint.checkpoint_step(path), path
-        steps.append(launch.checkpoint.checkpoint_step(path))
+    for path in train.checkpoint.complete_checkpoints(root):
+        assert _load(train, path)["step"] == train.checkpoint.checkpoint_step(path), path
+        steps.append(train.checkpoint.checkpoint_step(path))
     return steps
 
 
 @pytest.mark.parametrize("op, nth", PRUNE_OPS)
-def test_kill_during_save_and_prune(launch, saved, monkeypatch, op, nth):
+def test_kill_during_save_and_prune(train, saved, monkeypatch, op, nth):
     """Killed at any step of a save that prunes: what looks complete loads, step_30 is never
     lost, ``--resume latest`` takes step_40 once its marker was written (finishing the
     rename into place if need be), else step_30; and the same save then succeeds, leaving
     nothing behind."""
     seen = Counter()
     with pytest.raises(Kill), _kill_at(monkeypatch, saved.root, op, nth, seen):
-        _save(launch, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=2)
-    steps = _check_after_kill(launch, saved.root)
+        _save(train, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=2)
+    steps = _check_after_kill(train, saved.root)
     assert 30 in steps, f"step_30 lost: {_listing(saved.root)}"
     at = PRUNE_OPS.index((op, nth))
     assert (40 in steps) == (at > PRUNE_OPS.index(("rename", 1))), "step_40 is in place once renamed"
-    path, extra = _resume(launch, "latest", saved.root)
+    path, extra = _resume(train, "latest", saved.root)
     assert extra["step"] == (40 if at > PRUNE_OPS.index(("os.replace", 1)) else 30), "complete once marked"
-    _save(launch, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=2)
+    _save(train, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=2)
     assert sorted(p.name for p in saved.root.iterdir()) == ["step_00000030", "step_00000040"]
 
 
 @pytest.mark.parametrize("op, nth", RESAVE_OPS)
-def test_kill_during_resave(launch, saved, monkeypatch, op, nth):
+def test_kill_during_resave(train, saved, monkeypatch, op, nth):
     """Killed at any step of a re-save of step_20: what looks complete loads, step_10 and
     step_30 are untouched, and after ``--resume latest`` (which finishes an interrupted
     replacement) step_20 is complete and loads: the old one or the new one."""
     seen = Counter()
     with pytest.raises(Kill), _kill_at(monkeypatch, saved.root, op, nth, seen):
-        _save(launch, saved.root, 20, saved.job, saved.net, saved.optimizer)
-    assert {10, 30} <= set(_check_after_kill(launch, saved.root))
-    path, extra = _resume(launch, "latest", saved.root)
+        _save(train, saved.root, 20, saved.job, saved.net, saved.optimizer)
+    assert {10, 30} <= set(_check_after_kill(train, saved.root))
+    path, extra = _resume(train, "latest", saved.root)
     assert extra["step"] == 30
-    assert _check_after_kill(launch, saved.root) == [10, 20, 30], _listing(saved.root)
+    assert _check_after_kill(train, saved.root) == [10, 20, 30], _listing(saved.root)
 
 
 @pytest.mark.parametrize("scenario, step, keep, ops", [("prune", 40, 2, PRUNE_OPS), ("resave", 20, 0, RESAVE_OPS)])
-def test_kill_points_cover_every_step(launch, saved, monkeypatch, scenario, step, keep, ops):
+def test_kill_points_cover_every_step(train, saved, monkeypatch, scenario, step, keep, ops):
     """The kill points above are every file-system step the save takes (update them when
     the save changes)."""
     seen = Counter()
     with _kill_at(monkeypatch, saved.root, "none", 0, seen):
-        _save(launch, saved.root, step, saved.job, saved.net, saved.optimizer, keep=keep)
+        _save(train, saved.root, step, saved.job, saved.net, saved.optimizer, keep=keep)
     assert seen == Counter(name for name, _ in ops)
 
 
 KILL_LOOP = """
 import sys, torch, torch.distributed as dist
-sys.path.insert(0, {launch!r})
-import checkpoint, config, model, trainer
+from ep_moe.train import checkpoint, config, model, trainer
 job = config.parse_args({tiny!r})
 torch.manual_seed(0)
 net = model.MoETransformer(job.model, job.moe_config(), None)
@@ -518,12 +490,12 @@ for step in range(1, 100000):
 
 
 @pytest.mark.parametrize("delay_s", [0.05, 0.37])
-def test_sigkill_during_a_save_loop(launch, group, tmp_path, delay_s):
+def test_sigkill_during_a_save_loop(train, group, tmp_path, delay_s):
     """A process saving (and re-saving, and pruning) in a loop is killed with SIGKILL: every
     checkpoint that looks complete loads and ``--resume latest`` finds one."""
     root = tmp_path / "ckpt"
     script = tmp_path / "loop.py"
-    script.write_text(KILL_LOOP.format(launch=str(REPO / "launch"), tiny=TINY, root=str(root)))
+    script.write_text(KILL_LOOP.format(tiny=TINY, root=str(root)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.Popen([sys.executable, str(script)], env={**env, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, text=True)
@@ -533,53 +505,53 @@ def test_sigkill_during_a_save_loop(launch, group, tmp_path, delay_s):
     finally:
         proc.kill()
         proc.wait(timeout=30)
-    assert _check_after_kill(launch, root), _listing(root)
-    assert _resume(launch, "latest", root) is not None
+    assert _check_after_kill(train, root), _listing(root)
+    assert _resume(train, "latest", root) is not None
 
 
 # --- resume ------------------------------------------------------------------------------
 
-def test_latest_skips_a_half_deleted_checkpoint(launch, saved, caplog):
+def test_latest_skips_a_half_deleted_checkpoint(train, saved, caplog):
     """The issue's case: step_30 lost its weights but kept meta.json (an interrupted
     deletion of the old layout): without its marker it is passed over, by name."""
     path = _ckpt(saved.root, 30)
-    (path / launch.checkpoint.MARKER).unlink()
+    (path / train.checkpoint.MARKER).unlink()
     _delete_some(path)
     with caplog.at_level(logging.WARNING):
-        found, extra = _resume(launch, "latest", saved.root)
+        found, extra = _resume(train, "latest", saved.root)
     assert extra["step"] == 20
     assert re.search(r"skipping .*step_00000030: incomplete \(no COMPLETE marker", caplog.text), caplog.text
 
 
-def test_latest_finishes_an_interrupted_resave(launch, saved, caplog):
+def test_latest_finishes_an_interrupted_resave(train, saved, caplog):
     """A complete ``step_30.partial`` whose old ``step_30`` was already renamed away: put in place."""
     final = _ckpt(saved.root, 30)
     final.rename(final.with_name(final.name + ".partial"))
     with caplog.at_level(logging.WARNING):
-        found, extra = _resume(launch, "latest", saved.root)
+        found, extra = _resume(train, "latest", saved.root)
     assert (found, extra["step"]) == (final, 30)
     assert "finished an interrupted save" in caplog.text
 
 
-def test_legacy_checkpoint_without_marker_is_incomplete(launch, saved):
-    (_ckpt(saved.root, 30) / launch.checkpoint.MARKER).unlink()
-    with pytest.raises(launch.errors.CheckpointError, match=r"is not a complete checkpoint \(no COMPLETE marker.*"
+def test_legacy_checkpoint_without_marker_is_incomplete(train, saved):
+    (_ckpt(saved.root, 30) / train.checkpoint.MARKER).unlink()
+    with pytest.raises(train.errors.CheckpointError, match=r"is not a complete checkpoint \(no COMPLETE marker.*"
                                                        r"--resume .*step_00000020"):
-        _resume(launch, str(_ckpt(saved.root, 30)), saved.root)
+        _resume(train, str(_ckpt(saved.root, 30)), saved.root)
 
 
 @pytest.mark.parametrize("where", ["missing_dir", "empty_dir"])
-def test_latest_with_nothing_to_resume_starts_fresh(launch, group, tmp_path, where):
+def test_latest_with_nothing_to_resume_starts_fresh(train, group, tmp_path, where):
     root = tmp_path / "ckpt"
     if where == "empty_dir":
         root.mkdir()
-    assert _resume(launch, "latest", root) is None
+    assert _resume(train, "latest", root) is None
 
 
-def test_explicit_path_that_does_not_exist(launch, saved):
-    with pytest.raises(launch.errors.CheckpointError, match=r"not a complete checkpoint \(no such directory\).*"
+def test_explicit_path_that_does_not_exist(train, saved):
+    with pytest.raises(train.errors.CheckpointError, match=r"not a complete checkpoint \(no such directory\).*"
                                                        r"--resume .*step_00000030"):
-        _resume(launch, str(saved.root / "step_00000099"), saved.root)
+        _resume(train, str(saved.root / "step_00000099"), saved.root)
 
 
 @pytest.mark.parametrize("change, named", [
@@ -589,27 +561,27 @@ def test_explicit_path_that_does_not_exist(launch, saved):
     (["--set", "moe.intermediate_size=16"], "moe.intermediate_size=32 in the checkpoint, 16 in this run"),
     (["--set", "moe.num_shared_experts=1"], "moe.num_shared_experts=unset in the checkpoint, 1 in this run"),
 ])
-def test_another_model_config_names_the_fields(launch, saved, change, named):
+def test_another_model_config_names_the_fields(train, saved, change, named):
     """Not torch's raw ``size mismatch``: the config values that differ come first."""
-    with pytest.raises(launch.errors.CheckpointError) as err:
-        _resume(launch, str(_ckpt(saved.root, 30)), saved.root, *change)
+    with pytest.raises(train.errors.CheckpointError) as err:
+        _resume(train, str(_ckpt(saved.root, 30)), saved.root, *change)
     message = str(err.value)
     assert "saved with another model config (" in message and named in message, message
     assert message.index(named) < message.find("size mismatch") or "size mismatch" not in message
 
 
-def test_ep_size_of_the_checkpoint_must_divide_the_experts(launch, saved):
+def test_ep_size_of_the_checkpoint_must_divide_the_experts(train, saved):
     meta = _ckpt(saved.root, 30) / "meta.json"
     meta.write_text(meta.read_text().replace('"ep_size": 1', '"ep_size": 3'))
-    with pytest.raises(launch.errors.CheckpointError, match=r"saved at EP 3, which does not divide this model's 4 experts"):
-        _resume(launch, str(_ckpt(saved.root, 30)), saved.root)
+    with pytest.raises(train.errors.CheckpointError, match=r"saved at EP 3, which does not divide this model's 4 experts"):
+        _resume(train, str(_ckpt(saved.root, 30)), saved.root)
 
 
 # --- non-finite values ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("where, value", [("weight", float("nan")), ("weight", float("inf")),
                                           ("optimizer", float("nan"))])
-def test_non_finite_state_is_never_saved(launch, saved, where, value):
+def test_non_finite_state_is_never_saved(train, saved, where, value):
     """A save of non-finite weights or optimizer state is refused; nothing is pruned."""
     before = _listing(saved.root)
     param = saved.net.get_parameter("layers.0.attn_norm.weight")
@@ -617,28 +589,28 @@ def test_non_finite_state_is_never_saved(launch, saved, where, value):
         target = param if where == "weight" else saved.optimizer.state[param]["exp_avg"]
         target[0] = value
     with pytest.raises(FloatingPointError, match=r"refusing to save the checkpoint of step 40"):
-        _save(launch, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=1)
+        _save(train, saved.root, 40, saved.job, saved.net, saved.optimizer, keep=1)
     assert _listing(saved.root) == before
 
 
 @pytest.mark.parametrize("fault", ["nan_loss", "inf_grad"])
-def test_non_finite_step_is_flagged_and_left_unclipped(launch, group, fault):
-    job, net, _ = _build(launch)
+def test_non_finite_step_is_flagged_and_left_unclipped(train, group, fault):
+    job, net, _ = _build(train)
     for p in net.parameters():
         p.grad = torch.full_like(p, 10.0)
     loss = torch.tensor(float("nan") if fault == "nan_loss" else 1.0)
     if fault == "inf_grad":
         next(net.parameters()).grad[0] = float("inf")
-    total, finite = launch.trainer.clip_gradients(net, 1.0, None, loss)
+    total, finite = train.trainer.clip_gradients(net, 1.0, None, loss)
     assert not finite
     assert next(net.parameters()).grad.flatten()[-1] == 10.0, "a non-finite step's gradients stay unclipped"
 
 
 # --- the entry point -----------------------------------------------------------------------
 
-def _main(launch, capsys, *argv: str) -> tuple[int, str]:
+def _main(train, capsys, *argv: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exc:
-        launch.train.main([*TINY, *argv])
+        train.train.main([*TINY, *argv])
     return exc.value.code, capsys.readouterr().err
 
 
@@ -647,35 +619,35 @@ def _main(launch, capsys, *argv: str) -> tuple[int, str]:
     (["--set", "training.dtype='fp16'"], "training.dtype='fp16' is not an allowed value"),
     (["--data", "/nonexistent/corpus.txt"], "data.path='/nonexistent/corpus.txt' is not a file"),
 ])
-def test_user_error_is_one_line_and_exit_2(launch, capsys, argv, expected):
-    code, err = _main(launch, capsys, *argv)
+def test_user_error_is_one_line_and_exit_2(train, capsys, argv, expected):
+    code, err = _main(train, capsys, *argv)
     assert code == 2
     assert err.startswith("train.py: error: ") and expected in err and err.count("\n") == 1, err
     assert "Traceback" not in err
     assert not dist.is_initialized()
 
 
-def test_empty_data_file_from_the_entry_point(launch, capsys, tmp_path):
+def test_empty_data_file_from_the_entry_point(train, capsys, tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_bytes(b"")
-    code, err = _main(launch, capsys, "--data", str(path))
+    code, err = _main(train, capsys, "--data", str(path))
     assert code == 2 and f"data.path='{path}' is empty (0 bytes)" in err, err
 
 
-def test_corrupt_checkpoint_from_the_entry_point(launch, saved, capsys):
+def test_corrupt_checkpoint_from_the_entry_point(train, saved, capsys):
     _truncate(_ckpt(saved.root, 30) / "dense.pt")
     dist.destroy_process_group()  # main() starts its own
-    code, err = _main(launch, capsys, "--checkpoint-dir", str(saved.root), "--resume", str(_ckpt(saved.root, 30)))
+    code, err = _main(train, capsys, "--checkpoint-dir", str(saved.root), "--resume", str(_ckpt(saved.root, 30)))
     assert code == 2 and "its file dense.pt cannot be read" in err and "--resume" in err, err
     assert err.count("\n") == 1
     assert not dist.is_initialized(), "main() tears its process group down"
 
 
-def test_a_bug_keeps_its_traceback(launch, monkeypatch, tmp_path):
+def test_a_bug_keeps_its_traceback(train, monkeypatch, tmp_path):
     def broken(self):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(launch.trainer.Trainer, "train", broken)
+    monkeypatch.setattr(train.trainer.Trainer, "train", broken)
     with pytest.raises(KeyError, match="a bug"):
-        launch.train.main([*TINY, "--steps", "1", "--checkpoint-dir", str(tmp_path)])
+        train.train.main([*TINY, "--steps", "1", "--checkpoint-dir", str(tmp_path)])
     assert not dist.is_initialized()

@@ -2,7 +2,7 @@
 
 The GPU counterpart of ``tests/test_train_matrix.py``: ``launch/train.py`` under
 ``torchrun --nproc-per-node W`` (W = 4 with 4 or more GPUs, else 2) with
-``configs/train/gpu.toml`` cut to 2 layers, 4 sequences of 1024 tokens per GPU and a 4 MB
+the ``gpu`` preset cut to 2 layers, 4 sequences of 1024 tokens per GPU and a 4 MB
 corpus (``SHRINK``), seed 0 and so the same global batch, ``STEPS`` steps, every step
 logged to the metrics file. The reference is EP=1 (the W GPUs purely data parallel, each
 with all 32 experts), once per ``training.dtype`` (module-scoped cache); each case of
@@ -85,7 +85,7 @@ SHRINK = [
     "--set", "data.synthetic_bytes=4194304",  # every rank builds the corpus: 32 MB takes a while
 ]
 RUN_ARGS = [
-    "--config", "configs/train/gpu.toml", *SHRINK,
+    "--config", "gpu", *SHRINK,
     "--steps", str(STEPS),
     "--set", "logging.log_interval=1",
     "--set", "logging.eval_interval=0",

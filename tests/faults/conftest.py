@@ -1,0 +1,32 @@
+"""Fixtures the trainer's fault probes share: its modules in this process, outside torchrun."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets for each rank; the probes run without it (a process group of one)."""
+
+
+@pytest.fixture
+def train(monkeypatch):
+    """The modules of ``ep_moe.train``, with no torchrun environment; any process group a
+    probe starts is torn down afterwards."""
+    for var in TORCHRUN_ENV:
+        monkeypatch.delenv(var, raising=False)
+    from ep_moe.train import checkpoint, config, data, errors, model, train, trainer
+
+    yield SimpleNamespace(checkpoint=checkpoint, config=config, data=data, errors=errors, model=model,
+                          train=train, trainer=trainer)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def group(train):
+    """A gloo group of one, as the trainer forms without torchrun."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
