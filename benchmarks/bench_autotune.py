@@ -1,8 +1,8 @@
 """Autotune benchmark: tuned vs default vs heuristic configs of every grouped GEMM pass,
 tuning time, and the time to serve cached configs, on the MoE shapes of ANCHORS.md.
 
-Each shape is a ``configs/models`` preset at an expert-parallel size; its problems are both
-expert projections at T tokens per rank (M = T*k routed rows).
+Each shape is a model preset (``ep_moe/configs/models/``) at an expert-parallel size; its
+problems are both expert projections at T tokens per rank (M = T*k routed rows).
 
 1. tune: one ``ep_moe.autotune.warmup(..., force=True)`` over the distinct problems of all
    shapes into a fresh cache directory, timed end to end (data, compilation, benchmarking,

@@ -1,21 +1,21 @@
-"""Trainer throughput: tokens/s per GPU, MFU and a per-step time breakdown of ``launch/``'s
-training step, for ONE parallel configuration per run (a driver runs the matrix:
+"""Trainer throughput: tokens/s per GPU, MFU and a per-step time breakdown of the trainer's
+(``ep_moe.train``) training step, for ONE parallel configuration per run (a driver runs the matrix:
 ``benchmarks/run_train_gpu.sh``)::
 
-    torchrun --nproc-per-node 1 benchmarks/bench_train.py --config configs/train/qwen3_ep.toml
-    torchrun --nproc-per-node 4 benchmarks/bench_train.py --config configs/train/qwen3_ep.toml --ep-size 1  # DP=4
-    torchrun --nproc-per-node 4 benchmarks/bench_train.py --config configs/train/qwen3_ep.toml --ep-size 2  # EP=2 x DP=2
-    torchrun --nproc-per-node 4 benchmarks/bench_train.py --config configs/train/qwen3_ep.toml --ep-size 4  # EP=4
-    torchrun --nproc-per-node 4 benchmarks/bench_train.py --config configs/train/qwen3_ep.toml --ep-size 4 \
+    torchrun --nproc-per-node 1 benchmarks/bench_train.py --config qwen3_ep
+    torchrun --nproc-per-node 4 benchmarks/bench_train.py --config qwen3_ep --ep-size 1  # DP=4
+    torchrun --nproc-per-node 4 benchmarks/bench_train.py --config qwen3_ep --ep-size 2  # EP=2 x DP=2
+    torchrun --nproc-per-node 4 benchmarks/bench_train.py --config qwen3_ep --ep-size 4  # EP=4
+    torchrun --nproc-per-node 4 benchmarks/bench_train.py --config qwen3_ep --ep-size 4 \
         --set parallel.fsdp=true                                                   # EP=4, FSDP2
     python benchmarks/bench_train.py --plot benchmarks/results/train_*.json   # the scaling plot
-    torchrun --nproc-per-node 2 benchmarks/bench_train.py --device cpu --steps 2   # CPU smoke run (tiny.toml)
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py --device cpu --steps 2   # CPU smoke run (tiny preset)
     torchrun --nproc-per-node 1 benchmarks/bench_train.py --hf-model DIR --data FILES \
-        --set training.dtype=\'bfloat16\' --set training.param_dtype=\'bfloat16\'  # an HF model (hf.toml)
+        --set training.dtype=\'bfloat16\' --set training.param_dtype=\'bfloat16\'  # an HF model (hf preset)
     ... the same with --experts grouped_mm       # transformers' own experts: the baseline, same loop
 
-What runs is the trainer itself: ``launch/trainer.Trainer`` built from the config (with
-``--set``/``--ep-size`` overrides as for ``launch/train.py``), its process groups, model,
+What runs is the trainer itself: ``ep_moe.train.trainer.Trainer`` built from the config (a
+preset or a file, with ``--set``/``--ep-size`` overrides as for the trainer), its process groups, model,
 AdamW, data and kernel warmup, and its ``train_step`` (forward, backward,
 ``ep_moe.parallel.sync_gradients``, gradient clipping, AdamW). The benchmark only switches
 off evaluation, checkpoints, metrics and the sample, and sets ``training.steps`` to the
@@ -118,7 +118,7 @@ The profiled step is slower than the timed one (profiler overhead); the fraction
 what to compare. ``top_kernels`` lists the largest kernels with the category given to
 each, to check the classification on a new device or PyTorch version.
 
-Under ``--set parallel.fsdp=true`` (FSDP2: ``launch/trainer.py``) the gradients are
+Under ``--set parallel.fsdp=true`` (FSDP2: ``ep_moe/train/trainer.py``) the gradients are
 reduce-scattered inside the backward, so the ``grad_sync`` phase is empty (the backward
 ends where the clip starts) and that time shows up in the backward's ``exchange`` (NCCL,
 with FSDP's all-gathers) and idle time.
@@ -161,8 +161,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-DEFAULT_CONFIG = REPO / "configs" / "train" / "tiny.toml"
-DEFAULT_HF_CONFIG = REPO / "configs" / "train" / "hf.toml"
+DEFAULT_CONFIG = "tiny"
+DEFAULT_HF_CONFIG = "hf"
+"""The trainer's presets (``ep_moe/configs/train/``) without ``--config``."""
 
 # --- kernel classification ------------------------------------------------------------
 
@@ -412,7 +413,7 @@ def analyze_trace(events: list[dict], top: int = 15) -> dict:
 # --- FLOPs and MFU ----------------------------------------------------------------------
 
 def model_flops(model_cfg: Any, moe_cfg: Any, seq_len: int) -> dict[str, Any]:
-    """Parameter counts and model FLOPs per token (forward + backward) of ``launch/model.py``'s
+    """Parameter counts and model FLOPs per token (forward + backward) of ``ep_moe/train/model.py``'s
     ``MoETransformer`` (duck-typed: ``ModelConfig`` and ``MoEConfig`` fields); formulas in
     the module docstring. ``total_params`` counts every parameter as ``model.parameters()``
     would over all EP ranks (each expert once)."""
@@ -555,20 +556,18 @@ def _environment(device: torch.device) -> dict:
 
 # --- running the trainer ----------------------------------------------------------------
 
-def _import_launch():
-    """``launch/`` on sys.path, as when torchrun runs ``launch/train.py``."""
-    path = str(REPO / "launch")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import config as train_config
-    import trainer as trainer_module
+def _trainer_modules():
+    """The trainer's config and trainer modules (imported when a run needs them: ``--plot``
+    does not)."""
+    from ep_moe.train import config as train_config, trainer as trainer_module
+
     return train_config, trainer_module
 
 
 def build_job(args: argparse.Namespace, total_steps: int):
-    """The trainer's ``JobConfig``: the file and the overrides as ``launch/train.py`` reads
-    them, then what the benchmark needs (no evaluation, checkpoints, metrics, sample)."""
-    train_config, _ = _import_launch()
+    """The trainer's ``JobConfig``: the config and the overrides as the trainer reads them,
+    then what the benchmark needs (no evaluation, checkpoints, metrics, sample)."""
+    train_config, _ = _trainer_modules()
     argv = ["--config", str(args.config)]
     if args.hf_model:
         argv += ["--hf-model", args.hf_model, "--data", args.data]
@@ -700,7 +699,7 @@ def run(args: argparse.Namespace) -> Optional[dict]:
 
     profiled = args.profile_steps + 2 if args.profile_steps > 0 else 0
     job = build_job(args, args.warmup + args.steps + profiled)
-    _, trainer_module = _import_launch()
+    _, trainer_module = _trainer_modules()
     capture = _Capture()
     logging.getLogger("ep_moe.train").addHandler(capture)
     t_build = time.perf_counter()
@@ -859,15 +858,16 @@ def plot_results(paths: Sequence[str | Path], out: Optional[str | Path] = None,
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=None,
-                        help=f"trainer TOML (default: {DEFAULT_CONFIG.name}, with --hf-model {DEFAULT_HF_CONFIG.name})")
-    parser.add_argument("--hf-model", default="", help="train this HF model folder (launch/train.py --hf-model)")
-    parser.add_argument("--data", default="", help="with --hf-model: the data (launch/train.py --data)")
+    parser.add_argument("--config", default=None,
+                        help=f"the trainer's config, a preset or a TOML file (default: {DEFAULT_CONFIG}, with "
+                             f"--hf-model {DEFAULT_HF_CONFIG})")
+    parser.add_argument("--hf-model", default="", help="train this HF model folder (the trainer's --hf-model)")
+    parser.add_argument("--data", default="", help="with --hf-model: the data (the trainer's --data)")
     parser.add_argument("--experts", default="ep_moe", choices=("ep_moe", "grouped_mm", "batched_mm", "eager"),
                         help="with --hf-model at EP=1: the experts implementation; anything but ep_moe is "
                              "transformers' own, the baseline (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config value, as launch/train.py's --set; repeatable")
+                        help="override one config value, as the trainer's --set; repeatable")
     parser.add_argument("--ep-size", type=int, default=None,
                         help="expert-parallel size (1: pure data parallel; default: the config's, 0 = world)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
@@ -919,7 +919,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"result: {out}", flush=True)
     finally:
         if dist.is_initialized():
-            _, trainer_module = _import_launch()
+            _, trainer_module = _trainer_modules()
             trainer_module.destroy_distributed()
 
 

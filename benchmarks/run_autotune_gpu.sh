@@ -5,7 +5,7 @@
 #      ep_moe/autotune/shipped/<device>/ (and in $CACHE, which later runs on this machine read);
 #   2. launch/warmup_node.sh on 2 GPUs, twice, into a fresh cache: the first run tunes once
 #      (rank 0's node splits the problems), the second must be a cache hit in seconds;
-#   3. the trainer on 2 GPUs, EP=2, Triton kernels, bf16 (configs/train/gpu.toml).
+#   3. the trainer on 2 GPUs, EP=2, Triton kernels, bf16 (the gpu preset).
 # Steps 2 and 3 run first; step 1 gets what is left of the budget (a cut run keeps every
 # problem it finished: split tuning writes each one to the cache as it ends).
 # Logs, the tuned files (a tarball of $CACHE) and the results JSON go to $OUT (if set).
@@ -33,7 +33,7 @@ for run in first second; do
 done
 
 EP_MOE_CACHE_DIR=$(mktemp -d) timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-  launch/train.py --config configs/train/gpu.toml --ep-size 2 --steps "$STEPS" \
+  launch/train.py --config gpu --ep-size 2 --steps "$STEPS" \
   --metrics-file "$LOGS/train_ep2.jsonl" 2>&1 | grep -v Warning | tail -14 | tee "$LOGS/train_ep2.log"
 timeout "$((BUDGET_S - SECONDS > 60 ? BUDGET_S - SECONDS : 60))" python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
   benchmarks/bench_autotune.py --shapes "$SHAPES" --ship --cache-dir "$CACHE" 2>&1 \

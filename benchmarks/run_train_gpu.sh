@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Trainer throughput matrix (benchmarks/bench_train.py) on a 4-GPU machine, in about 8 minutes:
-#   models          configs/train/qwen3_ep.toml (2.63B params, 0.29B active), configs/train/gpu.toml (0.83B, 0.12B)
+#   models          the trainer's presets qwen3_ep (2.63B params, 0.29B active) and gpu (0.83B, 0.12B)
 #   configurations  1 GPU; EP=4; EP=2 x DP=2; DP=4 (--ep-size 1), as world:ep in CONFIGS
 # one torchrun per (configuration, model), in that order (both models' one-GPU ceiling first), each
 # WARMUP [5] untimed + STEPS [10] timed + PROFILE_STEPS [3] profiled (+2 delimiting) steps; then the plot
@@ -26,7 +26,7 @@
 #   bash benchmarks/run_train_gpu.sh     # MODELS="..." CONFIGS="1:1 4:4 4:2 4:1" WARMUP=5 STEPS=10 PROFILE_STEPS=3
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODELS=${MODELS:-configs/train/qwen3_ep.toml configs/train/gpu.toml}
+MODELS=${MODELS:-qwen3_ep gpu}
 CONFIGS=${CONFIGS:-1:1 4:4 4:2 4:1}
 DISPATCHES=${DISPATCHES:-auto}
 WARMUP=${WARMUP:-5}

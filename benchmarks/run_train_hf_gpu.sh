@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The trainer on a Hugging Face model: ep_moe's experts against transformers' own grouped_mm in the
-# same training loop (launch/trainer.py's step, timed by benchmarks/bench_train.py).
+# same training loop (ep_moe/train/trainer.py's step, timed by benchmarks/bench_train.py).
 #   NPROC [1] = 1   both precision regimes, ep_moe against grouped_mm, then 200-step loss curves of the
 #                   two and of a second ep_moe seed
 #   NPROC = N > 1   pure bf16: ep_moe at EP=N, ep_moe and grouped_mm at DP=N (every GPU all experts),
