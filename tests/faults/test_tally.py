@@ -1,9 +1,14 @@
 """The fault suite's tally (``tests/conftest.py:fault_class``): how each probe's report is
 classed in the one line printed after a run."""
 
+import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
-import conftest
+# tests/conftest.py by its path: under tests/faults/ the name ``conftest`` is this folder's own.
+_spec = importlib.util.spec_from_file_location("tests_conftest", Path(__file__).resolve().parents[1] / "conftest.py")
+conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conftest)
 
 
 def _report(passed=False, skipped=False, message="", text="", xfail=False):
