@@ -27,9 +27,11 @@ in ``model.py``, ``MoEConfig``'s rules in ``ep_moe/config.py``): finite, and wit
 past which a value is absurd and would fail far from its cause (``training.seed`` at most
 2**44 - 1, which data.py's generator seeds need; ``model.vocab_size`` at most 2**24;
 ``data.synthetic_bytes`` at most 2**28: more is a token file's job). Then the values
-together: for the built-in model, a config whose parameters and AdamW state
-(:func:`estimate_memory_bytes`) cannot fit this host's physical memory is refused
-(:func:`check_memory`) before anything is allocated.
+together: a config whose parameters, gradients, AdamW state and logits
+(:func:`memory_needs`, a floor of each phase's peak) cannot fit this host's physical memory,
+or the total memory of the GPU it trains on, is refused (:func:`check_memory`) before
+anything is allocated: the built-in model's host memory here, the rest by the trainer once it
+has resolved the device and counted an HF model's parameters.
 
 Errors are ``ConfigError``s, raised before any process group or model is built. Each names
 the key, who set it (the file, or the command-line option: ``--set training.stepz=10``,
@@ -56,6 +58,8 @@ try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
+
+import torch
 
 from ep_moe import MoEConfig
 from ep_moe.configs import preset_names, resolve_preset
@@ -459,6 +463,7 @@ def build_job_config(raw: dict[str, Any], source: Union[Origins, str] = "config"
         kwargs[name] = dict(table) if name == "moe" else _section(name, _SECTIONS[name].default_factory,
                                                                     table, origins)
     job = JobConfig(**kwargs)
+    object.__setattr__(job, "_origins", origins)  # not a field: for the trainer's checks (_origins_of)
     if "hf" in raw.get("model", {}) and not job.model.hf:
         raise ConfigError(f"{origins.of('model.hf')}: model.hf is empty: pass the Hugging Face model folder with "
                           "--hf-model DIR (or use a config of the built-in model, such as --config tiny)")
@@ -509,7 +514,8 @@ def _check_combined(job: JobConfig, origins: Origins) -> None:
     """Values that are each valid but do not work together, named with who set them; the
     embedded corpus's size (``data.py`` checks only its floor); and, for the built-in
     model, the host memory the run needs (:func:`check_memory`, from the torchrun
-    environment's world and local sizes)."""
+    environment's world and local sizes; the trainer checks again, the device too, once it
+    has resolved the device and counted an HF model)."""
     if not job.data.path:
         problem = RANGES["data.synthetic_bytes"].problem("data.synthetic_bytes", job.data.synthetic_bytes)
         if problem is not None:
@@ -527,7 +533,7 @@ def _check_combined(job: JobConfig, origins: Origins) -> None:
                               f"{fsdp}: FSDP gathers each block's weights before it runs and frees them after, "
                               "outside what a CUDA graph can capture; set training.cuda_graphs='auto' (off under "
                               "FSDP) or 'off', or set parallel.fsdp=false")
-    if not job.model.hf:  # an HF model's shape is in its config.json, read later
+    if not job.model.hf:  # an HF model's shape is in its config.json: the trainer counts it
         check_memory(job, world_size=_env_int("WORLD_SIZE"), ranks_per_host=_env_int("LOCAL_WORLD_SIZE"),
                      on_host=job.training.device == "cpu", origins=origins)
 
@@ -542,14 +548,61 @@ def _env_int(name: str) -> int:
 
 # --- memory ------------------------------------------------------------------------------
 
-def _parameter_groups(job: JobConfig, world_size: int) -> dict[str, int]:
-    """Parameters of one rank of the built-in model by group (embedding and head,
-    attention and norms, routers, experts): the experts split over the EP group
-    (``parallel.ep_size``, 0: the world), everything sharded over the world under FSDP."""
+@dataclass(frozen=True)
+class ModelSize:
+    """The parameters of a model whose shape is not in the config (an HF model, counted on
+    the meta device by ``hf_model.inspect_hf_model``), as the memory check needs them."""
+
+    experts: int
+    """Parameters of all experts of all MoE layers, before the EP group splits them."""
+    dense: int
+    """Every other parameter (tied ones once)."""
+    vocab_size: int
+    """Columns of the logits."""
+    built_whole: bool = False
+    """Each rank builds the whole model, every expert, before it keeps its own: an HF folder
+    without weights, initialised from its config (with weights each rank reads only its own)."""
+
+
+BUILD, STEP, LOSS = "building the model", "the optimizer step", "the loss"
+"""The phases of a rank's run whose peaks :func:`memory_needs` bounds from below."""
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes one rank holds at least during one phase of its run (:data:`BUILD`,
+    :data:`STEP` or :data:`LOSS`)."""
+
+    phase: str
+    parts: dict[str, int]
+    """What is alive then: parameters, gradients, optimizer (AdamW's two states), logits,
+    rotary tables."""
+    groups: dict[str, int]
+    """The same bytes by what the config sets (each parameter group with its gradients and
+    optimizer state, the logits; the rotary tables left out): what an error blames."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def _parameter_groups(job: JobConfig, world_size: int, model: Optional[ModelSize] = None, *,
+                      sharded: bool = True, whole: bool = False) -> dict[str, int]:
+    """Parameters of one rank by group: the experts split over the EP group
+    (``parallel.ep_size``, 0: the world; ``whole``: not yet split) and, under
+    ``parallel.fsdp`` once ``sharded``, the experts sharded over their ``edp`` replicas (the
+    world at EP=1) and the rest over the world, as ``ep_moe.parallel.apply_fsdp`` shards
+    them. The built-in model's groups come from its config (embedding and output head,
+    attention, routers, experts); an HF model's (``model``) are its experts and the rest."""
+    ep = job.parallel.ep_size or world_size
+    fsdp = sharded and job.parallel.fsdp
+    dense_shard = world_size if fsdp else 1
+    expert_shard = max(1, world_size // ep) if fsdp else 1
+    if model is not None:
+        experts = model.experts if whole else model.experts // ep
+        return {"experts": experts // expert_shard, "dense weights": model.dense // dense_shard}
     m, moe = job.model, job.moe_config()
     dim, head = m.dim, m.head_size
-    ep = job.parallel.ep_size or world_size
-    shard = world_size if job.parallel.fsdp else 1
     q, kv = m.n_heads * head, m.kv_heads * head
     attention = m.n_layers * (2 * dim * q + 2 * dim * kv + 2 * dim + (2 * head if m.qk_norm else 0)) + dim
     two = moe.num_linears == 2
@@ -563,42 +616,95 @@ def _parameter_groups(job: JobConfig, world_size: int) -> dict[str, int]:
         shared = (up * dim + (inter if two else dim) * dim +
                   ((up + dim) if moe.mlp_bias else 0)) * m.n_layers
     return {
-        "embedding and output head": m.vocab_size * dim * (1 if m.tie_embeddings else 2) // shard,
-        "attention": (attention + shared) // shard,
-        "routers": m.n_layers * moe.num_experts * dim // shard,
-        "experts": m.n_layers * max(1, moe.num_experts // ep) * per_expert // shard,
+        "embedding and output head": m.vocab_size * dim * (1 if m.tie_embeddings else 2) // dense_shard,
+        "attention": (attention + shared) // dense_shard,
+        "routers": m.n_layers * moe.num_experts * dim // dense_shard,
+        "experts": m.n_layers * max(1, moe.num_experts // ep) * per_expert // expert_shard,
     }
 
 
-def memory_estimate(job: JobConfig, world_size: int = 1) -> dict[str, int]:
-    """Bytes one rank of the built-in model's training holds at least, by part: its
-    parameters, their gradients and AdamW's two states (``training.param_dtype``), the
-    logits of one micro-batch and their gradient (float32, or bf16 under
-    ``training.dtype='bfloat16'``), and the rotary tables. Activations are left out, so
-    this is a floor. A pure function of the config and the world size."""
-    params = sum(_parameter_groups(job, world_size).values())
+def _need(phase: str, groups: dict[str, int], width: int, rotary: int, logits: int = 0, *,
+          gradients: bool = False, optimizer: bool = False) -> MemoryNeed:
+    """The :class:`MemoryNeed` of parameters ``groups`` at ``width`` bytes each (with their
+    gradients, their two AdamW states), plus ``rotary`` and ``logits`` bytes."""
+    params = sum(groups.values())
+    per_param = width * (1 + gradients + 2 * optimizer)
+    parts = {"parameters": params * width}
+    if gradients:
+        parts["gradients"] = params * width
+    if optimizer:
+        parts["optimizer"] = 2 * params * width
+    blamed = {name: count * per_param for name, count in groups.items()}
+    if logits:
+        parts["logits"] = blamed["logits"] = logits
+    if rotary:
+        parts["rotary tables"] = rotary
+    return MemoryNeed(phase, parts, blamed)
+
+
+def memory_needs(job: JobConfig, world_size: int = 1, *, on_host: bool = True,
+                 where: Literal["host", "device"] = "device", model: Optional[ModelSize] = None) -> list[MemoryNeed]:
+    """What one rank holds at least in each phase of its run, in its device's memory or the
+    host's (``where``); ``on_host``: it trains on the CPU, whose memory is the host's. A
+    parameter takes 2 bytes under ``training.param_dtype='bfloat16'`` (pure bf16), else 4,
+    and so do its gradient and each of its two AdamW states. ``model``: an HF model's size
+    (None: the built-in model's, from the config).
+
+    - :data:`BUILD`: the built-in model is built in float32 on the host, then moved to its
+      device in ``training.param_dtype`` (a CPU rank casts it in place); an HF model is read
+      or built on its device in that dtype, every expert first where the folder holds no
+      weights (``ModelSize.built_whole``). Unsharded either way: FSDP shards the model after.
+    - :data:`STEP`: parameters, gradients and AdamW state, split and sharded as they train.
+    - :data:`LOSS`: parameters, AdamW state (held from the second step on, or from a resumed
+      checkpoint) and the logits as the loss keeps them: it upcasts them, so float32
+      log-probabilities and their gradient, 8 bytes per entry of batch x seq_len x vocabulary
+      whatever ``training.dtype``.
+
+    Activations, temporaries, the CUDA context and the allocator's slack are left out: each
+    total is a floor of its phase's peak. The host of a GPU rank holds only the built-in
+    model's float32 build (an HF model goes to the device as it is read or built)."""
     width = 2 if job.training.param_dtype == "bfloat16" else 4
-    logit = 2 if job.training.dtype == "bfloat16" else 4
-    tcfg, m = job.training, job.model
-    return {
-        "parameters": params * width,
-        "gradients": params * width,
-        "optimizer": 2 * params * width,
-        "logits": 2 * tcfg.batch_size * tcfg.seq_len * m.vocab_size * logit,
-        "rotary tables": 4 * m.max_seq_len * m.head_size,
-    }
+    rotary = 0 if model is not None else job.model.max_seq_len * job.model.head_size  # cos and sin, head_dim/2 each
+    if where == "host" and not on_host:
+        if model is not None:
+            return []
+        return [_need(BUILD, _parameter_groups(job, world_size, sharded=False), 4, 4 * rotary)]
+    built_width = 4 if on_host and model is None else width
+    whole = model is not None and model.built_whole
+    built = _parameter_groups(job, world_size, model, sharded=False, whole=whole)
+    trained = _parameter_groups(job, world_size, model)
+    tcfg = job.training
+    logits = 8 * tcfg.batch_size * tcfg.seq_len * (model.vocab_size if model is not None else job.model.vocab_size)
+    held = tcfg.steps > 1 or bool(job.checkpoint.resume)
+    return [
+        _need(BUILD, built, built_width, built_width * rotary),
+        _need(STEP, trained, width, width * rotary, gradients=True, optimizer=True),
+        _need(LOSS, trained, width, width * rotary, logits, optimizer=held),
+    ]
 
 
-def estimate_memory_bytes(job: JobConfig, world_size: int = 1) -> int:
-    """The bytes of :func:`memory_estimate` in all: what one rank needs at least."""
-    return sum(memory_estimate(job, world_size).values())
+def memory_estimate(job: JobConfig, world_size: int = 1, model: Optional[ModelSize] = None) -> dict[str, int]:
+    """Bytes of one rank's training state on its device by part: its parameters, their
+    gradients and AdamW's two states (``training.param_dtype``), the logits as the loss
+    keeps them, and the built-in model's rotary tables (:func:`memory_needs`; not all alive
+    at once: :func:`estimate_memory_bytes` is the peak). A pure function of the config, the
+    world size and an HF model's size."""
+    needs = {need.phase: need for need in memory_needs(job, world_size, on_host=False, model=model)}
+    return {**needs[STEP].parts, "logits": needs[LOSS].parts["logits"]}
+
+
+def estimate_memory_bytes(job: JobConfig, world_size: int = 1, model: Optional[ModelSize] = None, *,
+                          on_host: bool = True) -> int:
+    """What one rank needs at least on its device (the host's memory where ``on_host``): the
+    largest total of :func:`memory_needs`."""
+    return max(need.total for need in memory_needs(job, world_size, on_host=on_host, model=model))
 
 
 def host_build_bytes(job: JobConfig, world_size: int = 1) -> int:
-    """Bytes of host memory each rank needs whatever its device: the model is built in
-    float32 on the host (before FSDP shards it and before it moves to its device)."""
-    unsharded = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, fsdp=False))
-    return 4 * sum(_parameter_groups(unsharded, world_size).values()) + 4 * job.model.max_seq_len * job.model.head_size
+    """Bytes of host memory each rank of the built-in model needs whatever its device: the
+    model is built in float32 on the host (before it moves to its device, and before FSDP
+    shards it)."""
+    return memory_needs(job, world_size, on_host=False, where="host")[0].total
 
 
 def host_memory_bytes() -> Optional[int]:
@@ -609,6 +715,15 @@ def host_memory_bytes() -> Optional[int]:
         return None
 
 
+def device_memory_bytes(device: Union[torch.device, str]) -> Optional[int]:
+    """The total memory of the CUDA ``device`` (``torch.cuda.get_device_properties``); None
+    for another device, or where no GPU is visible. Allocates nothing on the device."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
 def _size_text(num_bytes: float) -> str:
     for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
         if num_bytes >= scale:
@@ -616,6 +731,7 @@ def _size_text(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:.2f} MiB"
 
 
+_EXPERTS_FIX = "split the experts over more ranks (parallel.ep_size, the world size)"
 _GROUP_KEYS = {
     "embedding and output head": (("model.vocab_size", "model.dim"),
                                   "lower model.vocab_size or model.dim (model.tie_embeddings=true halves it)"),
@@ -623,47 +739,113 @@ _GROUP_KEYS = {
                   "lower model.dim, model.n_layers or model.n_heads"),
     "routers": (("moe.num_experts", "model.dim", "model.n_layers"), "lower moe.num_experts"),
     "experts": (("moe.num_experts", "moe.intermediate_size", "model.dim", "model.n_layers", "parallel.ep_size"),
-                "lower moe.num_experts or moe.intermediate_size, or split the experts over more ranks "
-                "(parallel.ep_size, the world size)"),
+                f"lower moe.num_experts or moe.intermediate_size, or {_EXPERTS_FIX}"),
     "logits": (("training.batch_size", "training.seq_len", "model.vocab_size"),
                "lower training.batch_size or training.seq_len"),
 }
+"""The built-in model's parts: the keys that size each, and the fix."""
+_HF_GROUP_KEYS = {
+    "experts": (("model.hf", "parallel.ep_size"), _EXPERTS_FIX),
+    "dense weights": (("model.hf",), ""),
+    "logits": (("training.batch_size", "training.seq_len", "model.hf"),
+               "lower training.batch_size or training.seq_len"),
+}
+"""An HF model's parts (``model.hf`` sizes the model): the keys that size each, and the fix."""
+
+
+def _blame(job: JobConfig, group: str, phase: str, model: Optional[ModelSize]) -> tuple[tuple[str, ...], str]:
+    """The keys that size ``group`` (the largest of ``phase``'s need) and the fix."""
+    keys, fix = (_HF_GROUP_KEYS if model is not None else _GROUP_KEYS)[group]
+    if group == "logits":
+        return keys, fix
+    fixes = [fix] if fix else []
+    if phase == BUILD:
+        if model is not None and model.built_whole and group == "experts":
+            fixes = ["save the model's weights in the model.hf folder (save_pretrained): each rank then reads "
+                     "only its own experts"]
+        elif model is not None and group == "dense weights":
+            fixes = ["train a smaller model: every rank builds the dense weights whole before FSDP shards them"]
+        return keys, ", or ".join(fixes)
+    fixes.append("shard them over more ranks (the world size)" if job.parallel.fsdp else
+                 "shard them over the ranks with parallel.fsdp=true")
+    if job.training.param_dtype == "float32":
+        fixes.append("keep parameters, gradients and AdamW state in bf16 (training.param_dtype='bfloat16')")
+    return (*keys, "parallel.fsdp"), ", or ".join(fixes)
+
+
+def _refuse_past(job: JobConfig, needs: list[MemoryNeed], capacity: int, origins: Origins,
+                 model: Optional[ModelSize], world_size: int, *, ranks: int = 1, device: Optional[str] = None,
+                 host_of_gpu_rank: bool = False) -> None:
+    """A ``ConfigError`` when the largest of ``needs``, times ``ranks``, exceeds ``capacity``
+    (the host's physical memory, or the total memory of ``device``)."""
+    if not needs:
+        return
+    peak = max(needs, key=lambda need: need.total)
+    need = peak.total * ranks
+    if need <= capacity:
+        return
+    largest = max(peak.groups, key=peak.groups.get)
+    keys, fix = _blame(job, largest, peak.phase, model)
+    named = sorted(keys, key=lambda key: not origins.of(key).startswith("--"))
+    if peak.phase != BUILD:
+        parts = ", ".join(f"{name} {_size_text(size)}" for name, size in peak.parts.items())
+        what = f"the training state of one rank at {peak.phase} ({parts}) needs"
+    elif host_of_gpu_rank:
+        what = "the float32 parameters each rank builds on the host before moving them to its device need"
+    else:
+        how = (["every expert, before it keeps its own (model.hf holds no weights)"] if model is not None
+               and model.built_whole else []) + (["unsharded, before FSDP shards them"] if job.parallel.fsdp else [])
+        what = "building the model, the parameters of one rank" + (f" ({'; '.join(how)})" if how else "") + " need"
+    if device is None:
+        where = "host memory" + (f" per rank, x {ranks} ranks on this host = {_size_text(need)}" if ranks > 1 else "")
+        limit = f"this host's {_size_text(capacity)} of physical memory"
+    else:
+        where, limit = f"memory on {device}", f"{device}'s {_size_text(capacity)} of total memory"
+    values = []
+    for key in keys:
+        value = _value_of(job, key)
+        shown = str(value).lower() if isinstance(value, bool) else str(value)
+        if key == "parallel.ep_size" and value == 0:
+            shown += f" (the world size, {world_size})"
+        values.append(f"{key}={shown}")
+    raise ConfigError(f"{origins.of(named[0])}: {what} about {_size_text(peak.total)} of {where}, more than {limit}; "
+                      f"the {largest} ({', '.join(values)}) take "
+                      f"{100 * peak.groups[largest] / max(1, sum(peak.groups.values())):.0f}% of it: {fix}")
 
 
 def check_memory(job: JobConfig, *, world_size: int = 1, ranks_per_host: int = 1, on_host: bool = True,
-                 host_bytes: Optional[int] = None, origins: Optional[Origins] = None) -> None:
-    """Raise ``ConfigError`` when the built-in model's run obviously cannot fit this host:
-    ``ranks_per_host`` ranks each needing :func:`estimate_memory_bytes` (``on_host``: they
-    train on the CPU) or at least :func:`host_build_bytes` (on a GPU) exceed the host's
-    physical memory (``host_bytes``, default :func:`host_memory_bytes`; no check where it
-    is unknown). The error names the largest part, its keys and who set them, and the fix.
-    The trainer may call it again with the device it resolved (``on_host=device.type ==
-    'cpu'``); device memory is not checked here."""
+                 host_bytes: Optional[int] = None, device: Union[torch.device, str, None] = None,
+                 device_bytes: Optional[int] = None, model: Optional[ModelSize] = None,
+                 origins: Optional[Origins] = None) -> None:
+    """Raise ``ConfigError`` when the run obviously cannot fit: ``ranks_per_host`` ranks each
+    needing the peak of :func:`memory_needs` on the host (``on_host``: they train on the
+    CPU) past its physical memory (``host_bytes``, default :func:`host_memory_bytes`), or,
+    for a rank training on a GPU (not ``on_host``) whose ``device`` is known, the peak on the
+    device past its total memory (``device_bytes``, default :func:`device_memory_bytes`).
+    No check where a size is unknown. Total memory, not free: the needs are floors, so what
+    is refused cannot fit, and the CUDA context and the allocator's slack stay the margin.
+    ``model``: an HF model's size (None: the built-in model's). The error names the largest
+    part of the peak, its keys and who set them (``origins``, default what
+    :func:`build_job_config` recorded), and the fix. The config is checked before its device
+    is known (``on_host``: ``training.device='cpu'``), and the trainer checks again with the
+    device it resolved and an HF model's size, before building anything on the device."""
+    origins = origins or _origins_of(job)
     host_bytes = host_memory_bytes() if host_bytes is None else host_bytes
-    if host_bytes is None:
+    if host_bytes is not None:
+        _refuse_past(job, memory_needs(job, world_size, on_host=on_host, where="host", model=model), host_bytes,
+                     origins, model, world_size, ranks=ranks_per_host, host_of_gpu_rank=not on_host)
+    if on_host or (device is None and device_bytes is None):
         return
-    origins = origins or Origins("config")
-    parts = memory_estimate(job, world_size)
-    per_rank = sum(parts.values()) if on_host else host_build_bytes(job, world_size)
-    need = per_rank * ranks_per_host
-    if need <= host_bytes:
-        return
-    width = 2 if job.training.param_dtype == "bfloat16" else 4
-    groups = {name: count * (4 * width if on_host else 4) for name, count in _parameter_groups(job, world_size).items()}
-    if on_host:
-        groups["logits"] = parts["logits"]
-        what = ("the training state of one rank (" + ", ".join(f"{name} {_size_text(size)}"
-                                                               for name, size in parts.items()) + ") needs")
-    else:
-        what = "the float32 parameters each rank builds on the host before moving them to its device need"
-    largest = max(groups, key=groups.get)
-    keys, fix = _GROUP_KEYS[largest]
-    named = sorted(keys, key=lambda key: not origins.of(key).startswith("--"))
-    ranks = f" per rank, x {ranks_per_host} ranks on this host = {_size_text(need)}" if ranks_per_host > 1 else ""
-    raise ConfigError(f"{origins.of(named[0])}: {what} about {_size_text(per_rank)} of host memory{ranks}, "
-                      f"more than this host's {_size_text(host_bytes)} of physical memory; the {largest} "
-                      f"({', '.join(f'{k}={_value_of(job, k)}' for k in keys)}) take "
-                      f"{100 * groups[largest] / max(1, sum(groups.values())):.0f}% of it: {fix}")
+    device_bytes = device_memory_bytes(device) if device_bytes is None else device_bytes
+    if device_bytes is not None:
+        _refuse_past(job, memory_needs(job, world_size, on_host=False, where="device", model=model), device_bytes,
+                     origins, model, world_size, device=str(device) if device is not None else "the device")
+
+
+def _origins_of(job: JobConfig) -> Origins:
+    """Who set ``job``'s values, as :func:`build_job_config` recorded them (the file when
+    ``job`` was built otherwise)."""
+    return getattr(job, "_origins", None) or Origins("config")
 
 
 def _value_of(job: JobConfig, key: str) -> Any:
