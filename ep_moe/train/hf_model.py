@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ep_moe.train.config import ModelSize
 from ep_moe.train.errors import ConfigError
 from ep_moe.train.tokens import tokenizer_files
 
@@ -48,6 +49,8 @@ class HFModelSpec:
     """Experts of every MoE layer (the EP size must divide it)."""
     has_weights: bool
     """The folder holds safetensors weights (fine-tune), else the model starts from its init."""
+    size: ModelSize
+    """Its parameters, counted on the meta device, for the trainer's memory check."""
 
     @property
     def vocab_size(self) -> int:
@@ -94,7 +97,7 @@ def inspect_hf_model(path: str) -> HFModelSpec:
     the meta device): a ConfigError, naming ``model.hf`` and the fix, for a folder without
     ``config.json``, a family with no causal-LM class or no MoE layers, experts ep_moe
     refuses (``ep_moe.integrations.transformers.unsupported_reason``), or weights that are
-    not safetensors."""
+    not safetensors. Its parameters are counted there (``HFModelSpec.size``)."""
     folder = Path(path)
     if not folder.is_dir():
         raise ConfigError(f"model.hf={path!r} is not a folder: pass a Hugging Face model folder (config.json, "
@@ -129,8 +132,14 @@ def inspect_hf_model(path: str) -> HFModelSpec:
     if len(counts) != 1:
         raise ConfigError(f"model.hf={path!r} has MoE layers of {counts} experts; the trainer splits models "
                           "whose MoE layers have one expert count")
+    has_weights = _safetensors_weights(folder)
+    experts = sum(p.numel() for _, module in modules for p in module.parameters())
+    head = model.get_output_embeddings()
+    vocab = int(head.weight.shape[0]) if head is not None else int(config.get_text_config().vocab_size)
+    size = ModelSize(experts=experts, dense=sum(p.numel() for p in model.parameters()) - experts, vocab_size=vocab,
+                     built_whole=not has_weights)
     return HFModelSpec(path=path, config=config, model_class=model_class, num_experts=counts[0],
-                       has_weights=_safetensors_weights(folder))
+                       has_weights=has_weights, size=size)
 
 
 class HFCausalLM(nn.Module):

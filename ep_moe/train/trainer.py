@@ -80,7 +80,7 @@ from ep_moe.train.checkpoint import (
     resume,
     save_checkpoint,
 )
-from ep_moe.train.config import JobConfig, TrainingConfig
+from ep_moe.train.config import JobConfig, ModelSize, TrainingConfig, check_memory
 from ep_moe.train.data import TokenBatches, TokenStreams, build_token_streams, is_token_data, load_tokenizer
 from ep_moe.train.errors import ConfigError, DataError
 from ep_moe.train.graphs import GraphedBlocks, graphs_unsupported
@@ -133,23 +133,34 @@ def check_parallel(job: JobConfig, world_size: int, num_experts: int) -> int:
     return ep_size
 
 
-def init_distributed(job: JobConfig, num_experts: int) -> Ranks:
+def resolve_device(job: JobConfig) -> torch.device:
+    """The device this rank trains on: ``cuda:LOCAL_RANK`` under ``training.device='cuda'``,
+    or ``'auto'`` with a GPU visible; else the CPU. Touches no device."""
+    if job.training.device == "cuda" or (job.training.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(job: JobConfig, num_experts: int, model_size: Optional[ModelSize] = None) -> Ranks:
     """Start torch.distributed (NCCL on CUDA, gloo on CPU) and build the EP groups (under
     ``parallel.fsdp``: the ``ParallelMesh`` they come from).
 
     Under torchrun the rendezvous comes from its environment; run as a plain script, the
     process forms a group of one, so the same code path serves both. The config is checked
-    (:func:`check_parallel`) before the process group starts.
+    (:func:`check_parallel`), then the memory the run needs on the host and the device
+    (``config.check_memory``; ``model_size``: an HF model's, None for the built-in model),
+    before the process group starts and before anything is allocated on the device.
     """
-    ep_size = check_parallel(job, rank_and_world()[1], num_experts)
-    use_cuda = job.training.device == "cuda" or (job.training.device == "auto" and torch.cuda.is_available())
+    world = rank_and_world()[1]
+    ep_size = check_parallel(job, world, num_experts)
+    device = resolve_device(job)
+    check_memory(job, world_size=world, ranks_per_host=max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
+                 on_host=device.type == "cpu", device=device, model=model_size)
+    use_cuda = device.type == "cuda"
     if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         # TF32 tensor cores for fp32 matmuls, dense and grouped (the Triton kernels read this).
         torch.set_float32_matmul_precision("high")
-    else:
-        device = torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend)
@@ -381,7 +392,7 @@ class Trainer:
         if writes_checkpoint_dir(job):  # every rank writes it: each checks, before the process group
             check_output_path("checkpoint.dir", job.checkpoint.dir, "dir", probe=True)
         num_experts = self.hf_spec.num_experts if self.hf_spec else job.moe_config().num_experts
-        self.ranks = init_distributed(job, num_experts)
+        self.ranks = init_distributed(job, num_experts, self.hf_spec.size if self.hf_spec else None)
         self.dir_lock: Optional[DirLock] = None
         """Rank 0's lock of ``checkpoint.dir`` for the run (None elsewhere, or when not written)."""
         self.metrics = None
