@@ -103,14 +103,17 @@ def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weigh
 
 
 def _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows,
-           need_dx, need_dw, need_drw, bias, need_db, dx_slots):
+           need_dx, need_dw, need_drw, bias, need_db, dx_slots, grad_input=None):
     """(dx, dw, d row_weights, d bias), None for a gradient not asked for (the eager backward's;
-    the custom op's, :func:`_bwd_impl`, returns empty tensors instead)."""
+    the custom op's, :func:`_bwd_impl`, returns empty tensors instead). ``grad_input``: what
+    computes dX and the row weights' gradient, default :func:`_grad_input` (the FP8 GEMM
+    passes its own, :mod:`ep_moe.kernels.fp8`)."""
     configs = _configs_from_ints(tuple(config))
     dx = dw = drw = db = None
     if need_dx or need_drw:
-        dx, drw_f32 = _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                  configs.dx, dx_mode, need_drw, bounded_rows, bias if need_drw else None, dx_slots)
+        dx, drw_f32 = (grad_input or _grad_input)(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
+                                                  configs.dx, dx_mode, need_drw, bounded_rows,
+                                                  bias if need_drw else None, dx_slots)
         if need_drw:
             drw = drw_f32.to(row_weights.dtype)
     if need_dw or need_db:
@@ -205,7 +208,7 @@ def _bias_grad(dy_rows: torch.Tensor, m_sizes: torch.Tensor, bias: torch.Tensor)
 
 
 def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
-                dx_mode, need_drw, bounded_rows=False, bias=None, dx_slots=None):
+                dx_mode, need_drw, bounded_rows=False, bias=None, dx_slots=None, fp8_scales=None):
     """dX through the row kernel. Rows of a gathered x: ``dx_mode`` "unique" (each row read
     at most once) stores straight through the index; "sort" sums repeated rows without
     float atomics (sorted by destination, then a segment sum); "slots" (every row of x read
@@ -214,9 +217,13 @@ def _grad_input(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, con
     in fp32.
     ``bounded_rows``: rows past ``m_sizes.sum()`` (not computed) add nothing, and their
     row-weight gradients are 0. ``bias`` (with ``need_drw``): the forward's bias, whose
-    share of the row-weight gradient the kernel adds."""
-    common = dict(transpose_w=False, load_idx=scatter_index, scale=row_weights,
-                  scale_by_load_row=True, dot_with=x if need_drw else None, dot_idx=gather_index, bias=bias)
+    share of the row-weight gradient the kernel adds. ``fp8_scales=(dy_scale, w_scale)``:
+    ``dy`` and ``w`` hold e4m3 values, ``w`` in the dX layout [E, K, N]
+    (:class:`ep_moe.kernels.fp8.QuantizedWeight`), their scales multiplied in the epilogue
+    (no ``bias`` then: the kernel's bias dot reads the unscaled rows)."""
+    common = dict(transpose_w=fp8_scales is not None, load_idx=scatter_index, scale=row_weights,
+                  scale_by_load_row=True, dot_with=x if need_drw else None, dot_idx=gather_index, bias=bias,
+                  fp8_scales=fp8_scales)
     num_rows = _routed_rows(x, gather_index)
     past = (torch.arange(num_rows, device=x.device) >= m_sizes.sum()) if bounded_rows else None
     dx, drw = _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, past, dx_slots)
@@ -314,19 +321,27 @@ class _EagerGroupedGemm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
-        x, w, m_sizes, gather_index, scatter_index, row_weights, bias, _ = saved
-        with_bias = bias is not None and ctx.needs_input_grad[_BIAS_ARG]
-        queue = _queue_for(w, bias if with_bias else None) if ctx.needs_input_grad[1] else None
-        if queue is None:
-            return _backward_with(_grads, ctx, dy, saved=saved)
-        dy = dy.contiguous()
-        config = _configs_from_ints(tuple(ctx.config)).dw
-        bounded_rows, bias = ctx.bounded_rows, bias if with_bias else None
-        queue.add((w, bias) if with_bias else w,
-                  lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                              config, add_to, bounded_rows, bias))
-        return _backward_with(_grads, ctx, dy, defer_dw=True, saved=saved)
+        return eager_backward(ctx, dy)
+
+
+def eager_backward(ctx, dy, grads=_grads):
+    """The eager backward of a grouped GEMM whose context :func:`_setup_context` filled (its
+    inputs those of ``ep_moe::grouped_gemm_fwd``): the weight's gradient queued where an open
+    :func:`defer_weight_grads` queue owns the weight, the rest through ``grads``
+    (:func:`_grads`' signature)."""
+    saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
+    x, w, m_sizes, gather_index, scatter_index, row_weights, bias, _ = saved
+    with_bias = bias is not None and ctx.needs_input_grad[_BIAS_ARG]
+    queue = _queue_for(w, bias if with_bias else None) if ctx.needs_input_grad[1] else None
+    if queue is None:
+        return _backward_with(grads, ctx, dy, saved=saved)
+    dy = dy.contiguous()
+    config = _configs_from_ints(tuple(ctx.config)).dw
+    bounded_rows, bias = ctx.bounded_rows, bias if with_bias else None
+    queue.add((w, bias) if with_bias else w,
+              lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
+                                          config, add_to, bounded_rows, bias))
+    return _backward_with(grads, ctx, dy, defer_dw=True, saved=saved)
 
 
 class _GemmSlotSum(torch.autograd.Function):
@@ -526,9 +541,10 @@ def _check_index(name: str, idx: Optional[torch.Tensor], length: int, device: to
                          f".to({rows_name}.device)")
 
 
-def _check_operands(x, w, m_sizes, x_name: str = "x") -> None:
+def _check_operands(x, w, m_sizes, x_name: str = "x", fp32_weights: bool = False) -> None:
     """The checks every grouped GEMM makes of its rows ``x`` (called ``x_name``), its
-    weights and its counts: kinds, shapes, dtypes, devices (host only)."""
+    weights and its counts: kinds, shapes, dtypes, devices (host only). ``fp32_weights``:
+    ``w`` may also be float32 (master weights the FP8 GEMM quantizes itself)."""
     for name, value in ((x_name, x), ("w", w), ("m_sizes", m_sizes)):
         _check_tensor(name, value)
     if x.dim() != 2:
@@ -540,7 +556,7 @@ def _check_operands(x, w, m_sizes, x_name: str = "x") -> None:
                          "pass w as [E, N, K] (out_features before in_features)")
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{x_name} dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
-    if w.dtype != x.dtype:
+    if w.dtype != x.dtype and not (fp32_weights and w.dtype == torch.float32):
         raise ValueError(f"w dtype {w.dtype} does not match {x_name} dtype {x.dtype}; cast one of them")
     if w.device != x.device:
         raise ValueError(f"w is on {w.device} but {x_name} is on {x.device}; move both to one device")
@@ -592,8 +608,8 @@ def _check_counts(m_sizes: torch.Tensor, rows: int, bounded_rows: bool, what: st
 
 
 def _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug: bool, bounded_rows: bool,
-              bias: Optional[torch.Tensor] = None) -> None:
-    _check_operands(x, w, m_sizes)
+              bias: Optional[torch.Tensor] = None, fp32_weights: bool = False) -> None:
+    _check_operands(x, w, m_sizes, fp32_weights=fp32_weights)
     _check_bias(bias, w)
     if gather_index is not None:
         _check_tensor("gather_index", gather_index)
