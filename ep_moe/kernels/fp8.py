@@ -12,9 +12,17 @@ Recipe (rowwise, "tensorwise per row"):
   tensor cores read them. They are made once per weight version (an optimizer step), not per
   call (:func:`quantized_weight`);
 - the product accumulates in fp32, is multiplied by the row's and the channel's scale in the
-  epilogue, and is stored in the output dtype (bf16);
+  epilogue, then gets the bias and the row weight (the top-k weight) as the bf16 GEMM's, and
+  is stored in the output dtype (bf16);
+- dX: the output gradient quantized per row the same way, times the weight's dX copy; the
+  top-k weights' gradient is the dot of that product with the forward's rows (so it carries
+  the dX's quantization), taken in the same epilogue;
 - dW stays bf16 (``dy_rows^T @ x_rows``): its reduction runs over the rows, across the
   rowwise scales.
+
+The autograd, index modes (deterministic sums of gathered rows), bounded rows and deferred
+weight gradients are :mod:`ep_moe.kernels.ops`' own, with these operands;
+:func:`layer_grouped_gemm_fp8` is what ``MoEConfig(expert_precision="fp8")`` runs.
 
 On CPU the same kernels run in Triton's interpreter (tests); :func:`fp8_supported` says where
 the FP8 tensor cores are.
@@ -22,16 +30,21 @@ the FP8 tensor cores are.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ep_moe.kernels.config import KernelConfig
-from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, interpreter_active, launch_dw, launch_rows
-from ep_moe.kernels.permute import launch_gather_rows
+from ep_moe.kernels.config import GemmConfigs, KernelConfig, fit_to_smem
+from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, interpreter_active, launch_rows, smem_limit_for
+from ep_moe.kernels.ops import (_as_int32, _check_gather_slots, _configs_from_ints, _configs_to_ints, _contiguous,
+                                _grad_input, _grads, _setup_context, _validate, debug_enabled, eager_backward,
+                                value_checks)
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -130,105 +143,207 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 class QuantizedWeight:
     """A weight [E, N, K] in e4m3 for both passes: ``forward`` ([E, N, K] scaled per (e, n))
     and ``dx`` ([E, K, N] scaled per (e, k)), each a (values, scales) pair, made from one
-    version of the weight."""
+    version of the weight (``version``: what :func:`quantized_weight` compares; None: not
+    cached)."""
 
     __slots__ = ("version", "forward", "dx")
 
-    def __init__(self, w: torch.Tensor):
-        self.version = w._version
+    def __init__(self, w: torch.Tensor, version: Optional[tuple[int, int]] = None):
+        self.version = version
         self.forward = quantize_rows_reference(w)
         self.dx = quantize_rows_reference(w.transpose(1, 2))
         self.dx = (self.dx[0].contiguous(), self.dx[1].contiguous())
 
 
 _QUANTIZED = WeakIdKeyDictionary()  # weight -> QuantizedWeight, dropped with the weight
+_optimizer_steps = 0
+"""Steps of any ``torch.optim`` optimizer in this process (counted by a global step hook)."""
+_step_hook = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
 
 
 def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
-    """``w``'s e4m3 copies, made once per version of ``w``: an optimizer step (an in-place
-    update) bumps the version and the next call quantizes again; calls between steps (layers
-    that share a weight, activation checkpointing's recompute) reuse them."""
+    """``w``'s e4m3 copies, made once per version of ``w``, keyed on the tensor ``w`` itself
+    (pass the parameter, not a cast of it made per call). They are made again after an
+    in-place update of ``w`` (its version counter moves) or a step of any ``torch.optim``
+    optimizer (counted by a global step hook, registered on the first call): FSDP2 writes
+    the all-gathered values into its unsharded parameters without moving their version,
+    and DeepSpeed's ZeRO through ``.data``. Calls between steps (layers that share a weight,
+    gradient accumulation, activation checkpointing's recompute) reuse them. Weights
+    changed otherwise without a version bump (``.data`` outside an optimizer) need
+    :func:`forget_quantized_weights`.
+
+    Not cached (made on every call) inside a CUDA graph capture, so that each replay
+    quantizes the weights as they are then, and for inference tensors (no version)."""
+    global _step_hook
+    if w.is_inference() or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return QuantizedWeight(w)
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
+    version = (w._version, _optimizer_steps)
     held = _QUANTIZED.get(w)
-    if held is None or held.version != w._version:
-        held = QuantizedWeight(w)
-        _QUANTIZED[w] = held
+    if held is None or held.version != version:
+        held = _QUANTIZED[w] = QuantizedWeight(w, version)
     return held
 
 
-def _rows_fp8(q: torch.Tensor, q_scale: torch.Tensor, wq: tuple[torch.Tensor, torch.Tensor], m_sizes: torch.Tensor,
-              config: KernelConfig, out_dtype: torch.dtype, scatter_index: Optional[torch.Tensor] = None,
-              out_rows: Optional[int] = None) -> torch.Tensor:
-    w_values, w_scale = wq
-    rows = out_rows if out_rows is not None else q.shape[0]
-    out = (torch.zeros if scatter_index is not None else torch.empty)(
-        (rows, w_values.shape[1]), device=q.device, dtype=out_dtype)
+def forget_quantized_weights() -> None:
+    """Drop every weight's cached e4m3 copies (:func:`quantized_weight` makes them again)."""
+    _QUANTIZED.clear()
+
+
+def _forward(qw: QuantizedWeight, x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode,
+             bounded_rows, bias, dx_slots) -> torch.Tensor:
+    """The forward of ``ep_moe::grouped_gemm_fwd`` (same inputs) on e4m3 operands: the rows
+    quantized through the gather, the product scattered, its row weights and bias applied
+    after the scales (``w`` itself is not read: ``qw`` holds its copies)."""
+    q, q_scale = quantize_rows(x, gather_index)
+    w_values, w_scale = qw.forward
+    out = x.new_empty((q.shape[0], w_values.shape[1]))
     if q.shape[0]:
-        launch_rows(q, w_values, out, m_sizes, config, transpose_w=True, store_idx=scatter_index,
-                    fp8_scales=(q_scale, w_scale))
+        launch_rows(q, w_values, out, m_sizes, _configs_from_ints(tuple(config)).forward, transpose_w=True,
+                    store_idx=scatter_index, scale=row_weights, bias=bias, fp8_scales=(q_scale, w_scale))
     return out
 
 
+def _bias_share(dy: torch.Tensor, bias: torch.Tensor, m_sizes: torch.Tensor, scatter_index: Optional[torch.Tensor],
+                bounded_rows: bool) -> torch.Tensor:
+    """``dy[o] . bias[e]`` for each output row o (of expert e), fp32: the bias's share of the
+    row weight's gradient (0 past the counts with ``bounded_rows``)."""
+    rows = dy if scatter_index is None else dy.index_select(0, scatter_index)  # in expert order
+    ends = torch.cumsum(m_sizes, 0, dtype=torch.int64)
+    routed = torch.arange(rows.shape[0], device=dy.device)
+    expert = torch.searchsorted(ends, routed, right=True).clamp_max(bias.shape[0] - 1)
+    share = (rows.float() @ bias.float().T).gather(1, expert[:, None]).squeeze(1)
+    if bounded_rows:
+        share = share.masked_fill(routed >= ends[-1], 0.0)
+    if scatter_index is None:
+        return share
+    return torch.empty_like(share).index_copy_(0, scatter_index.long(), share)
+
+
+def _grad_input_fp8(qw: QuantizedWeight, dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
+                    dx_mode, need_drw, bounded_rows=False, bias=None, dx_slots=None):
+    """:func:`ep_moe.kernels.ops._grad_input` on e4m3 operands: ``dy`` quantized per row, the
+    weight's dX copy. The row weights' gradient is the dot of that product with x's rows (so
+    it carries the dX's quantization), plus the bias's share from the unquantized ``dy``."""
+    dq, dq_scale = quantize_rows(dy)
+    w_values, w_scale = qw.dx
+    dx, drw = _grad_input(dq, x, w_values, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode,
+                          need_drw, bounded_rows, dx_slots=dx_slots, fp8_scales=(dq_scale, w_scale))
+    if bias is not None and drw is not None:
+        drw = drw + _bias_share(dy, bias, m_sizes, scatter_index, bounded_rows)
+    return dx, drw
+
+
 class _GroupedGemmFP8(torch.autograd.Function):
-    """``out[r] = x[g(r)] @ w[e(r)]^T`` with e4m3 operands (forward and dX), bf16 dW."""
+    """The grouped GEMM's eager autograd function (:mod:`ep_moe.kernels.ops`: the inputs of
+    ``ep_moe::grouped_gemm_fwd``, then the weight's :class:`QuantizedWeight`) with e4m3
+    operands in the forward and the dX; dW and the bias's gradient as the bf16 GEMM's,
+    queued where an open ``defer_weight_grads`` queue owns the weight."""
 
     @staticmethod
-    def forward(ctx, x, w, m_sizes, gather_index, forward_config, dx_config, dw_config):
-        q, q_scale = quantize_rows(x, gather_index)
-        out = _rows_fp8(q, q_scale, quantized_weight(w).forward, m_sizes, forward_config, x.dtype)
-        ctx.save_for_backward(x, w, m_sizes, gather_index)
-        ctx.configs = (dx_config, dw_config)
+    def forward(ctx, *inputs_and_weight):
+        *inputs, qw = inputs_and_weight
+        out = _forward(qw, *inputs)
+        _setup_context(ctx, inputs, out)
+        ctx.grads = functools.partial(_grads, grad_input=functools.partial(_grad_input_fp8, qw))
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
-        x, w, m_sizes, gather_index = ctx.saved_tensors
-        dx_config, dw_config = ctx.configs
-        dy = dy.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dq, dq_scale = quantize_rows(dy)
-            if gather_index is None:
-                dx = _rows_fp8(dq, dq_scale, quantized_weight(w).dx, m_sizes, dx_config, x.dtype)
-            else:  # rows land on their tokens: several rows of one token add up
-                rows = _rows_fp8(dq, dq_scale, quantized_weight(w).dx, m_sizes, dx_config, torch.float32)
-                dx = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-                dx.index_add_(0, gather_index.long(), rows)
-                dx = dx.to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            x_rows = x if gather_index is None else launch_gather_rows(x, gather_index)
-            dw = torch.empty(w.shape, device=w.device, dtype=w.dtype)
-            launch_dw(dy, x_rows.to(dy.dtype), dw, m_sizes, dw_config)
-        return dx, dw, None, None, None, None, None
+        return (*eager_backward(ctx, dy, ctx.grads), None)
+
+
+def _run(qw: QuantizedWeight, x, w, m_sizes, gather_index, scatter_index, row_weights, bias, configs: GemmConfigs,
+         dx_mode: str, bounded_rows: bool, dx_slots) -> torch.Tensor:
+    """:func:`grouped_gemm_fp8` and :func:`layer_grouped_gemm_fp8` on checked arguments."""
+    inputs = (x if x.stride(-1) == 1 else x.contiguous(), w, _as_int32(m_sizes), _contiguous(gather_index),
+              _contiguous(scatter_index), _contiguous(row_weights), _configs_to_ints(configs), dx_mode, bounded_rows,
+              _contiguous(bias), _contiguous(dx_slots))
+    if not torch.is_grad_enabled():
+        return _forward(qw, *inputs)
+    return _GroupedGemmFP8.apply(*inputs, qw)
 
 
 @eager_or_graph_break
 def grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, *,
-                     gather_index: Optional[torch.Tensor] = None,
+                     gather_index: Optional[torch.Tensor] = None, scatter_index: Optional[torch.Tensor] = None,
+                     row_weights: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                      configs: Optional[tuple[KernelConfig, KernelConfig, KernelConfig]] = None) -> torch.Tensor:
-    """``out[r] = x[g(r)] @ w[e(r)]^T`` for rows sorted by expert (``m_sizes`` [E] rows each,
-    int32), with e4m3 operands in the forward and the dX (the recipe in this module's
-    docstring) and a bf16 dW; differentiable in ``x`` and ``w``.
+    """:func:`ep_moe.grouped_gemm`'s product, ``out[s(r)] = row_weights[s(r)] * (x[g(r)] @
+    w[e(r)]^T + bias[e(r)])`` for rows sorted by expert (``m_sizes`` [E] rows each, int32),
+    with e4m3 operands in the forward and the dX (the recipe in this module's docstring) and
+    a bf16 dW; differentiable in ``x``, ``w``, ``row_weights`` and ``bias``.
 
-    ``x`` [T, K] (bf16 or fp16; read at ``gather_index[r]`` when given, else T = rows), ``w``
-    [E, N, K] in the same dtype. ``configs``: the (forward, dx, dw) kernel configs, default
-    :func:`fp8_configs`. Raises where the device has no FP8 tensor cores.
+    ``x`` [T, K] bf16 or fp16 (read at ``gather_index[r]`` when given, else T = rows; rows
+    read several times get their gradients summed in a fixed order); ``w`` [E, N, K] in x's
+    dtype or float32 (master weights: quantized as they are, once per version, see
+    :func:`quantized_weight`; the gradient comes in w's dtype); ``scatter_index`` [rows], a
+    permutation: row r lands at ``scatter_index[r]``; ``row_weights`` [rows] (fp32, indexed by
+    output row, multiplied after the scales: the top-k weights; their gradient carries the
+    dX's quantization, :func:`_grad_input_fp8`); ``bias`` [E, N] in w's dtype.
+    ``configs``: the (forward, dx, dw) kernel configs, default :func:`fp8_gemm_configs`.
+    Raises where the device has no FP8 tensor cores.
     """
     ok, why = fp8_supported(x.device)
     if not ok:
         raise RuntimeError(f"grouped_gemm_fp8: {why}")
-    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        raise TypeError(f"grouped_gemm_fp8: x and w must both be bfloat16 or float16, got x {x.dtype} and "
-                        f"w {w.dtype}; cast them (the master weights may stay fp32: pass w.to(x.dtype))")
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"grouped_gemm_fp8: x must be bfloat16 or float16 and w of x's dtype or float32 (master "
+                        f"weights, quantized as they are), got x {x.dtype} and w {w.dtype}")
     if w.dim() != 3 or x.dim() != 2 or w.shape[2] != x.shape[1]:
         raise ValueError(f"grouped_gemm_fp8: w must be [E, N, K] and x [T, K], got w {tuple(w.shape)} and "
                          f"x {tuple(x.shape)}")
     if m_sizes.dtype != torch.int32 or m_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped_gemm_fp8: m_sizes must be int32 [E] = [{w.shape[0]}], got "
                          f"{m_sizes.dtype} {tuple(m_sizes.shape)}")
-    if gather_index is not None and gather_index.dtype != torch.int32:
-        gather_index = gather_index.to(torch.int32)
-    forward, dx, dw = configs if configs is not None else fp8_configs()
-    return _GroupedGemmFP8.apply(x, w, m_sizes, gather_index, forward, dx, dw)
+    _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug_enabled(), False, bias,
+              fp32_weights=True)
+    gemm_configs = GemmConfigs(*configs) if configs is not None else fp8_gemm_configs(x.device, x.dtype)
+    return _run(quantized_weight(w), x, w, m_sizes, gather_index, scatter_index, row_weights, bias, gemm_configs,
+                "sort", False, None)
+
+
+_FP8_GPUS: set[int] = set()
+"""Indices of the CUDA devices :func:`fp8_supported` accepted (checked once each)."""
+
+
+@eager_or_graph_break
+def layer_grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, *,
+                           weight: Optional[torch.Tensor] = None, gather_index: Optional[torch.Tensor] = None,
+                           scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
+                           bias: Optional[torch.Tensor] = None, configs: Optional[GemmConfigs] = None,
+                           bounded_rows: bool = False, gather_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`ep_moe.kernels.ops.layer_grouped_gemm` (the Triton backend, deterministic) with
+    :func:`grouped_gemm_fp8`'s e4m3 operands: what :func:`ep_moe.experts.expert_mlp` runs for
+    ``MoEConfig(expert_precision="fp8")``. ``weight``: the tensor whose e4m3 copies the GEMM
+    multiplies by (:func:`quantized_weight`, cached on it), default ``w``; the layer passes its
+    parameter there, while ``w`` is what the weight's gradient goes to (the parameter, or the
+    expert pipeline's stand-in for it, maybe a cast). ``x`` any float dtype the grouped GEMM
+    takes, ``w`` and ``bias`` in it or float32. Arguments checked where the value checks run
+    (the CPU, ``EP_MOE_DEBUG``), as :func:`~ep_moe.kernels.ops.layer_grouped_gemm`'s; raises
+    where the device has no FP8 tensor cores."""
+    if not (x.device.type == "cuda" and x.device.index in _FP8_GPUS):
+        ok, why = fp8_supported(x.device)
+        if not ok:
+            raise RuntimeError(f"FP8 experts (expert_precision='fp8'): {why}")
+        if x.device.type == "cuda":
+            _FP8_GPUS.add(x.device.index)
+    source = w if weight is None else weight
+    if source.shape != w.shape:
+        raise ValueError(f"layer_grouped_gemm_fp8: weight {tuple(source.shape)} must have w's shape {tuple(w.shape)}")
+    if value_checks(x.device):
+        _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, True, bounded_rows, bias, fp32_weights=True)
+        _check_gather_slots(gather_slots, gather_index, x.shape[0], bounded_rows)
+    return _run(quantized_weight(source), x, w, m_sizes, gather_index, scatter_index, row_weights, bias,
+                configs or fp8_gemm_configs(x.device, x.dtype), "sort" if gather_slots is None else "slots",
+                bounded_rows, gather_slots)
 
 
 def fp8_configs() -> tuple[KernelConfig, KernelConfig, KernelConfig]:
@@ -239,3 +354,17 @@ def fp8_configs() -> tuple[KernelConfig, KernelConfig, KernelConfig]:
         return small, small, small
     rows = KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
     return rows, rows, KernelConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
+
+
+def fp8_gemm_configs(device: torch.device, dtype: torch.dtype) -> GemmConfigs:
+    """:func:`fp8_configs` as the GEMMs on ``device`` with rows of ``dtype`` take them:
+    fitted to its shared memory (fewer stages, then shorter reduction steps: an Ada GPU has
+    less than Hopper's), the dW's for ``dtype``'s operands. Not autotuned yet."""
+    return _fitted_configs(interpreter_active(), smem_limit_for(device), dtype.itemsize)
+
+
+@functools.lru_cache(maxsize=None)
+def _fitted_configs(interpreted: bool, smem_limit: int, row_bytes: int) -> GemmConfigs:
+    forward, dx, dw = fp8_configs()  # interpreted: a key only (fp8_configs reads the interpreter's flag)
+    return GemmConfigs(forward=fit_to_smem(forward, "forward", 1, smem_limit), dx=fit_to_smem(dx, "dx", 1, smem_limit),
+                       dw=fit_to_smem(dw, "dw", row_bytes, smem_limit))

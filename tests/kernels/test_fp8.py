@@ -1,6 +1,8 @@
 """FP8 (e4m3) grouped GEMM (``ep_moe.kernels.fp8``): the row quantization (with the gather
 fused) against the recipe's PyTorch definition, bit for bit; the forward and dX against a
-float64 product of the same quantized operands; dW (bf16) against float64; the whole against
+float64 product of the same quantized operands; dW (bf16) against float64; the down
+projection's form (rows scattered, times their row weights, plus a bias, and the gradients of
+both; fp32 master weights) likewise; the whole against
 the unquantized product within the recipe's bound; the weight's quantized copies made once
 per version; argument errors. Experts with no rows, every row on one expert, one row, sizes
 that are multiples of no block.
@@ -105,6 +107,49 @@ def test_fp8_product_and_gradients_match_float64_of_the_same_quantization(case, 
         assert (dw == 0).all() and (dx == 0).all()
 
 
+@pytest.mark.parametrize("master", [False, True], ids=["w_like_x", "w_fp32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_scatter_row_weights_and_bias_match_float64_of_the_same_quantization(case, master):
+    """The down projection's form: rows scattered to their slots, times their top-k weights,
+    plus each expert's bias; the gradients of x, w, the row weights (the dX product's row dots
+    with x, plus dy . bias) and the bias; w as fp32 master weights too (quantized as they are,
+    their gradients fp32)."""
+    dtype = torch.float16
+    x, w, m_sizes, g = _problem(case, dtype, gather=True, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    rows = g.shape[0]
+    w = (w.float() if master else w).requires_grad_()
+    bias = (torch.randn(w.shape[:2], generator=gen) * 0.5).to(DEVICE, w.dtype).requires_grad_()
+    scatter = torch.randperm(rows, generator=gen).to(DEVICE)
+    row_weights = torch.rand(rows, generator=gen).to(DEVICE).requires_grad_()
+    x.requires_grad_()
+    y = grouped_gemm_fp8(x, w, m_sizes, gather_index=g, scatter_index=scatter, row_weights=row_weights, bias=bias)
+    dy = torch.randn(y.shape, generator=gen).to(DEVICE, dtype)
+    dx, dw, drw, db = torch.autograd.grad(y, (x, w, row_weights, bias), dy)
+    assert y.dtype == dx.dtype == dtype and dw.dtype == db.dtype == w.dtype and drw.dtype == torch.float32
+
+    expert = torch.repeat_interleave(torch.arange(w.shape[0], device=DEVICE), m_sizes.long())
+    x_rows, b_rows = x.detach()[g.long()].double(), bias.detach().double()[expert]
+    rw, dy_rows = row_weights.detach().double()[scatter], dy.double()[scatter]  # in routed order
+    wq = _dequantized(*quantize_rows_reference(w.detach()))[expert]
+    wtq = _dequantized(*quantize_rows_reference(w.detach().transpose(1, 2)))[expert]  # [rows, K, N]
+    y_ref = torch.empty(y.shape, dtype=torch.float64, device=DEVICE)
+    y_ref[scatter] = rw[:, None] * (torch.einsum("rk,rnk->rn", _dequantized(*quantize_rows_reference(x_rows)), wq)
+                                    + b_rows)
+    product = torch.einsum("rn,rkn->rk", _dequantized(*quantize_rows_reference(dy_rows)), wtq)
+    dx_ref = torch.zeros(x.shape, dtype=torch.float64, device=DEVICE).index_add_(0, g.long(), rw[:, None] * product)
+    drw_ref = torch.empty(rows, dtype=torch.float64, device=DEVICE)
+    drw_ref[scatter] = (product * x_rows).sum(1) + (dy_rows * b_rows).sum(1)
+    weighted = rw[:, None] * dy_rows
+    dw_ref = torch.zeros(w.shape, dtype=torch.float64, device=DEVICE).index_put_(
+        (expert,), torch.einsum("rn,rk->rnk", weighted, x_rows), accumulate=True)
+    db_ref = torch.zeros(bias.shape, dtype=torch.float64, device=DEVICE).index_add_(0, expert, weighted)
+    tol = SAME_QUANT_TOL[dtype]
+    for what, got, want in (("y", y, y_ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref), ("drw", drw, drw_ref),
+                            ("db", db, db_ref)):
+        assert rel_err(got, want) < tol or ((want == 0).all() and (got == 0).all()), what
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fp8_product_stays_within_the_recipes_bound_of_the_unquantized_one(dtype):
     x, w, m_sizes, g = _problem("ragged", dtype, gather=True, seed=3)
@@ -127,7 +172,7 @@ def test_weights_are_quantized_once_per_version():
 
 def test_bad_arguments_are_named():
     x, w, m_sizes, _ = _problem("ragged", torch.float16, gather=False)
-    with pytest.raises(TypeError, match="x and w must both be bfloat16 or float16"):
+    with pytest.raises(TypeError, match="x must be bfloat16 or float16 and w of x's dtype or float32"):
         grouped_gemm_fp8(x.float(), w.float(), m_sizes)
     with pytest.raises(ValueError, match=r"w must be \[E, N, K\]"):
         grouped_gemm_fp8(x, w[:, :, :-1], m_sizes)
