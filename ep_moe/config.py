@@ -16,6 +16,7 @@ Activation = Literal["swiglu", "gelu", "relu", "geglu", "gelu_tanh", "silu", "id
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 """The activations of gated experts: ``act(gate) * up``, gate and up stacked in ``gate_up``."""
 Dispatch = Literal["auto", "all_to_all", "all_gather", "all_gather_copy_engine"]
+ExpertPrecision = Literal["bf16", "fp8"]
 
 _REMOVED_FIELDS = {
     "transport": "the transport is part of the dispatch now: dispatch='all_gather_copy_engine' for the "
@@ -117,6 +118,23 @@ class MoEConfig:
       experts' first GEMM starting on the rank's own tokens while the others land, and the
       forward's sums pushed back on them. One node, an NCCL group, CUDA; raises on the
       first call otherwise."""
+    expert_precision: ExpertPrecision = "bf16"
+    """The operands of the routed experts' two grouped GEMMs. ``"bf16"``: the compute dtype
+    (bf16 under the usual autocast). ``"fp8"``: e4m3 with one scale per row and per (expert,
+    output channel), fp32 accumulation, outputs in the compute dtype, in the forward and the
+    dX; the weight gradients in the compute dtype (:mod:`ep_moe.kernels.fp8` has the recipe);
+    the weights' e4m3 copies are made once per optimizer step from the parameters as they
+    are (fp32 master weights are quantized directly), the parameters stay in their dtype.
+    The router, the shared experts and the activation between the GEMMs stay in the compute
+    dtype. Runs on the Triton kernels (not ``backend="torch"``), on GPUs with FP8 tensor
+    cores (compute capability 8.9 or newer; the layer's construction raises elsewhere, and
+    on a CPU without ``TRITON_INTERPRET=1``); not with ``dispatch="all_gather_copy_engine"``
+    nor an expert module run as is. Every call runs the FP8 kernels: small eager calls do not
+    take ``torch._grouped_mm``, the EP receivers' down projection sums each row's slots
+    after the GEMM rather than inside it, ``torch.compile`` runs the GEMMs eagerly (a graph
+    break), and a CUDA graph quantizes the weights on every replay. The copies (one byte per
+    weight value, in two layouts) stay cached with each weight until its next step, under
+    FSDP too."""
     all_gather_row_bound: Optional[float] = None
     """The all-gather dispatches: the most routed rows a rank computes, as a multiple of
     T*K (its share on average); None: the worst case ``P*T*min(K, E/P)``, never exceeded,
@@ -137,6 +155,20 @@ class MoEConfig:
             check_experts_divide(self.num_experts, self.ep_size, f"ep_size={self.ep_size}")
         if self.num_linears == 1:
             self._check_single_linear()
+        if self.expert_precision == "fp8":
+            self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        """``expert_precision="fp8"``: the Triton kernels, rows that have landed."""
+        if self.backend == "torch":
+            raise ValueError("MoEConfig.expert_precision='fp8' runs the experts' GEMMs on the FP8 Triton kernels, but "
+                             "backend='torch' is the plain-PyTorch path; pass backend='auto' (or 'triton'), or "
+                             "expert_precision='bf16'")
+        if self.dispatch == "all_gather_copy_engine":
+            raise ValueError("MoEConfig.expert_precision='fp8' with dispatch='all_gather_copy_engine': the copy engines "
+                             "hand over rows still landing, which only the bf16 GEMM waits for (the FP8 path "
+                             "quantizes the rows first); use dispatch='all_gather' or 'all_to_all', or "
+                             "expert_precision='bf16'")
 
     def _check_single_linear(self) -> None:
         """``num_linears=1``: one Linear H -> H, no activation, not on the copy engines."""
@@ -316,6 +348,7 @@ _RULES: dict[str, _Rule] = {
                              fix="the usual std is 0.02 (past 1, activations grow out of range in deep models)"),
     "ep_size": _int_rule(1, MAX_EXPERTS, "must be a positive int that divides num_experts", optional=True),
     "dispatch": _choice("auto", "all_to_all", "all_gather", "all_gather_copy_engine"),
+    "expert_precision": _choice(*get_args(ExpertPrecision)),
     "all_gather_row_bound": _number_rule(0.0, float(MAX_EXPERTS), "must be > 0, or None for the worst case",
                                          above_minimum=True, optional=True,
                                          fix="the worst case is at most ep_size times the average; pass None "

@@ -23,7 +23,8 @@ from ep_moe.distributed import gathered_expert_rows, mark_expert_param
 from ep_moe.grouped_mm_experts import grouped_mm_mlp, once_differentiable_output, use_grouped_mm
 from ep_moe.kernels.activation import ClampedSwiGLU, gated
 from ep_moe.kernels.config import GemmConfigs
-from ep_moe.kernels.grouped_gemm import eager_or_graph_break
+from ep_moe.kernels.fp8 import fp8_gemm_configs, fp8_supported, layer_grouped_gemm_fp8
+from ep_moe.kernels.grouped_gemm import eager_or_graph_break, interpreter_active
 from ep_moe.kernels.ops import layer_grouped_gemm, layer_grouped_gemm_slot_sum
 from ep_moe.kernels.permute import sum_slot_rows
 from ep_moe.routing import RoutingMetadata, combine_slots
@@ -143,10 +144,14 @@ class StackedExpertsMath:
 
     def problems(self, dtype: torch.dtype) -> list["GemmProblem"]:
         """The grouped GEMMs of these experts in ``dtype``, as :mod:`ep_moe.autotune` keys
-        them (a bias changes no problem: it costs one row read per output tile)."""
+        them (a bias changes no problem: it costs one row read per output tile); none with
+        ``expert_precision="fp8"``, whose kernels take their own configs
+        (:func:`ep_moe.kernels.fp8.fp8_gemm_configs`)."""
         from ep_moe.autotune.space import GemmProblem  # lazy: `import ep_moe` does not load the autotuner
 
         cfg = self.config
+        if cfg.expert_precision == "fp8":
+            return []
         common = dict(num_local_experts=self.num_local_experts, top_k=cfg.top_k,
                       dtype=str(dtype).removeprefix("torch."))
         down = GemmProblem(projection="down", n=cfg.hidden_size, k=cfg.intermediate_size, **common)
@@ -160,6 +165,9 @@ class StackedExpertsMath:
         is not."""
         if backend != "triton":
             return (None, None)
+        if self.config.expert_precision == "fp8":
+            fp8 = fp8_gemm_configs(like.device, like.dtype)
+            return (None, fp8) if self.gate_up is None else (fp8, fp8)
         problems = self._problems.get(like.dtype)
         if problems is None:  # built once per dtype, not on every call
             problems = self._problems[like.dtype] = self.problems(like.dtype)
@@ -180,7 +188,8 @@ class StackedExpertsMath:
                           gate_up_bias=named.get("gate_up_bias"), down_bias=named.get("down_bias"),
                           gather_index=local.token_index_R,
                           row_weights=weights_SK.reshape(-1).index_select(0, local.slot_index_R),
-                          backend=backend, configs=configs, slot_sum=local, bounded_rows=bounded_rows)
+                          backend=backend, configs=configs, slot_sum=local, bounded_rows=bounded_rows,
+                          fp8_weights=(self.gate_up, self.down) if self.config.expert_precision == "fp8" else None)
 
     def forward(
         self,
@@ -209,7 +218,8 @@ class StackedExpertsMath:
                           gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
                           gather_index=gather_index, scatter_index=scatter_index, row_weights=row_weights,
                           backend=backend, configs=configs, gather_slots=gather_slots,
-                          slots_per_token=slots_per_token)
+                          slots_per_token=slots_per_token,
+                          fp8_weights=(self.gate_up, self.down) if self.config.expert_precision == "fp8" else None)
 
 
 class GroupedExperts(StackedExpertsMath, _LocalExperts):
@@ -273,7 +283,8 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
                backend: str = "torch",
                configs: ConfigsArg = (None, None),
                slot_sum: Optional[RoutingMetadata] = None, bounded_rows: bool = False,
-               gather_slots: Optional[torch.Tensor] = None, slots_per_token: Optional[int] = None) -> torch.Tensor:
+               gather_slots: Optional[torch.Tensor] = None, slots_per_token: Optional[int] = None,
+               fp8_weights: Optional[tuple[Optional[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """The math of :meth:`GroupedExperts.forward` with the weights passed in (``gate_up``
     None: one Linear, ``down``, which then gathers, weights and scatters the rows itself;
     biases added in the GEMMs' epilogue). ``slot_sum``: the output rows summed per token
@@ -289,16 +300,26 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
 
     On the Triton backend, a small eager call whose rows have slots (``gather_slots`` or
     ``slot_sum``) runs as torch ops instead (:mod:`ep_moe.grouped_mm_experts`), where the
-    host's launches would set its pace."""
+    host's launches would set its pace.
+
+    ``fp8_weights`` (``MoEConfig.expert_precision="fp8"``, Triton only): ``(gate_up, down)``,
+    the tensors (the parameters) whose e4m3 copies both GEMMs multiply by
+    (:func:`~ep_moe.kernels.fp8.layer_grouped_gemm_fp8`), ``gate_up`` and ``down`` then being
+    what their gradients go to. Every call then runs the FP8 kernels (no small-call path),
+    and the weights are not cast (the copies come from them as they are; their gradients
+    come in their dtype); with ``slot_sum`` the rows are summed after the down projection."""
     _check_slots_per_token(slots_per_token, scatter_index, slot_sum is not None)
-    # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
-    down, down_bias = down.to(x.dtype), None if down_bias is None else down_bias.to(x.dtype)
-    gate_up = None if gate_up is None else gate_up.to(x.dtype)
-    gate_up_bias = None if gate_up_bias is None else gate_up_bias.to(x.dtype)
+    fp8 = fp8_weights is not None
+    if fp8 and backend != "triton":
+        raise ValueError(f"expert_mlp: FP8 experts run on the Triton backend, not {backend!r}")
+    if not fp8:  # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
+        down, down_bias = down.to(x.dtype), None if down_bias is None else down_bias.to(x.dtype)
+        gate_up = None if gate_up is None else gate_up.to(x.dtype)
+        gate_up_bias = None if gate_up_bias is None else gate_up_bias.to(x.dtype)
     slot_index_R = None if gather_index is None else gather_slots if slot_sum is None else slot_sum.slot_index_R
     num_rows = x.shape[0] if gather_index is None else gather_index.shape[0]
     weights = (down,) if gate_up is None else (gate_up, down)
-    if backend == "triton" and use_grouped_mm(x, weights, num_rows, slot_index_R):
+    if backend == "triton" and not fp8 and use_grouped_mm(x, weights, num_rows, slot_index_R):
         top_k = slot_sum.top_k if slot_sum is not None else slots_per_token or num_rows // x.shape[0]  # EP=1: R = T*K
         activation_fn = functools.partial(activate, activation=activation, backend="torch")
         return grouped_mm_mlp(x, gate_up, down, m_sizes_e, activation_fn, slot_index_R=slot_index_R,
@@ -310,22 +331,39 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
         configs = configs()
     if backend == "triton":
         m_sizes_e = m_sizes_e.to(torch.int32)  # as the kernels take it: converted once, not per GEMM
+    # the GEMM, and what it takes beside the common arguments: the backend, or the FP8 copies' source
+    gemm, up_args, down_args = (layer_grouped_gemm, {"backend": backend}, {"backend": backend}) if not fp8 else (
+        layer_grouped_gemm_fp8, {"weight": fp8_weights[0]}, {"weight": fp8_weights[1]})
     if gate_up is None:
-        y_RH = layer_grouped_gemm(x, down, m_sizes_e, gather_index=gather_index, scatter_index=scatter_index,
-                                  row_weights=row_weights, bias=down_bias, configs=configs[1], backend=backend,
-                                  bounded_rows=bounded_rows, gather_slots=gather_slots)
+        y_RH = gemm(x, down, m_sizes_e, gather_index=gather_index, scatter_index=scatter_index,
+                    row_weights=row_weights, bias=down_bias, configs=configs[1], bounded_rows=bounded_rows,
+                    gather_slots=gather_slots, **down_args)
         return once_differentiable_output(_summed_per_token(y_RH, slot_sum, slots_per_token, backend), backend)
-    h_RF = layer_grouped_gemm(x, gate_up, m_sizes_e, gather_index=gather_index, bias=gate_up_bias,
-                              configs=configs[0], backend=backend, bounded_rows=bounded_rows,
-                              gather_slots=gather_slots)
+    h_RF = gemm(x, gate_up, m_sizes_e, gather_index=gather_index, bias=gate_up_bias, configs=configs[0],
+                bounded_rows=bounded_rows, gather_slots=gather_slots, **up_args)
     a_RI = activate(h_RF, activation, backend, m_sizes_e.sum() if bounded_rows else None)
-    if slot_sum is not None and backend == "triton":
+    if slot_sum is not None and backend == "triton" and not fp8:
         return once_differentiable_output(layer_grouped_gemm_slot_sum(
             a_RI, down, m_sizes_e, row_weights, slot_sum.token_index_R, slot_sum.row_of_slot_N, slot_sum.top_k,
             configs[1], bounded_rows, source_ends=slot_sum.source_ends_ES, bias=down_bias), backend)
-    y_RH = layer_grouped_gemm(a_RI, down, m_sizes_e, scatter_index=scatter_index, row_weights=row_weights,
-                              bias=down_bias, configs=configs[1], backend=backend, bounded_rows=bounded_rows)
+    y_RH = gemm(a_RI, down, m_sizes_e, scatter_index=scatter_index, row_weights=row_weights, bias=down_bias,
+                configs=configs[1], bounded_rows=bounded_rows, **down_args)
     return once_differentiable_output(_summed_per_token(y_RH, slot_sum, slots_per_token, backend), backend)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """At construction of experts with ``expert_precision="fp8"`` on ``device``: raise where
+    it has no FP8 tensor cores (:func:`~ep_moe.kernels.fp8.fp8_supported`), naming why and
+    the fix. A CPU stands for the current GPU where there is one and the Triton interpreter is
+    off (a model built on the CPU and then moved, as the trainer does); the meta device is
+    left to the first call (:func:`~ep_moe.kernels.fp8.layer_grouped_gemm_fp8` checks there)."""
+    if device.type == "meta":
+        return
+    if device.type == "cpu" and not interpreter_active() and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    ok, why = fp8_supported(device)
+    if not ok:
+        raise ValueError(f"MoEConfig.expert_precision='fp8': {why}; or use expert_precision='bf16'")
 
 
 def _check_slots_per_token(slots_per_token: Optional[int], scatter_index: Optional[torch.Tensor],

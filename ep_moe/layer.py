@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from ep_moe.config import MoEConfig, check_experts_divide
 from ep_moe.distributed import all_gather_single, check_same_config, group_size, resolve_ep_group
 from ep_moe.ep import build_dispatcher, resolve_dispatch
-from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts, compute_dtype
+from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts, check_fp8_device, compute_dtype
 from ep_moe.forward_graphs import ForwardGraphs, graphable, only_own_modules
 from ep_moe.kernels.ops import debug_enabled
 from ep_moe.routing import (RouterOutput, capacity_keep_mask, check_routing, expert_capacity, mask_out_of_range,
@@ -181,10 +181,17 @@ class MoELayer(nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False, **factory)
         first_expert = self.ep_rank * self.num_local_experts
+        if config.expert_precision == "fp8" and expert_module is not None:
+            raise ValueError(f"MoEConfig.expert_precision='fp8' runs ep_moe's grouped experts in FP8, but the expert "
+                             f"module {type(expert_module).__name__} runs as is (ModuleExperts) in its own dtype; "
+                             "build the experts from MoEConfig's fields (no expert_module), or use "
+                             "expert_precision='bf16'")
         if expert_module is None:
             self.experts = GroupedExperts(config, self.num_local_experts, first_expert, **factory)
         else:
             self.experts = ModuleExperts(expert_module, config, self.num_local_experts, first_expert, **factory)
+        if config.expert_precision == "fp8":
+            check_fp8_device(self.experts.first_weight.device)
         self.shared_experts = SharedExperts(config, **factory) if config.num_shared_experts else None
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, device=device,
@@ -387,7 +394,8 @@ class MoELayer(nn.Module):
             dispatched, bad_slots = router, None
         else:
             router, keep_TK, dispatched, bad_slots = self._outside_route(route_fn, x_TH)
-        backend = self.config.backend if self.config.backend != "auto" else ("triton" if x.is_cuda else "torch")
+        backend = self.config.backend if self.config.backend != "auto" else (
+            "triton" if x.is_cuda or self.config.expert_precision == "fp8" else "torch")  # FP8: Triton's kernels
         routed = self.dispatcher.dispatch(x_TH, dispatched, keep_TK, backend)
         shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)
         y_TH = self.dispatcher.combine(routed, self.dispatcher.experts(routed, self.experts))

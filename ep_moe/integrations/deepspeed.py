@@ -416,6 +416,7 @@ def deepspeed_moe_config(
     dispatch: str = "auto",
     num_linears: int = 2,
     mlp_bias: bool = False,
+    expert_precision: str = "bf16",
 ) -> MoEConfig:
     """The :class:`ep_moe.MoEConfig` of the layer behind :class:`MoE`: DeepSpeed's experts
     and k, and as router DeepSpeed's without capacity or noise (``drop_tokens=False``,
@@ -428,7 +429,7 @@ def deepspeed_moe_config(
         hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts, top_k=k,
         activation=activation, score_func="softmax", norm_topk_prob=k > 1, aux_loss_coef=1.0,
         z_loss_coef=0.0, capacity_factor=None, router_dtype=torch.float32, backend=backend, dispatch=dispatch,
-        ep_size=ep_size, num_linears=num_linears, mlp_bias=mlp_bias,
+        ep_size=ep_size, num_linears=num_linears, mlp_bias=mlp_bias, expert_precision=expert_precision,
     )
 
 
@@ -502,6 +503,9 @@ class MoE(nn.Module):
         backend: the grouped GEMM backend of :class:`ep_moe.MoEConfig`.
         dispatch: how tokens travel at ``ep_size`` > 1, :class:`ep_moe.MoEConfig`'s choice
             (default ``"auto"``; with ``drop_tokens`` the all-gather needs no host sync).
+        expert_precision: ``"bf16"`` (default) or ``"fp8"``, :class:`ep_moe.MoEConfig`'s:
+            the experts' GEMMs in e4m3 (an expert ep_moe cannot read, run as is, refuses it;
+            the residual MLP stays in the compute dtype).
         device, dtype: of the parameters; default those of ``expert``.
 
     The layer is ``self.layer``; its weights are initialised by ep_moe (the expert module
@@ -540,6 +544,7 @@ class MoE(nn.Module):
         ep_group: Union[None, ProcessGroup, DeviceMesh] = None,
         backend: str = "auto",
         dispatch: str = "auto",
+        expert_precision: str = "bf16",
         device=None,
         dtype=None,
     ) -> None:
@@ -559,7 +564,7 @@ class MoE(nn.Module):
         self.gate = DeepSpeedGate(num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                                   noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
         config = deepspeed_moe_config(hidden_size, num_experts=num_experts, ep_size=ep_size, k=k, backend=backend,
-                                      dispatch=dispatch, **expert_fields)
+                                      dispatch=dispatch, expert_precision=expert_precision, **expert_fields)
         param = _first_param(expert)
         self.layer = MoELayer(config, ep_group if ep_group is not None else _ep_group(ep_size),
                               device=device if device is not None or param is None else param.device,
@@ -635,10 +640,12 @@ class MoE(nn.Module):
             self.layer.experts.tensor(name).copy_(value)  # the same values for every local expert
 
     @classmethod
-    def from_deepspeed(cls, ds_moe: nn.Module, *, backend: str = "auto", dispatch: str = "auto") -> "MoE":
+    def from_deepspeed(cls, ds_moe: nn.Module, *, backend: str = "auto", dispatch: str = "auto",
+                       expert_precision: str = "bf16") -> "MoE":
         """Our layer with the arguments and weights of a ``deepspeed.moe.layer.MoE``
         (this rank's experts; its EP group must match ep_moe's layout), and a copy of its
-        residual MLP (``use_residual``); ``backend`` and ``dispatch`` as :class:`ep_moe.MoEConfig`'s."""
+        residual MLP (``use_residual``); ``backend``, ``dispatch`` and ``expert_precision``
+        as :class:`ep_moe.MoEConfig`'s."""
         gate, experts = ds_moe.deepspeed_moe.gate, ds_moe.deepspeed_moe.experts.deepspeed_experts
         expert = copy.deepcopy(ds_moe.mlp) if ds_moe.use_residual else experts[0]  # the residual MLP is ours
         ours = cls(
@@ -646,7 +653,7 @@ class MoE(nn.Module):
             gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, ds_moe.use_residual,
             gate.noisy_gate_policy, gate.drop_tokens, gate.use_rts, ds_moe.deepspeed_moe.use_tutel,
             ds_moe.enable_expert_tensor_parallelism, gate.top2_2nd_expert_sampling, backend=backend,
-            dispatch=dispatch,
+            dispatch=dispatch, expert_precision=expert_precision,
         )
         ours.load_deepspeed(ds_moe)
         return ours.train(ds_moe.training)
@@ -947,11 +954,12 @@ def _check_engine_loads() -> None:
     DeepSpeedEngine.load_checkpoint = load_checkpoint
 
 
-def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto", dispatch: str = "auto") -> int:
+def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto", dispatch: str = "auto",
+                          expert_precision: str = "bf16") -> int:
     """Swap every ``deepspeed.moe.layer.MoE`` inside ``model`` for :class:`MoE` in place,
-    with the same arguments and weights (:meth:`MoE.from_deepspeed`, ``backend`` and
-    ``dispatch`` as :class:`ep_moe.MoEConfig`'s); returns how many were swapped. Call on
-    every rank, in the same order (EP groups are built collectively)."""
+    with the same arguments and weights (:meth:`MoE.from_deepspeed`, ``backend``,
+    ``dispatch`` and ``expert_precision`` as :class:`ep_moe.MoEConfig`'s); returns how many
+    were swapped. Call on every rank, in the same order (EP groups are built collectively)."""
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     if isinstance(model, MoE):
@@ -963,7 +971,7 @@ def replace_deepspeed_moe(model: nn.Module, *, backend: str = "auto", dispatch: 
              if isinstance(m, DeepSpeedMoE) and not isinstance(m, MoE)]  # ours are DeepSpeedMoE too
     for name, ds_moe in found:
         parent_name, _, attr = name.rpartition(".")
-        ours = MoE.from_deepspeed(ds_moe, backend=backend, dispatch=dispatch)
+        ours = MoE.from_deepspeed(ds_moe, backend=backend, dispatch=dispatch, expert_precision=expert_precision)
         if ds_moe.use_residual:
             ours.mlp = ds_moe.mlp  # the model's own module: layers that shared a residual MLP still do
         setattr(model.get_submodule(parent_name), attr, ours)

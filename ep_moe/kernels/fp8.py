@@ -356,6 +356,7 @@ def fp8_configs() -> tuple[KernelConfig, KernelConfig, KernelConfig]:
     return rows, rows, KernelConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
 
 
+@eager_or_graph_break  # device queries: run eagerly, the configs enter as constants
 def fp8_gemm_configs(device: torch.device, dtype: torch.dtype) -> GemmConfigs:
     """:func:`fp8_configs` as the GEMMs on ``device`` with rows of ``dtype`` take them:
     fitted to its shared memory (fewer stages, then shorter reduction steps: an Ada GPU has
