@@ -8,7 +8,7 @@ per version; argument errors. Experts with no rows, every row on one expert, one
 that are multiples of no block.
 
 On the CPU these run in the Triton interpreter (float16); on a GPU in bfloat16 too, with the
-FP8 tensor cores (``tests/gpu/test_fp8_cuda.py`` times it and adds users' shapes).
+FP8 tensor cores (``tests/gpu/test_fp8_layer_cuda.py`` runs the layer with FP8 experts; ``bench_grouped_gemm.py --fp8`` times it).
 """
 
 from __future__ import annotations
