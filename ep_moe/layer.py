@@ -46,6 +46,7 @@ from ep_moe.distributed import all_gather_single, check_same_config, group_size,
 from ep_moe.ep import build_dispatcher, resolve_dispatch
 from ep_moe.experts import GroupedExperts, ModuleExperts, SharedExperts, check_fp8_device, compute_dtype
 from ep_moe.forward_graphs import ForwardGraphs, graphable, only_own_modules
+from ep_moe.kernels.grouped_gemm import interpreter_active
 from ep_moe.kernels.ops import debug_enabled
 from ep_moe.routing import (RouterOutput, capacity_keep_mask, check_routing, expert_capacity, mask_out_of_range,
                             out_of_range_message, route)
@@ -54,6 +55,9 @@ if TYPE_CHECKING:
     from ep_moe.autotune.space import GemmProblem
 
 _EXPERT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TRITON_ON_CPU = interpreter_active()
+"""Whether Triton's kernels run on CPU tensors (its interpreter): fixed when they were decorated,
+at import."""
 """The dtypes the experts compute in (the grouped GEMM's)."""
 
 RouteFn = Callable[[torch.Tensor], tuple[RouterOutput, Optional[torch.Tensor]]]
@@ -396,6 +400,10 @@ class MoELayer(nn.Module):
             router, keep_TK, dispatched, bad_slots = self._outside_route(route_fn, x_TH)
         backend = self.config.backend if self.config.backend != "auto" else (
             "triton" if x.is_cuda or self.config.expert_precision == "fp8" else "torch")  # FP8: Triton's kernels
+        if backend == "triton" and not x.is_cuda and not _TRITON_ON_CPU:
+            raise ValueError(f"MoELayer: backend='triton' runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1, "
+                             f"set before ep_moe is imported), but x is on {x.device}; move the layer and x to a GPU, "
+                             f"or pass backend='auto' (the plain-PyTorch path on the CPU)")
         routed = self.dispatcher.dispatch(x_TH, dispatched, keep_TK, backend)
         shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH, backend)
         y_TH = self.dispatcher.combine(routed, self.dispatcher.experts(routed, self.experts))

@@ -61,6 +61,21 @@ def test_ep1_matches_naive_loop(case, backend):
         assert dropped > 0  # the case must actually drop
 
 
+def test_triton_backend_on_cpu_tensors_without_the_interpreter_says_so(monkeypatch):
+    """On a GPU host without TRITON_INTERPRET, CPU tensors must not reach Triton's kernels
+    (they would be compiled for the GPU and launched on host memory)."""
+    import ep_moe.layer as layer_module
+
+    layer = MoELayer(_config(top_k=2, backend="triton"))
+    x = torch.randn(NUM_TOKENS, H)
+    assert layer(x).shape == x.shape  # the interpreter runs these tests
+    monkeypatch.setattr(layer_module, "_TRITON_ON_CPU", False)
+    with pytest.raises(ValueError, match=r"backend='triton' runs on CUDA tensors .* x is on cpu"):
+        layer(x)
+    auto = MoELayer(_config(top_k=2, backend="auto"))
+    assert auto(x).shape == x.shape  # auto takes the plain-PyTorch path on the CPU
+
+
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_capacity_drops_as_documented(policy):
     # Every token prefers expert 0; capacity ceil(1.0 * 8 * 1 / 8) = 1 keeps one token.
