@@ -61,6 +61,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from ep_moe.kernels.fp8 import fp8_supported
 from ep_moe.layer import moe_layers, update_expert_biases
 from ep_moe.parallel import (
     ParallelMesh,
@@ -133,6 +134,18 @@ def check_parallel(job: JobConfig, world_size: int, num_experts: int) -> int:
     return ep_size
 
 
+def check_expert_precision(job: JobConfig, device: torch.device) -> None:
+    """``ConfigError`` when ``moe.expert_precision='fp8'`` asks for FP8 experts that ``device``
+    cannot run (:func:`ep_moe.kernels.fp8.fp8_supported`): one line on every rank before the
+    process group, not a traceback from the layer's construction."""
+    if job.moe.get("expert_precision") != "fp8":
+        return
+    ok, why = fp8_supported(device)
+    if not ok:
+        raise ConfigError(f"moe.expert_precision='fp8': {why}; or train the experts in bf16 "
+                          f"(moe.expert_precision='bf16', the default)")
+
+
 def resolve_device(job: JobConfig) -> torch.device:
     """The device this rank trains on: ``cuda:LOCAL_RANK`` under ``training.device='cuda'``,
     or ``'auto'`` with a GPU visible; else the CPU. Touches no device."""
@@ -154,6 +167,7 @@ def init_distributed(job: JobConfig, num_experts: int, model_size: Optional[Mode
     world = rank_and_world()[1]
     ep_size = check_parallel(job, world, num_experts)
     device = resolve_device(job)
+    check_expert_precision(job, device)
     check_memory(job, world_size=world, ranks_per_host=max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
                  on_host=device.type == "cpu", device=device, model=model_size)
     use_cuda = device.type == "cuda"

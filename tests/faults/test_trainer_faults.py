@@ -158,6 +158,17 @@ def test_unknown_key_names_it_and_the_valid_keys(train, assignment):
     assert f"[{section}] takes {listing}" in message, message
 
 
+def test_fp8_experts_on_a_device_without_fp8_are_refused_before_the_process_group(train, monkeypatch):
+    """``moe.expert_precision='fp8'`` where the device has no FP8 tensor cores: one config
+    error before the process group (not a traceback from the layer's construction)."""
+    job = train.config.parse_args([*TINY, "--set", "moe.expert_precision='fp8'"])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU without Triton's interpreter: no FP8 kernels
+    with pytest.raises(train.errors.ConfigError, match=r"^moe.expert_precision='fp8': FP8 experts run on CUDA GPUs "
+                                                       r"with FP8 tensor cores, not on cpu .*moe.expert_precision='bf16'"):
+        train.trainer.Trainer(job)
+    assert not dist.is_initialized()
+
+
 def test_unknown_key_in_the_file_blames_the_file(train, tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[training]\nstepz = 10\n")
