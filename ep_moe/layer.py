@@ -55,10 +55,10 @@ if TYPE_CHECKING:
     from ep_moe.autotune.space import GemmProblem
 
 _EXPERT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes the experts compute in (the grouped GEMM's)."""
 _TRITON_ON_CPU = interpreter_active()
 """Whether Triton's kernels run on CPU tensors (its interpreter): fixed when they were decorated,
 at import."""
-"""The dtypes the experts compute in (the grouped GEMM's)."""
 
 RouteFn = Callable[[torch.Tensor], tuple[RouterOutput, Optional[torch.Tensor]]]
 """A routing computed outside the layer (:meth:`MoELayer.forward`'s ``route_fn``): the

@@ -346,26 +346,22 @@ def layer_grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tens
                 bounded_rows, gather_slots)
 
 
-def fp8_configs() -> tuple[KernelConfig, KernelConfig, KernelConfig]:
-    """(forward, dx, dw) kernel configs of the FP8 path: 128-wide K steps (one e4m3 byte per
-    value, so a 128-byte row per stage as bf16's 64), B through TMA; dW is bf16's."""
-    if interpreter_active():
-        small = KernelConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
-        return small, small, small
-    rows = KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
-    return rows, rows, KernelConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
-
-
 @eager_or_graph_break  # device queries: run eagerly, the configs enter as constants
 def fp8_gemm_configs(device: torch.device, dtype: torch.dtype) -> GemmConfigs:
-    """:func:`fp8_configs` as the GEMMs on ``device`` with rows of ``dtype`` take them:
-    fitted to its shared memory (fewer stages, then shorter reduction steps: an Ada GPU has
-    less than Hopper's), the dW's for ``dtype``'s operands. Not autotuned yet."""
+    """The (forward, dx, dw) kernel configs of the FP8 GEMMs on ``device`` with rows of
+    ``dtype``: 128-wide K steps (one e4m3 byte per value, so a 128-byte row per stage as
+    bf16's 64), B through TMA, dW in ``dtype``; fitted to the device's shared memory (fewer
+    stages, then shorter reduction steps: an Ada GPU has less than Hopper's); small blocks in
+    the interpreter. Not autotuned yet."""
     return _fitted_configs(interpreter_active(), smem_limit_for(device), dtype.itemsize)
 
 
 @functools.lru_cache(maxsize=None)
 def _fitted_configs(interpreted: bool, smem_limit: int, row_bytes: int) -> GemmConfigs:
-    forward, dx, dw = fp8_configs()  # interpreted: a key only (fp8_configs reads the interpreter's flag)
-    return GemmConfigs(forward=fit_to_smem(forward, "forward", 1, smem_limit), dx=fit_to_smem(dx, "dx", 1, smem_limit),
+    if interpreted:
+        small = KernelConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+        return GemmConfigs(forward=small, dx=small, dw=small)
+    rows = KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
+    dw = KernelConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
+    return GemmConfigs(forward=fit_to_smem(rows, "forward", 1, smem_limit), dx=fit_to_smem(rows, "dx", 1, smem_limit),
                        dw=fit_to_smem(dw, "dw", row_bytes, smem_limit))
