@@ -73,23 +73,26 @@ def fp8_supported(device: torch.device) -> tuple[bool, str]:
 def _on_e4m3_grid(v):
     """``v`` (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32:
     3 mantissa bits kept in the bits of normal values (a carry may enter the exponent), steps of
-    2**-9 below 2**-6 (e4m3's subnormals). The cast that follows is then exact, so every backend
-    writes the same bits (Triton's CPU interpreter rounds fp8 casts without that carry)."""
+    2**-9 below 2**-6 (e4m3's subnormals; a value rounded to zero keeps its sign). The cast that
+    follows is then exact, so every backend writes the same bits (Triton's CPU interpreter
+    rounds fp8 casts without that carry)."""
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    subnormal = (v + 24576.0) - 24576.0  # fp32's step at 1.5 * 2**14 is 2**-9
+    magnitude = (tl.abs(v) + 24576.0) - 24576.0  # fp32's step at 1.5 * 2**14 is 2**-9
+    subnormal = tl.where(bits < 0, -magnitude, magnitude)  # the sign kept when rounded to zero
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
 # q[r, :] = e4m3(x[g(r), :] / scale[r]), scale[r] = max(amax(|x[g(r), :]|), MIN_AMAX) / 448.
-# Tiling: one program per BLOCK_R rows; two passes over the row in BLOCK_K columns (the amax,
-#   then the scaled stores; the second reads from L2).
+# Tiling: one program per BLOCK_R rows. Rows that fit one BLOCK_K block (ONE_BLOCK) are read
+#   once and kept in registers; longer rows take two passes in BLOCK_K columns (the amax, then
+#   the scaled stores, the second reading from L2).
 # Fuses: the permutation's gather (GATHER: row r reads x[g(r)]) into the quantization, so the
 #   expert-sorted rows are written once, in FP8.
 @triton.jit
 def _quantize_rows_kernel(x_ptr, idx_ptr, q_ptr, scale_ptr, num_rows, K, stride_xm, stride_qm,
                           GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                          FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+                          ONE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     if GATHER:
@@ -97,19 +100,29 @@ def _quantize_rows_kernel(x_ptr, idx_ptr, q_ptr, scale_ptr, num_rows, K, stride_
     else:
         src = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ok = row_ok[:, None] & (k0 + cols < K)[None, :]
-        v = tl.load(x_ptr + src[:, None] * stride_xm + (k0 + cols)[None, :], mask=ok, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+    if ONE_BLOCK:
+        ok = row_ok[:, None] & (cols < K)[None, :]
+        v = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(v), axis=1)
+    else:
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ok = row_ok[:, None] & (k0 + cols < K)[None, :]
+            v = tl.load(x_ptr + src[:, None] * stride_xm + (k0 + cols)[None, :], mask=ok, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
     scale = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
     for k0 in range(0, K, BLOCK_K):
         ok = row_ok[:, None] & (k0 + cols < K)[None, :]
-        v = tl.load(x_ptr + src[:, None] * stride_xm + (k0 + cols)[None, :], mask=ok, other=0.0)
-        q = _on_e4m3_grid(tl.math.div_rn(v.to(tl.float32), scale[:, None]))
+        if not ONE_BLOCK:
+            v = tl.load(x_ptr + src[:, None] * stride_xm + (k0 + cols)[None, :], mask=ok, other=0.0).to(tl.float32)
+        q = _on_e4m3_grid(tl.math.div_rn(v, scale[:, None]))
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (k0 + cols)[None, :],
                  q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
+
+
+QUANTIZE_ROW_ELEMENTS = 8192
+"""Values each program of the row quantization holds (rows up to this long are read once)."""
 
 
 def quantize_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,12 +135,13 @@ def quantize_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor] = None) 
     if rows == 0:
         return q, scale
     x = x if x.stride(-1) == 1 else x.contiguous()
-    block_k = min(triton.next_power_of_2(max(k, 16)), 1024)
-    block_r = max(1, min(16, 4096 // block_k))
+    one_block = k <= QUANTIZE_ROW_ELEMENTS
+    block_k = triton.next_power_of_2(max(k, 16)) if one_block else 1024
+    block_r = max(1, min(16, QUANTIZE_ROW_ELEMENTS // block_k))
     _quantize_rows_kernel[(cdiv(rows, block_r),)](
         x, gather_index, q, scale, rows, k, x.stride(0), q.stride(0),
-        GATHER=gather_index is not None, BLOCK_R=block_r, BLOCK_K=block_k,
-        FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, num_warps=4,
+        GATHER=gather_index is not None, BLOCK_R=block_r, BLOCK_K=block_k, ONE_BLOCK=one_block,
+        FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, num_warps=8,
     )
     return q, scale
 
@@ -140,19 +154,80 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (x.detach().float() / scale).to(E4M3), scale.squeeze(-1)
 
 
+# amax_rows[e, n] = max_k |w[e, n, k]|, amax_cols[e, k] = max_n |w[e, n, k]| (both zeroed first).
+# Tiling: one program per (expert, BLOCK_N x BLOCK_K tile); each tile's row and column maxima
+#   go to both vectors with atomic max (order-free, so the result is deterministic).
+# Fuses: both layouts' reductions into one read of the weight.
+@triton.jit
+def _weight_amax_kernel(w_ptr, amax_rows_ptr, amax_cols_ptr, N, K, stride_we, stride_wn,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64)
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (ns < N)[:, None] & (ks < K)[None, :]
+    v = tl.abs(tl.load(w_ptr + e * stride_we + ns[:, None] * stride_wn + ks[None, :], mask=ok, other=0.0)
+               .to(tl.float32))
+    tl.atomic_max(amax_rows_ptr + e * N + ns, tl.max(v, axis=1), mask=ns < N)
+    tl.atomic_max(amax_cols_ptr + e * K + ks, tl.max(v, axis=0), mask=ks < K)
+
+
+# q[e, n, k] = e4m3(w[e, n, k] / scale_rows[e, n]) and q_t[e, k, n] = e4m3(w[e, n, k] / scale_cols[e, k]),
+#   scale = max(amax, AMAX_FLOOR) / FP8_MAX from _weight_amax_kernel's maxima.
+# Tiling: one program per (expert, BLOCK_N x BLOCK_K tile), read once, stored twice (the second
+#   transposed, so each layout is K-contiguous as the FP8 tensor cores read it).
+# Fuses: both layouts' quantization and the transpose into one read of the weight.
+@triton.jit
+def _quantize_weight_kernel(w_ptr, amax_rows_ptr, amax_cols_ptr, q_ptr, q_t_ptr, N, K, stride_we, stride_wn,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
+                            AMAX_FLOOR: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64)
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (ns < N)[:, None] & (ks < K)[None, :]
+    v = tl.load(w_ptr + e * stride_we + ns[:, None] * stride_wn + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale_rows = tl.maximum(tl.load(amax_rows_ptr + e * N + ns, mask=ns < N, other=1.0), AMAX_FLOOR) / FP8_MAX
+    scale_cols = tl.maximum(tl.load(amax_cols_ptr + e * K + ks, mask=ks < K, other=1.0), AMAX_FLOOR) / FP8_MAX
+    q = _on_e4m3_grid(tl.math.div_rn(v, scale_rows[:, None]))
+    tl.store(q_ptr + e * N * K + ns[:, None] * K + ks[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    q_t = _on_e4m3_grid(tl.math.div_rn(v, scale_cols[None, :]))
+    tl.store(q_t_ptr + e * N * K + ks[None, :] * N + ns[:, None], q_t.to(q_t_ptr.dtype.element_ty), mask=ok)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Both e4m3 copies of ``w`` [E, N, K] (any float dtype, K-contiguous rows): ``(forward,
+    dx)``, forward ``(q [E, N, K], scale [E, N])`` scaled per (e, n) over K, dx ``(q [E, K, N],
+    scale [E, K])`` scaled per (e, k) over N; each :func:`quantize_rows_reference` of its
+    layout bit for bit, from two reads of ``w`` (the maxima of both layouts, then both stores)."""
+    num_experts, n, k = w.shape
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    amax_rows = torch.zeros((num_experts, n), device=w.device, dtype=torch.float32)
+    amax_cols = torch.zeros((num_experts, k), device=w.device, dtype=torch.float32)
+    q = torch.empty((num_experts, n, k), device=w.device, dtype=E4M3)
+    q_t = torch.empty((num_experts, k, n), device=w.device, dtype=E4M3)
+    if w.numel():
+        block = 32 if interpreter_active() else 64
+        grid = (num_experts, cdiv(n, block), cdiv(k, block))
+        _weight_amax_kernel[grid](w, amax_rows, amax_cols, n, k, w.stride(0), w.stride(1),
+                                  BLOCK_N=block, BLOCK_K=block, num_warps=4)
+        _quantize_weight_kernel[grid](w, amax_rows, amax_cols, q, q_t, n, k, w.stride(0), w.stride(1),
+                                      BLOCK_N=block, BLOCK_K=block, FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX,
+                                      num_warps=4)
+    scale = amax_rows.clamp_min_(MIN_AMAX).div_(E4M3_MAX)
+    scale_t = amax_cols.clamp_min_(MIN_AMAX).div_(E4M3_MAX)
+    return (q, scale), (q_t, scale_t)
+
+
 class QuantizedWeight:
     """A weight [E, N, K] in e4m3 for both passes: ``forward`` ([E, N, K] scaled per (e, n))
     and ``dx`` ([E, K, N] scaled per (e, k)), each a (values, scales) pair, made from one
-    version of the weight (``version``: what :func:`quantized_weight` compares; None: not
-    cached)."""
+    version of the weight by :func:`quantize_weight` (``version``: what :func:`quantized_weight`
+    compares; None: not cached)."""
 
     __slots__ = ("version", "forward", "dx")
 
     def __init__(self, w: torch.Tensor, version: Optional[tuple[int, int]] = None):
         self.version = version
-        self.forward = quantize_rows_reference(w)
-        self.dx = quantize_rows_reference(w.transpose(1, 2))
-        self.dx = (self.dx[0].contiguous(), self.dx[1].contiguous())
+        self.forward, self.dx = quantize_weight(w.detach())
 
 
 _QUANTIZED = WeakIdKeyDictionary()  # weight -> QuantizedWeight, dropped with the weight

@@ -1,14 +1,15 @@
 """FP8 (e4m3) grouped GEMM (``ep_moe.kernels.fp8``): the row quantization (with the gather
-fused) against the recipe's PyTorch definition, bit for bit; the forward and dX against a
-float64 product of the same quantized operands; dW (bf16) against float64; the down
-projection's form (rows scattered, times their row weights, plus a bias, and the gradients of
-both; fp32 master weights) likewise; the whole against
-the unquantized product within the recipe's bound; the weight's quantized copies made once
-per version; argument errors. Experts with no rows, every row on one expert, one row, sizes
-that are multiples of no block.
+fused; rows in one block and in two passes) and the weight's quantization (both layouts)
+against the recipe's PyTorch definition, bit for bit; the forward and dX against a float64
+product of the same quantized operands; dW (bf16) against float64; the down projection's
+form (rows scattered, times their row weights, plus a bias, and the gradients of both; fp32
+master weights) likewise; the whole against the unquantized product within the recipe's
+bound; the weight's quantized copies made once per version; argument errors. Experts with no
+rows, every row on one expert, one row, sizes that are multiples of no block.
 
 On the CPU these run in the Triton interpreter (float16); on a GPU in bfloat16 too, with the
-FP8 tensor cores (``tests/gpu/test_fp8_layer_cuda.py`` runs the layer with FP8 experts; ``bench_grouped_gemm.py --fp8`` times it).
+FP8 tensor cores (``tests/gpu/test_fp8_layer_cuda.py`` runs the layer with FP8 experts;
+``bench_grouped_gemm.py --fp8`` times it).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_moe.kernels.fp8 import (E4M3, E4M3_MAX, MIN_AMAX, fp8_supported, grouped_gemm_fp8, quantize_rows,
-                                quantize_rows_reference, quantized_weight)
+from ep_moe.kernels.fp8 import (E4M3, E4M3_MAX, MIN_AMAX, QUANTIZE_ROW_ELEMENTS, fp8_supported, grouped_gemm_fp8,
+                                quantize_rows, quantize_rows_reference, quantize_weight, quantized_weight)
 from ep_moe.kernels.reference import grouped_gemm_reference
 from test_grouped_gemm import CASES, DEVICE, ON_GPU, rel_err
 
@@ -51,9 +52,10 @@ def _dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gather", [False, True], ids=["sorted", "gathered"])
-def test_quantize_rows_is_the_recipe_bit_for_bit(dtype, gather):
+@pytest.mark.parametrize("k", [1100, QUANTIZE_ROW_ELEMENTS + 100], ids=["one_block", "two_passes"])
+def test_quantize_rows_is_the_recipe_bit_for_bit(dtype, gather, k):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(37, 1100, generator=gen).to(DEVICE, dtype)  # K past one 1024-wide block
+    x = torch.randn(37, k, generator=gen).to(DEVICE, dtype)  # K a multiple of no block
     x[3] = 0  # an all-zero row: a finite scale, zeros out
     x[5, 7] = 300.0  # one large value sets its row's scale
     g = torch.randint(0, 37, (50,), generator=gen).to(DEVICE, torch.int32) if gather else None
@@ -70,7 +72,7 @@ def test_quantize_rows_is_the_recipe_bit_for_bit(dtype, gather):
     err = (_dequantized(q, scale) - rows.double()).abs() / rows.double().abs().amax(1, keepdim=True).clamp_min(1e-30)
     assert err.max() <= 2.0**-4  # half an e4m3 step at the top binade: 2**-4 of the row's amax
     empty_q, empty_scale = quantize_rows(x, torch.empty(0, dtype=torch.int32, device=DEVICE))
-    assert empty_q.shape == (0, 1100) and empty_scale.shape == (0,)
+    assert empty_q.shape == (0, k) and empty_scale.shape == (0,)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
