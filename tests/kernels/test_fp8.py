@@ -75,6 +75,26 @@ def test_quantize_rows_is_the_recipe_bit_for_bit(dtype, gather, k):
     assert empty_q.shape == (0, k) and empty_scale.shape == (0,)
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=str)
+def test_quantize_weight_is_the_recipe_bit_for_bit_in_both_layouts(dtype):
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 70, 45, generator=gen).to(DEVICE, dtype)  # N and K multiples of no block
+    w[0, 4] = 0  # an all-zero row of the forward layout
+    w[1, :, 9] = 0  # an all-zero row of the dX layout
+    w[2, 6, 8] = 200.0  # one large value sets a row's and a column's scale
+    w[2, 7, 9] = -1e-6  # rounds to a negative zero
+    (q, scale), (q_t, scale_t) = quantize_weight(w)
+    for (values, scales), layout in (((q, scale), w), ((q_t, scale_t), w.transpose(1, 2))):
+        ref_values, ref_scales = quantize_rows_reference(layout)
+        assert values.dtype == E4M3 and values.shape == layout.shape and values.is_contiguous()
+        assert torch.equal(scales, ref_scales)
+        assert torch.equal(values.view(torch.uint8), ref_values.contiguous().view(torch.uint8))
+    assert torch.equal(scale[0, 4], torch.tensor(MIN_AMAX / E4M3_MAX, device=DEVICE))
+    assert torch.equal(scale_t[1, 9], torch.tensor(MIN_AMAX / E4M3_MAX, device=DEVICE))
+    (empty, empty_scale), _ = quantize_weight(w[:, :0])
+    assert empty.shape == (3, 0, 45) and empty_scale.shape == (3, 0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gather", [False, True], ids=["sorted", "gathered"])
 @pytest.mark.parametrize("case", list(CASES))
