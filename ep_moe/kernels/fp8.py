@@ -83,6 +83,13 @@ def _on_e4m3_grid(v):
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
+@triton.jit
+def _scale_of(amax, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """The scale of values whose largest magnitude is ``amax``: ``max(amax, AMAX_FLOOR) / FP8_MAX``,
+    divided correctly rounded as torch divides (Triton's ``/`` is approximate on GPUs)."""
+    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, FP8_MAX, tl.float32))
+
+
 # q[r, :] = e4m3(x[g(r), :] / scale[r]), scale[r] = max(amax(|x[g(r), :]|), MIN_AMAX) / 448.
 # Tiling: one program per BLOCK_R rows. Rows that fit one BLOCK_K block (ONE_BLOCK) are read
 #   once and kept in registers; longer rows take two passes in BLOCK_K columns (the amax, then
@@ -110,7 +117,7 @@ def _quantize_rows_kernel(x_ptr, idx_ptr, q_ptr, scale_ptr, num_rows, K, stride_
             ok = row_ok[:, None] & (k0 + cols < K)[None, :]
             v = tl.load(x_ptr + src[:, None] * stride_xm + (k0 + cols)[None, :], mask=ok, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
-    scale = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
+    scale = _scale_of(amax, FP8_MAX, AMAX_FLOOR)
     for k0 in range(0, K, BLOCK_K):
         ok = row_ok[:, None] & (k0 + cols < K)[None, :]
         if not ONE_BLOCK:
@@ -185,8 +192,8 @@ def _quantize_weight_kernel(w_ptr, amax_rows_ptr, amax_cols_ptr, q_ptr, q_t_ptr,
     ks = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (ns < N)[:, None] & (ks < K)[None, :]
     v = tl.load(w_ptr + e * stride_we + ns[:, None] * stride_wn + ks[None, :], mask=ok, other=0.0).to(tl.float32)
-    scale_rows = tl.maximum(tl.load(amax_rows_ptr + e * N + ns, mask=ns < N, other=1.0), AMAX_FLOOR) / FP8_MAX
-    scale_cols = tl.maximum(tl.load(amax_cols_ptr + e * K + ks, mask=ks < K, other=1.0), AMAX_FLOOR) / FP8_MAX
+    scale_rows = _scale_of(tl.load(amax_rows_ptr + e * N + ns, mask=ns < N, other=1.0), FP8_MAX, AMAX_FLOOR)
+    scale_cols = _scale_of(tl.load(amax_cols_ptr + e * K + ks, mask=ks < K, other=1.0), FP8_MAX, AMAX_FLOOR)
     q = _on_e4m3_grid(tl.math.div_rn(v, scale_rows[:, None]))
     tl.store(q_ptr + e * N * K + ns[:, None] * K + ks[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
     q_t = _on_e4m3_grid(tl.math.div_rn(v, scale_cols[None, :]))
