@@ -3,7 +3,7 @@ forward and dX run on FP8 tensor cores.
 
 Recipe (rowwise, "tensorwise per row"):
 
-- activations: one fp32 scale per row over the reduced dim, ``scale = amax(|row|) / 448``, the
+- activations: one fp32 scale per row over the reduced dim, ``scale = amax(|row|) * (1/448)``, the
   row stored as ``row / scale`` in e4m3 (round to nearest even). The quantization reads the rows
   through the permutation's gather, so the sorted FP8 rows are the only copy written;
 - weights: one scale per (expert, output channel) over the reduced dim. The forward reduces
@@ -85,9 +85,10 @@ def _on_e4m3_grid(v):
 
 @triton.jit
 def _scale_of(amax, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
-    """The scale of values whose largest magnitude is ``amax``: ``max(amax, AMAX_FLOOR) / FP8_MAX``,
-    divided correctly rounded as torch divides (Triton's ``/`` is approximate on GPUs)."""
-    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, FP8_MAX, tl.float32))
+    """The scale of values whose largest magnitude is ``amax``: ``max(amax, AMAX_FLOOR)`` times
+    fp32(1 / FP8_MAX), a multiplication, rounded alike everywhere (a division by a constant is
+    not: torch's CUDA kernels multiply by its reciprocal, Triton's ``/`` is approximate on GPUs)."""
+    return tl.maximum(amax, AMAX_FLOOR) * (1.0 / FP8_MAX)
 
 
 # q[r, :] = e4m3(x[g(r), :] / scale[r]), scale[r] = max(amax(|x[g(r), :]|), MIN_AMAX) / 448.
@@ -157,7 +158,7 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """:func:`quantize_rows` in PyTorch ops, over the last dim of ``x`` (any leading dims):
     the recipe's definition, for the weights and for tests."""
     amax = x.detach().float().abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX)
-    scale = amax / E4M3_MAX
+    scale = amax * (1.0 / E4M3_MAX)  # the kernels' scale (_scale_of), on every device
     return (x.detach().float() / scale).to(E4M3), scale.squeeze(-1)
 
 
@@ -219,8 +220,8 @@ def quantize_weight(w: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor],
         _quantize_weight_kernel[grid](w, amax_rows, amax_cols, q, q_t, n, k, w.stride(0), w.stride(1),
                                       BLOCK_N=block, BLOCK_K=block, FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX,
                                       num_warps=4)
-    scale = amax_rows.clamp_min_(MIN_AMAX).div_(E4M3_MAX)
-    scale_t = amax_cols.clamp_min_(MIN_AMAX).div_(E4M3_MAX)
+    scale = amax_rows.clamp_min_(MIN_AMAX).mul_(1.0 / E4M3_MAX)
+    scale_t = amax_cols.clamp_min_(MIN_AMAX).mul_(1.0 / E4M3_MAX)
     return (q, scale), (q_t, scale_t)
 
 

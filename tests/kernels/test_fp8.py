@@ -67,7 +67,7 @@ def test_quantize_rows_is_the_recipe_bit_for_bit(dtype, gather, k):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert q.float().abs().amax(1).max() <= E4M3_MAX
     zero_rows = (rows == 0).all(1)
-    assert torch.equal(scale[zero_rows], torch.full_like(scale[zero_rows], MIN_AMAX / E4M3_MAX))
+    assert torch.equal(scale[zero_rows], torch.full_like(scale[zero_rows], MIN_AMAX) * (1.0 / E4M3_MAX))
     assert (q.float()[zero_rows] == 0).all()
     err = (_dequantized(q, scale) - rows.double()).abs() / rows.double().abs().amax(1, keepdim=True).clamp_min(1e-30)
     assert err.max() <= 2.0**-4  # half an e4m3 step at the top binade: 2**-4 of the row's amax
@@ -89,8 +89,8 @@ def test_quantize_weight_is_the_recipe_bit_for_bit_in_both_layouts(dtype):
         assert values.dtype == E4M3 and values.shape == layout.shape and values.is_contiguous()
         assert torch.equal(scales, ref_scales)
         assert torch.equal(values.view(torch.uint8), ref_values.contiguous().view(torch.uint8))
-    assert torch.equal(scale[0, 4], torch.tensor(MIN_AMAX / E4M3_MAX, device=DEVICE))
-    assert torch.equal(scale_t[1, 9], torch.tensor(MIN_AMAX / E4M3_MAX, device=DEVICE))
+    assert torch.equal(scale[0, 4], torch.tensor(MIN_AMAX, device=DEVICE) * (1.0 / E4M3_MAX))
+    assert torch.equal(scale_t[1, 9], torch.tensor(MIN_AMAX, device=DEVICE) * (1.0 / E4M3_MAX))
     (empty, empty_scale), _ = quantize_weight(w[:, :0])
     assert empty.shape == (3, 0, 45) and empty_scale.shape == (3, 0)
 
