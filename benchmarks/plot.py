@@ -1,6 +1,6 @@
 """Plots of the benchmark results: the JSON files in ``benchmarks/results/`` in, PNGs out.
 
-    python benchmarks/plot.py                                  # all five, into benchmarks/results/plots/
+    python benchmarks/plot.py                                  # all six, into benchmarks/results/plots/
     python benchmarks/plot.py --results DIR --out DIR --only gemm,ep
 
 Each figure takes, per device, the most complete results (then the newest: git commit
@@ -26,6 +26,10 @@ time, else the file's mtime) and names the device and the files in its titles:
   ``benchmarks/run_train_hf_gpu.sh`` in one ``hf_train_<device>_x<N>.json`` per GPU count): tokens/s per GPU
   with ep_moe's experts and transformers' ``grouped_mm`` per precision regime, and the
   200-step loss curves of both.
+- ``fp8_parity.png``: the trainer with bf16 and with FP8 experts, the same seed and data
+  (``fp8_parity_<device>_x<N>.json``; the newest file): one panel per configuration, the
+  training loss against step of each precision, the val losses as markers, the final val
+  losses, their relative difference and each precision's median tokens/s in the panel's title.
 
 ``bench_train.py --plot`` draws its scaling figure with :func:`plot_train`.
 """
@@ -453,6 +457,73 @@ def plot_hf_train(chosen: list[tuple[Path, list[dict]]], out: Path) -> Path:
     return _save(fig, out)
 
 
+# --- FP8 experts against bf16 ------------------------------------------------------------
+
+def fp8_parity_files(results: Path) -> dict[str, tuple[Path, dict]]:
+    """Per device, the newest ``fp8_parity_*.json`` with trainer runs (empty when there is none)."""
+    groups = defaultdict(list)
+    for path in sorted(results.glob("fp8_parity_*.json")):
+        data = _load(path)
+        if isinstance(data, dict) and isinstance(data.get("runs"), list) and any(
+                isinstance(r, dict) and {"config", "expert_precision", "loss"} <= r.keys() for r in data["runs"]):
+            groups[device_name(data.get("device", "unknown"))].append((path, data))
+    return _newest_complete(groups, lambda c: (), lambda c: [c[0]])
+
+
+def fp8_parity_runs(data: dict) -> dict[str, dict[str, dict]]:
+    """``{config: {precision: run}}``: the last run of each (config, precision) in the file,
+    leaving out the runs kept for an older throughput (``note`` starting with "before")."""
+    runs: dict[str, dict[str, dict]] = defaultdict(dict)
+    for run in data["runs"]:
+        if (isinstance(run, dict) and {"config", "expert_precision", "loss"} <= run.keys()
+                and not str(run.get("note") or "").lower().startswith("before")):
+            runs[run["config"]][run["expert_precision"]] = run
+    return dict(runs)
+
+
+def plot_fp8_parity(chosen: dict[str, tuple[Path, dict]], out: Path, first_step: int = 50) -> Path:
+    """``fp8_parity.png``: for the newest device file, one panel per configuration: each
+    precision's training loss from ``first_step`` on (the first steps' loss is 10x the rest),
+    its val losses as markers; the final val losses, their relative difference (fp8 against
+    bf16) and the median tokens/s of each precision in the title."""
+    plt = _pyplot()
+    path, data = max(chosen.values(), key=lambda c: file_date(c[0]))
+    configs = fp8_parity_runs(data)
+    styles = {"bf16": ("tab:blue", "-", "o"), "fp8": ("tab:red", "--", "s")}
+    fig, axes = plt.subplots(1, len(configs), figsize=(7 * len(configs), 5.2), squeeze=False)
+    for ax, (config, runs) in zip(axes[0], configs.items()):
+        for precision, run in sorted(runs.items()):
+            color, ls, marker = styles.get(precision, ("tab:gray", ":", "^"))
+            points = [(s, v) for s, v in run["loss"] if s >= first_step]
+            tps = run.get("median_tokens_per_s")
+            label = f"{precision} train loss ({tps:,.0f} tokens/s" if tps else f"{precision} train loss ("
+            ax.plot(*zip(*points), color=color, ls=ls, lw=1, label=f"{label}, commit {run.get('commit', '?')})")
+            val = sorted((int(s), v) for s, v in (run.get("val_loss") or {}).items())
+            if val:
+                ax.plot(*zip(*val), ls="", marker=marker, ms=7, mfc="none", mew=1.5, color=color,
+                        label=f"{precision} val loss")
+        lines = [f"{config}: {data.get('device', '?')}, {max(r.get('steps', 0) for r in runs.values())} steps"]
+        finals = {p: r["final_val_loss"] for p, r in runs.items() if r.get("final_val_loss") is not None}
+        if finals:
+            lines.append("final val loss " + ", ".join(f"{p} {v:.4f}" for p, v in sorted(finals.items()))
+                         + (f" (fp8 {(finals['fp8'] - finals['bf16']) / finals['bf16']:+.3%})"
+                            if {"bf16", "fp8"} <= finals.keys() else ""))
+        rates = {p: r["median_tokens_per_s"] for p, r in runs.items() if r.get("median_tokens_per_s")}
+        if rates:
+            lines.append("median tokens/s " + ", ".join(f"{p} {v:,.0f}" for p, v in sorted(rates.items()))
+                         + (f" (fp8 {rates['fp8'] / rates['bf16']:.3f}x)" if {"bf16", "fp8"} <= rates.keys() else ""))
+        ax.set_title("\n".join(lines), fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(f"FP8 experts against bf16 in the trainer ({path.name}, {data.get('date', '')}, "
+                               f"torch {data.get('torch')}, triton {data.get('triton')}): {data.get('what', '')}",
+                               int(15 * fig.get_figwidth())), fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
 # --- command line --------------------------------------------------------------------------
 
 def _draw_train(chosen: dict[str, tuple[Path, list[dict]]], out: Path) -> Path:
@@ -471,6 +542,7 @@ FIGURES = {
     "train": ("train_scaling.png", "bench_train train_*.json", train_files, _draw_train),
     "loss": ("loss_curves.png", "train_ep_levers_*.json or train_*.jsonl", loss_inputs, _draw_losses),
     "hf_train": ("train_hf.png", "bench_train --hf-model hf_train_*.json", hf_train_files, plot_hf_train),
+    "fp8_parity": ("fp8_parity.png", "trainer bf16/fp8 fp8_parity_*.json", fp8_parity_files, plot_fp8_parity),
 }
 
 

@@ -71,6 +71,23 @@ def _hf_run(experts: str, param_dtype: str, step_ms: float, losses: int = 3, see
             "losses": [10.0 / (1 + i) for i in range(losses)]}
 
 
+def _fp8_run(config: str, precision: str, commit: str, tps: float, final: float, note: str = "") -> dict:
+    return {"config": config, "expert_precision": precision, "commit": commit, "steps": 100,
+            "median_tokens_per_s": tps, "val_loss": {"50": final + 0.1, "100": final}, "final_val_loss": final,
+            "loss": [[s, 5.0 / s + final] for s in (1, *range(10, 101, 10))], "note": note}
+
+
+def _fp8_parity(note: str = "") -> dict:
+    """A parity file: each (config, precision) once, an older fp8 run of ``gpu`` before the newer
+    one, and a run kept for its throughput ("before ...") after it."""
+    return {"what": f"trainer, bf16 against fp8 {note}", "device": DEVICE, "torch": "2.x", "triton": "3.x",
+            "date": "2026-01-01",
+            "runs": [_fp8_run("gpu", "bf16", "a", 2000.0, 0.50), _fp8_run("gpu", "fp8", "old", 1500.0, 0.60),
+                     _fp8_run("gpu", "fp8", "b", 2100.0, 0.51), _fp8_run("qwen3_ep", "bf16", "c", 800.0, 0.40),
+                     _fp8_run("qwen3_ep", "fp8", "c", 900.0, 0.40),
+                     _fp8_run("gpu", "fp8", "older", 1000.0, 0.70, note="before the weight kernel: eager")]}
+
+
 @pytest.fixture
 def results(tmp_path) -> Path:
     """A results directory of one fake device: two grouped-GEMM files, two bench_ep series and
@@ -94,6 +111,7 @@ def results(tmp_path) -> Path:
     _write(res / "hf_train_Fake_GPU_x2.json", [_hf_run("ep_moe", "bfloat16", 80.0, world=2, ep=2),
                                                _hf_run("grouped_mm", "bfloat16", 105.0, world=2),
                                                _hf_run("ep_moe", "bfloat16", 80.0, losses=60, world=2, ep=2)])
+    _write(res / "fp8_parity_Fake_GPU_x1.json", _fp8_parity())
     return res
 
 
@@ -112,6 +130,43 @@ def test_picks_the_most_complete_results_per_device(results):
     assert [(p.name, len(records)) for p, records in metrics] == [("train_Fake_GPU_x1.jsonl", 3)]
     assert [(p.name, len(runs)) for p, runs in plot.hf_train_files(results)] == [("hf_train_Fake_GPU_x1.json", 6),
                                                                                  ("hf_train_Fake_GPU_x2.json", 3)]
+
+
+def test_fp8_parity_picks_the_newest_file_and_run(results, tmp_path):
+    _write(results / "fp8_parity_Fake_GPU_x1_old.json", _fp8_parity("old"))
+    os.utime(results / "fp8_parity_Fake_GPU_x1_old.json", (1e9, 1e9))  # older than the fixture's file
+    _write(results / "fp8_parity_notes.json", {"what": "notes", "runs": [{"note": "no config"}]})
+    (path, data), = plot.fp8_parity_files(results).values()
+    assert path.name == "fp8_parity_Fake_GPU_x1.json"
+    runs = plot.fp8_parity_runs(data)
+    assert {c: {p: (r["commit"], r["median_tokens_per_s"]) for p, r in by.items()} for c, by in runs.items()} == {
+        "gpu": {"bf16": ("a", 2000.0), "fp8": ("b", 2100.0)}, "qwen3_ep": {"bf16": ("c", 800.0), "fp8": ("c", 900.0)}}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _write(empty / "fp8_parity_notes.json", {"what": "notes", "runs": []})
+    assert not plot.fp8_parity_files(empty)
+
+
+def test_fp8_parity_figure(results, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    out = tmp_path / "plots"
+    proc = _plot_py("--results", str(results), "--out", str(out), "--only", "fp8_parity")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    height, width, _ = imread(out / "fp8_parity.png").shape
+    assert height > 300 and width > 800
+    titles = []  # the panel titles: the final val losses, their difference and the tokens/s of the newest runs
+    monkeypatch.setattr(plot, "_save", lambda fig, path: titles.extend(ax.get_title() for ax in fig.axes)
+                        or plot._pyplot().close(fig))
+    plot.plot_fp8_parity(plot.fp8_parity_files(results), tmp_path / "x.png")
+    assert len(titles) == 2 and titles[0].startswith("gpu: Fake GPU") and titles[1].startswith("qwen3_ep")
+    assert "bf16 0.5000, fp8 0.5100 (fp8 +2.000%)" in titles[0] and "bf16 2,000, fp8 2,100 (fp8 1.050x)" in titles[0]
+    (results / "fp8_parity_Fake_GPU_x1.json").unlink()
+    proc = _plot_py("--results", str(results), "--out", str(tmp_path / "none"), "--only", "fp8_parity,loss")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipped fp8_parity.png: no trainer bf16/fp8 fp8_parity_*.json results in" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["loss_curves.png"]
 
 
 def test_names_and_device():
@@ -135,7 +190,8 @@ def test_command_line_writes_every_figure(results, tmp_path):
     out = tmp_path / "plots"
     proc = _plot_py("--results", str(results), "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    names = ("gemm_tflops.png", "layer_vs_ep.png", "train_scaling.png", "loss_curves.png", "train_hf.png")
+    names = ("gemm_tflops.png", "layer_vs_ep.png", "train_scaling.png", "loss_curves.png", "train_hf.png",
+             "fp8_parity.png")
     assert sorted(p.name for p in out.iterdir()) == sorted(names)
     for name in names:
         height, width, _ = imread(out / name).shape
