@@ -185,7 +185,8 @@ SWEEP_DW = [
 
 def time_fp8(p, projection):
     """{variant: ms} of the FP8 path and the peers, and its error against bf16 _grouped_mm."""
-    from ep_moe.kernels.fp8 import grouped_gemm_fp8, quantize_rows_reference, quantized_weight
+    from ep_moe.kernels.e4m3 import quantize_rows_reference
+    from ep_moe.kernels.fp8 import grouped_gemm_fp8, quantized_weight
 
     x, w, m_sizes, offsets, g = p["x"], p["w"], p["m_sizes"], p["offsets"], p["gather"]
     gather = g if projection == "gate_up" else None

@@ -1,11 +1,11 @@
 """FP8 (e4m3) operands for the grouped GEMM: quantization, and the grouped product whose
-forward and dX run on FP8 tensor cores.
+forward, dX and dW run on FP8 tensor cores.
 
-Recipe (rowwise, "tensorwise per row"):
+Recipe (rowwise, "tensorwise per row"; the format itself in :mod:`ep_moe.kernels.e4m3`):
 
-- activations: one fp32 scale per row over the reduced dim, ``scale = amax(|row|) * (1/448)``, the
-  row stored as ``row / scale`` in e4m3 (round to nearest even). The quantization reads the rows
-  through the permutation's gather, so the sorted FP8 rows are the only copy written;
+- activations: one fp32 scale per row over the reduced dim, ``scale = amax(|row|) * (1/448)``,
+  the row stored as ``row / scale`` in e4m3 (round to nearest even). The quantization reads the
+  rows through the permutation's gather, so the sorted FP8 rows are the only copy written;
 - weights: one scale per (expert, output channel) over the reduced dim. The forward reduces
   over ``w``'s K, the dX over its N, so each pass has its own copy: ``w`` [E, N, K] scaled per
   (e, n), and ``w`` transposed to [E, K, N] scaled per (e, k), both K-contiguous as the FP8
@@ -17,8 +17,9 @@ Recipe (rowwise, "tensorwise per row"):
 - dX: the output gradient quantized per row the same way, times the weight's dX copy; the
   top-k weights' gradient is the dot of that product with the forward's rows (so it carries
   the dX's quantization), taken in the same epilogue;
-- dW stays bf16 (``dy_rows^T @ x_rows``): its reduction runs over the rows, across the
-  rowwise scales.
+- dW (``dy_rows^T @ x_rows``, a reduction over rows, across the rowwise scales): both operands
+  scaled per (expert, column) over the expert's rows instead, written transposed
+  (:mod:`ep_moe.kernels.fp8_dw`); the bias's gradient from the bf16 rows.
 
 The autograd, index modes (deterministic sums of gathered rows), bounded rows and deferred
 weight gradients are :mod:`ep_moe.kernels.ops`' own, with these operands;
@@ -41,16 +42,12 @@ from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ep_moe.kernels.config import GemmConfigs, KernelConfig, fit_to_smem
+from ep_moe.kernels.e4m3 import E4M3, E4M3_MAX, MIN_AMAX, on_e4m3_grid, scale_of
+from ep_moe.kernels.fp8_dw import launch_fp8_dw, quantize_expert_columns
 from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, interpreter_active, launch_rows, smem_limit_for
 from ep_moe.kernels.ops import (_as_int32, _check_gather_slots, _configs_from_ints, _configs_to_ints, _contiguous,
-                                _grad_input, _grads, _setup_context, _validate, debug_enabled, eager_backward,
-                                value_checks)
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-"""The largest finite e4m3 value: a row's largest magnitude maps onto it."""
-MIN_AMAX = 1e-12
-"""An all-zero row's amax is taken as this (its scale stays finite; its values stay 0)."""
+                                _grad_input, _grad_weight, _grads, _setup_context, _validate, debug_enabled,
+                                eager_backward, value_checks)
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:
@@ -67,28 +64,6 @@ def fp8_supported(device: torch.device) -> tuple[bool, str]:
         return True, ""
     return False, (f"FP8 experts run on CUDA GPUs with FP8 tensor cores, not on {device.type} "
                    "(set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter, slowly)")
-
-
-@triton.jit
-def _on_e4m3_grid(v):
-    """``v`` (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32:
-    3 mantissa bits kept in the bits of normal values (a carry may enter the exponent), steps of
-    2**-9 below 2**-6 (e4m3's subnormals; a value rounded to zero keeps its sign). The cast that
-    follows is then exact, so every backend writes the same bits (Triton's CPU interpreter
-    rounds fp8 casts without that carry)."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    magnitude = (tl.abs(v) + 24576.0) - 24576.0  # fp32's step at 1.5 * 2**14 is 2**-9
-    subnormal = tl.where(bits < 0, -magnitude, magnitude)  # the sign kept when rounded to zero
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _scale_of(amax, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
-    """The scale of values whose largest magnitude is ``amax``: ``max(amax, AMAX_FLOOR)`` times
-    fp32(1 / FP8_MAX), a multiplication, rounded alike everywhere (a division by a constant is
-    not: torch's CUDA kernels multiply by its reciprocal, Triton's ``/`` is approximate on GPUs)."""
-    return tl.maximum(amax, AMAX_FLOOR) * (1.0 / FP8_MAX)
 
 
 # q[r, :] = e4m3(x[g(r), :] / scale[r]), scale[r] = max(amax(|x[g(r), :]|), MIN_AMAX) / 448.
@@ -118,12 +93,12 @@ def _quantize_rows_kernel(x_ptr, idx_ptr, q_ptr, scale_ptr, num_rows, K, stride_
             ok = row_ok[:, None] & (k0 + cols < K)[None, :]
             v = tl.load(x_ptr + src[:, None] * stride_xm + (k0 + cols)[None, :], mask=ok, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
-    scale = _scale_of(amax, FP8_MAX, AMAX_FLOOR)
+    scale = scale_of(amax, FP8_MAX, AMAX_FLOOR)
     for k0 in range(0, K, BLOCK_K):
         ok = row_ok[:, None] & (k0 + cols < K)[None, :]
         if not ONE_BLOCK:
             v = tl.load(x_ptr + src[:, None] * stride_xm + (k0 + cols)[None, :], mask=ok, other=0.0).to(tl.float32)
-        q = _on_e4m3_grid(tl.math.div_rn(v, scale[:, None]))
+        q = on_e4m3_grid(tl.math.div_rn(v, scale[:, None]))
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (k0 + cols)[None, :],
                  q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
@@ -152,14 +127,6 @@ def quantize_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor] = None) 
         FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, num_warps=8,
     )
     return q, scale
-
-
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_rows` in PyTorch ops, over the last dim of ``x`` (any leading dims):
-    the recipe's definition, for the weights and for tests."""
-    amax = x.detach().float().abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX)
-    scale = amax * (1.0 / E4M3_MAX)  # the kernels' scale (_scale_of), on every device
-    return (x.detach().float() / scale).to(E4M3), scale.squeeze(-1)
 
 
 # amax_rows[e, n] = max_k |w[e, n, k]|, amax_cols[e, k] = max_n |w[e, n, k]| (both zeroed first).
@@ -193,18 +160,18 @@ def _quantize_weight_kernel(w_ptr, amax_rows_ptr, amax_cols_ptr, q_ptr, q_t_ptr,
     ks = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (ns < N)[:, None] & (ks < K)[None, :]
     v = tl.load(w_ptr + e * stride_we + ns[:, None] * stride_wn + ks[None, :], mask=ok, other=0.0).to(tl.float32)
-    scale_rows = _scale_of(tl.load(amax_rows_ptr + e * N + ns, mask=ns < N, other=1.0), FP8_MAX, AMAX_FLOOR)
-    scale_cols = _scale_of(tl.load(amax_cols_ptr + e * K + ks, mask=ks < K, other=1.0), FP8_MAX, AMAX_FLOOR)
-    q = _on_e4m3_grid(tl.math.div_rn(v, scale_rows[:, None]))
+    scale_rows = scale_of(tl.load(amax_rows_ptr + e * N + ns, mask=ns < N, other=1.0), FP8_MAX, AMAX_FLOOR)
+    scale_cols = scale_of(tl.load(amax_cols_ptr + e * K + ks, mask=ks < K, other=1.0), FP8_MAX, AMAX_FLOOR)
+    q = on_e4m3_grid(tl.math.div_rn(v, scale_rows[:, None]))
     tl.store(q_ptr + e * N * K + ns[:, None] * K + ks[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-    q_t = _on_e4m3_grid(tl.math.div_rn(v, scale_cols[None, :]))
+    q_t = on_e4m3_grid(tl.math.div_rn(v, scale_cols[None, :]))
     tl.store(q_t_ptr + e * N * K + ks[None, :] * N + ns[:, None], q_t.to(q_t_ptr.dtype.element_ty), mask=ok)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Both e4m3 copies of ``w`` [E, N, K] (any float dtype, K-contiguous rows): ``(forward,
     dx)``, forward ``(q [E, N, K], scale [E, N])`` scaled per (e, n) over K, dx ``(q [E, K, N],
-    scale [E, K])`` scaled per (e, k) over N; each :func:`quantize_rows_reference` of its
+    scale [E, K])`` scaled per (e, k) over N; each :func:`~ep_moe.kernels.e4m3.quantize_rows_reference` of its
     layout bit for bit, from two reads of ``w`` (the maxima of both layouts, then both stores)."""
     num_experts, n, k = w.shape
     w = w if w.stride(-1) == 1 else w.contiguous()
@@ -323,24 +290,49 @@ def _grad_input_fp8(qw: QuantizedWeight, dy, x, w, m_sizes, gather_index, scatte
     return dx, drw
 
 
+def _grad_weight_fp8(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config: KernelConfig,
+                     add_to=None, bounded_rows: bool = False, bias: Optional[torch.Tensor] = None,
+                     need_dw: bool = True):
+    """:func:`ep_moe.kernels.ops._grad_weight` with dW on e4m3 operands (:mod:`ep_moe.kernels.fp8_dw`:
+    dy's and x's expert-ordered rows scaled per (expert, column), ``config.BLOCK_M``-row
+    blocks); db as the bf16 GEMM's, from dy's weighted rows. Only the counted rows are read,
+    so ``bounded_rows`` needs nothing more."""
+    if not need_dw:
+        return _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, add_to,
+                            bounded_rows, bias, need_dw=False)
+    held_dw, held_db = (add_to, None) if bias is None or add_to is None else add_to
+    dw = torch.empty_like(w) if held_dw is None else held_dw
+    rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
+    dy_columns = quantize_expert_columns(dy, m_sizes, rows, config.BLOCK_M, index=scatter_index,
+                                         row_weights=row_weights)
+    x_columns = quantize_expert_columns(x, m_sizes, rows, config.BLOCK_M, index=gather_index)
+    launch_fp8_dw(dy_columns, x_columns, dw, config, accumulate=held_dw is not None)
+    if bias is None:
+        return dw
+    _, db = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
+                         bounded_rows=bounded_rows, bias=bias, need_dw=False)
+    return dw, (db if held_db is None else held_db.add_(db))
+
+
 class _GroupedGemmFP8(torch.autograd.Function):
     """The grouped GEMM's eager autograd function (:mod:`ep_moe.kernels.ops`: the inputs of
     ``ep_moe::grouped_gemm_fwd``, then the weight's :class:`QuantizedWeight`) with e4m3
-    operands in the forward and the dX; dW and the bias's gradient as the bf16 GEMM's,
-    queued where an open ``defer_weight_grads`` queue owns the weight."""
+    operands in the forward, the dX and the dW (:func:`_grad_weight_fp8`, queued where an open
+    ``defer_weight_grads`` queue owns the weight)."""
 
     @staticmethod
     def forward(ctx, *inputs_and_weight):
         *inputs, qw = inputs_and_weight
         out = _forward(qw, *inputs)
         _setup_context(ctx, inputs, out)
-        ctx.grads = functools.partial(_grads, grad_input=functools.partial(_grad_input_fp8, qw))
+        ctx.grads = functools.partial(_grads, grad_input=functools.partial(_grad_input_fp8, qw),
+                                      grad_weight=_grad_weight_fp8)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        return (*eager_backward(ctx, dy, ctx.grads), None)
+        return (*eager_backward(ctx, dy, ctx.grads, _grad_weight_fp8), None)
 
 
 def _run(qw: QuantizedWeight, x, w, m_sizes, gather_index, scatter_index, row_weights, bias, configs: GemmConfigs,
@@ -361,8 +353,8 @@ def grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, *,
                      configs: Optional[tuple[KernelConfig, KernelConfig, KernelConfig]] = None) -> torch.Tensor:
     """:func:`ep_moe.grouped_gemm`'s product, ``out[s(r)] = row_weights[s(r)] * (x[g(r)] @
     w[e(r)]^T + bias[e(r)])`` for rows sorted by expert (``m_sizes`` [E] rows each, int32),
-    with e4m3 operands in the forward and the dX (the recipe in this module's docstring) and
-    a bf16 dW; differentiable in ``x``, ``w``, ``row_weights`` and ``bias``.
+    with e4m3 operands in the forward, the dX and the dW (the recipe in this module's
+    docstring); differentiable in ``x``, ``w``, ``row_weights`` and ``bias``.
 
     ``x`` [T, K] bf16 or fp16 (read at ``gather_index[r]`` when given, else T = rows; rows
     read several times get their gradients summed in a fixed order); ``w`` [E, N, K] in x's
@@ -388,7 +380,7 @@ def grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, *,
                          f"{m_sizes.dtype} {tuple(m_sizes.shape)}")
     _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug_enabled(), False, bias,
               fp32_weights=True)
-    gemm_configs = GemmConfigs(*configs) if configs is not None else fp8_gemm_configs(x.device, x.dtype)
+    gemm_configs = GemmConfigs(*configs) if configs is not None else fp8_gemm_configs(x.device)
     return _run(quantized_weight(w), x, w, m_sizes, gather_index, scatter_index, row_weights, bias, gemm_configs,
                 "sort", False, None)
 
@@ -425,26 +417,27 @@ def layer_grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tens
         _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, True, bounded_rows, bias, fp32_weights=True)
         _check_gather_slots(gather_slots, gather_index, x.shape[0], bounded_rows)
     return _run(quantized_weight(source), x, w, m_sizes, gather_index, scatter_index, row_weights, bias,
-                configs or fp8_gemm_configs(x.device, x.dtype), "sort" if gather_slots is None else "slots",
+                configs or fp8_gemm_configs(x.device), "sort" if gather_slots is None else "slots",
                 bounded_rows, gather_slots)
 
 
 @eager_or_graph_break  # device queries: run eagerly, the configs enter as constants
-def fp8_gemm_configs(device: torch.device, dtype: torch.dtype) -> GemmConfigs:
-    """The (forward, dx, dw) kernel configs of the FP8 GEMMs on ``device`` with rows of
-    ``dtype``: 128-wide K steps (one e4m3 byte per value, so a 128-byte row per stage as
-    bf16's 64), B through TMA, dW in ``dtype``; fitted to the device's shared memory (fewer
-    stages, then shorter reduction steps: an Ada GPU has less than Hopper's); small blocks in
-    the interpreter. Not autotuned yet."""
-    return _fitted_configs(interpreter_active(), smem_limit_for(device), dtype.itemsize)
+def fp8_gemm_configs(device: torch.device) -> GemmConfigs:
+    """The (forward, dx, dw) kernel configs of the FP8 GEMMs on ``device``: forward and dX with
+    128-wide K steps (one e4m3 byte per value, so a 128-byte row per stage as bf16's 64) and B
+    through TMA; dW 128 rows a step (the padding of :mod:`ep_moe.kernels.fp8_dw`'s operands)
+    into 128 x 256 tiles; fitted to the device's shared memory (fewer stages, then shorter
+    reduction steps: an Ada GPU has less than Hopper's); small blocks in the interpreter. Not
+    autotuned yet."""
+    return _fitted_configs(interpreter_active(), smem_limit_for(device))
 
 
 @functools.lru_cache(maxsize=None)
-def _fitted_configs(interpreted: bool, smem_limit: int, row_bytes: int) -> GemmConfigs:
+def _fitted_configs(interpreted: bool, smem_limit: int) -> GemmConfigs:
     if interpreted:
         small = KernelConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
         return GemmConfigs(forward=small, dx=small, dw=small)
     rows = KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
-    dw = KernelConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
+    dw = KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3)
     return GemmConfigs(forward=fit_to_smem(rows, "forward", 1, smem_limit), dx=fit_to_smem(rows, "dx", 1, smem_limit),
-                       dw=fit_to_smem(dw, "dw", row_bytes, smem_limit))
+                       dw=fit_to_smem(dw, "dw", 1, smem_limit))
