@@ -59,43 +59,33 @@ def _expert_rows_tile(src_ptr, idx_ptr, rw_ptr, seg_start, rows_local, m_e, cols
     return v
 
 
-# amax[e, c] = max over expert e's rows r of |src[g(r), c] * rw[g(r)]| (zeroed first).
-# Tiling: one program per (padded block of BLOCK_M rows, BLOCK_C columns); each block belongs
-#   to one expert; its column maxima go to amax with atomic max (order-free: deterministic).
-@triton.jit
-def _expert_column_amax_kernel(src_ptr, idx_ptr, rw_ptr, block_ends_ptr, m_sizes_ptr, m_ends_ptr, amax_ptr,
-                               num_experts, C, stride_sm, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
-    e, seg_start, m_e, rows_local = _expert_block(block_ends_ptr, m_sizes_ptr, m_ends_ptr, num_experts,
-                                                  BLOCK_M, BLOCK_E)
-    if e < num_experts:
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        v = _expert_rows_tile(src_ptr, idx_ptr, rw_ptr, seg_start, rows_local, m_e, cols, C, stride_sm,
-                              GATHER, WEIGHTED)
-        tl.atomic_max(amax_ptr + e.to(tl.int64) * C + cols, tl.max(tl.abs(v), axis=0), mask=cols < C)
-
-
-# q_t[c, p] = e4m3(src[g(r), c] * rw[g(r)] / scale[e, c]) for the padded position p of expert
-#   e's row r (0 for padding), scale from _expert_column_amax_kernel's maxima.
-# Tiling: as the amax kernel; the tile stored transposed (rows contiguous).
+# Pass 1 (not STORE): amax[e, c] = max over expert e's rows r of |src[g(r), c] * rw[g(r)]| (zeroed
+#   first). Pass 2 (STORE): q_t[c, p] = e4m3(src[g(r), c] * rw[g(r)] / scale[e, c]) for the padded
+#   position p of expert e's row r (0 for padding), scale from pass 1's maxima.
+# Tiling: one program per (padded block of BLOCK_M rows, BLOCK_C columns); each block belongs to
+#   one expert; pass 1's column maxima go to amax with atomic max (order-free: deterministic),
+#   pass 2 stores its tile transposed (rows contiguous).
 # Fuses: the gather, the row weights, the quantization and the transpose into one pass.
 @triton.jit
-def _quantize_expert_columns_kernel(src_ptr, idx_ptr, rw_ptr, block_ends_ptr, m_sizes_ptr, m_ends_ptr, amax_ptr,
-                                    q_t_ptr, num_experts, C, stride_sm, stride_qc,
-                                    GATHER: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
-                                    BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, FP8_MAX: tl.constexpr,
-                                    AMAX_FLOOR: tl.constexpr):
+def _expert_columns_kernel(src_ptr, idx_ptr, rw_ptr, block_ends_ptr, m_sizes_ptr, m_ends_ptr, amax_ptr, q_t_ptr,
+                           num_experts, C, stride_sm, stride_qc, STORE: tl.constexpr, GATHER: tl.constexpr,
+                           WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                           BLOCK_E: tl.constexpr, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
     e, seg_start, m_e, rows_local = _expert_block(block_ends_ptr, m_sizes_ptr, m_ends_ptr, num_experts,
                                                   BLOCK_M, BLOCK_E)
     if e < num_experts:
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         v = _expert_rows_tile(src_ptr, idx_ptr, rw_ptr, seg_start, rows_local, m_e, cols, C, stride_sm,
                               GATHER, WEIGHTED)
-        amax = tl.load(amax_ptr + e.to(tl.int64) * C + cols, mask=cols < C, other=1.0)
-        q = on_e4m3_grid(tl.math.div_rn(v, scale_of(amax, FP8_MAX, AMAX_FLOOR)[None, :]))
-        positions = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        tl.store(q_t_ptr + cols.to(tl.int64)[None, :] * stride_qc + positions[:, None],
-                 q.to(q_t_ptr.dtype.element_ty), mask=(cols < C)[None, :])
+        amax_ptrs = amax_ptr + e.to(tl.int64) * C + cols
+        if STORE:
+            amax = tl.load(amax_ptrs, mask=cols < C, other=1.0)
+            q = on_e4m3_grid(tl.math.div_rn(v, scale_of(amax, FP8_MAX, AMAX_FLOOR)[None, :]))
+            positions = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            tl.store(q_t_ptr + cols.to(tl.int64)[None, :] * stride_qc + positions[:, None],
+                     q.to(q_t_ptr.dtype.element_ty), mask=(cols < C)[None, :])
+        else:
+            tl.atomic_max(amax_ptrs, tl.max(tl.abs(v), axis=0), mask=cols < C)
 
 
 class ExpertColumns:
@@ -128,11 +118,10 @@ def quantize_expert_columns(src: torch.Tensor, m_sizes: torch.Tensor, num_rows: 
         common = dict(GATHER=index is not None, WEIGHTED=row_weights is not None, BLOCK_M=block_m, BLOCK_C=block_c,
                       BLOCK_E=triton.next_power_of_2(num_experts), num_warps=8 if block_m >= 128 else 4)
         grid = (max_blocks, cdiv(cols, block_c))
-        _expert_column_amax_kernel[grid](src, index, row_weights, block_ends, m_sizes, m_ends, amax, num_experts,
-                                         cols, src.stride(0), **common)
-        _quantize_expert_columns_kernel[grid](src, index, row_weights, block_ends, m_sizes, m_ends, amax, values,
-                                              num_experts, cols, src.stride(0), values.stride(0),
-                                              FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, **common)
+        for store in (False, True):  # the maxima, then the values
+            _expert_columns_kernel[grid](src, index, row_weights, block_ends, m_sizes, m_ends, amax, values,
+                                         num_experts, cols, src.stride(0), values.stride(0), STORE=store,
+                                         FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, **common)
     scales = amax.clamp_min_(MIN_AMAX).mul_(1.0 / E4M3_MAX)
     return ExpertColumns(values, scales, block_ends, block_m)
 
