@@ -7,7 +7,8 @@ For each shape, both expert projections at T tokens (M = T*k routed rows):
   down     [M, I] -> [M, H]: ours scatters to token-slot order and multiplies the top-k
            weight in the epilogue; _grouped_mm is followed by the unpermute and the multiply.
 FLOPs: forward 2*M*N*K; forward+backward 3x that. Everything is validated against
-_grouped_mm before it is timed.
+_grouped_mm before it is timed. Forward+backward returns the gradients (``torch.autograd.grad``)
+as a training step's first backward after ``zero_grad`` does: no add into a held ``.grad``.
 
 --bias also times ours with a per-expert bias (nn.Linear's: added in the forward's
 epilogue; its gradient in the dW kernel's pass, its share of the top-k weights' gradient
@@ -16,10 +17,10 @@ forward+backward with a top-k weight gradient as in training; the two runs of ea
 the noise to read the ratio against.
 
 --fp8 also times the FP8 (e4m3) path (``ep_moe.kernels.fp8.grouped_gemm_fp8``: the rows quantized
-in the gather, forward and dX on FP8 tensor cores, dW bf16) against bf16 ``_grouped_mm`` and against
+in the gather, forward, dX and dW on FP8 tensor cores) against bf16 ``_grouped_mm`` and against
 ``torch._scaled_grouped_mm`` (rowwise e4m3, fast accumulation) with the rows quantized in separate
 eager passes; weights are quantized once outside the timing for both (once per optimizer step).
-The down projection runs on sorted rows there (no scatter or top-k weight in the FP8 path yet).
+The down projection runs on sorted rows there (no scatter or top-k weight).
 
     python benchmarks/bench_grouped_gemm.py [--tokens 8192] [--shapes all] [--sweep] [--bias] [--fp8]
 """
@@ -105,9 +106,9 @@ def time_projection(p, projection, configs):
     xsg = x_sorted.clone().requires_grad_()
     dy = torch.randn(p["rows"], p["n"], device="cuda", dtype=x.dtype)
 
-    def fwd_bwd(fn):
+    def fwd_bwd(fn, leaves):
         def run():
-            fn().backward(dy)
+            torch.autograd.grad(fn(), leaves, dy)
         return run
 
     loop_sizes = m_sizes.tolist()
@@ -117,9 +118,9 @@ def time_projection(p, projection, configs):
         "gmm_fwd": bench_ms(lambda: baseline(x_sorted, w, permute=False)),
         "gmm_perm_fwd": bench_ms(lambda: baseline(x, w, permute=True)),
         "loop_fwd": bench_ms(lambda: [xe @ we.t() for xe, we in zip(loop_x, w)]),
-        "ours_fwdbwd": bench_ms(fwd_bwd(lambda: ours(xg, wg))),
-        "gmm_fwdbwd": bench_ms(fwd_bwd(lambda: baseline(xsg, wg, permute=False))),
-        "gmm_perm_fwdbwd": bench_ms(fwd_bwd(lambda: baseline(xg, wg, permute=True))),
+        "ours_fwdbwd": bench_ms(fwd_bwd(lambda: ours(xg, wg), (xg, wg))),
+        "gmm_fwdbwd": bench_ms(fwd_bwd(lambda: baseline(xsg, wg, permute=False), (xsg, wg))),
+        "gmm_perm_fwdbwd": bench_ms(fwd_bwd(lambda: baseline(xg, wg, permute=True), (xg, wg))),
     }
     return ms, err
 
@@ -150,7 +151,8 @@ def time_bias(p, projection, configs):
         def run():
             y = grouped_gemm(leaves["x"], leaves["w"], m_sizes, bias=leaves["bias"] if with_bias else None,
                              configs=configs, **grad_kw)
-            y.backward(dy)
+            wanted = [leaves["x"], leaves["w"]] + ([leaves["bias"]] if with_bias else [])
+            torch.autograd.grad(y, wanted + ([grad_kw["row_weights"]] if down else []), dy)
         return run
 
     variants = {
@@ -213,7 +215,8 @@ def time_fp8(p, projection):
     quantized_weight(wg)
     dy = torch.randn(p["rows"], p["n"], device="cuda", dtype=x.dtype)
     ms = {"fp8_fwd": bench_ms(ours),
-          "fp8_fwdbwd": bench_ms(lambda: grouped_gemm_fp8(xg, wg, m_sizes, gather_index=gather).backward(dy))}
+          "fp8_fwdbwd": bench_ms(lambda: torch.autograd.grad(grouped_gemm_fp8(xg, wg, m_sizes, gather_index=gather),
+                                                             (xg, wg), dy))}
     a_q, a_scale = quantize_rows_reference(x_sorted)
     try:
         peer_err = rel_err(scaled_gmm(a_q, a_scale), ref)
