@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ep_moe.kernels.config import GemmConfigs, KernelConfig, fit_to_smem
 from ep_moe.kernels.e4m3 import E4M3, E4M3_MAX, MIN_AMAX, on_e4m3_grid, scale_of
-from ep_moe.kernels.fp8_dw import launch_fp8_dw, quantize_expert_columns
+from ep_moe.kernels.fp8_dw import FP8_DOT_MIN_K, launch_fp8_dw, quantize_expert_columns
 from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, interpreter_active, launch_rows, smem_limit_for
 from ep_moe.kernels.ops import (_as_int32, _check_gather_slots, _configs_from_ints, _configs_to_ints, _contiguous,
                                 _grad_input, _grad_weight, _grads, _setup_context, _validate, debug_enabled,
@@ -426,7 +426,7 @@ def fp8_gemm_configs(device: torch.device) -> GemmConfigs:
     """The (forward, dx, dw) kernel configs of the FP8 GEMMs on ``device``: forward and dX with
     128-wide K steps (one e4m3 byte per value, so a 128-byte row per stage as bf16's 64) and B
     through TMA; dW 128 rows a step (the padding of :mod:`ep_moe.kernels.fp8_dw`'s operands)
-    into 128 x 256 tiles; fitted to the device's shared memory (fewer stages, then shorter
+    into 128 x 128 tiles; fitted to the device's shared memory (fewer stages, then shorter
     reduction steps: an Ada GPU has less than Hopper's); small blocks in the interpreter. Not
     autotuned yet."""
     return _fitted_configs(interpreter_active(), smem_limit_for(device))
@@ -438,6 +438,8 @@ def _fitted_configs(interpreted: bool, smem_limit: int) -> GemmConfigs:
         small = KernelConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
         return GemmConfigs(forward=small, dx=small, dw=small)
     rows = KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
-    dw = KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3)
+    # 128 x 128 tiles of dW: with the accumulator promoted every step (and a held dW added)
+    # a 128 x 256 tile spills registers (cuobjdump of the sm_90 build)
+    dw = KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
     return GemmConfigs(forward=fit_to_smem(rows, "forward", 1, smem_limit), dx=fit_to_smem(rows, "dx", 1, smem_limit),
-                       dw=fit_to_smem(dw, "dw", 1, smem_limit))
+                       dw=fit_to_smem(dw, "dw", 1, smem_limit, smallest_reduce=FP8_DOT_MIN_K))

@@ -88,6 +88,11 @@ def _expert_columns_kernel(src_ptr, idx_ptr, rw_ptr, block_ends_ptr, m_sizes_ptr
             tl.atomic_max(amax_ptrs, tl.max(tl.abs(v), axis=0), mask=cols < C)
 
 
+FP8_DOT_MIN_K = 32
+"""The shortest reduction an FP8 ``tl.dot`` takes on NVIDIA GPUs: the dW's rows per step are a
+multiple of it."""
+
+
 class ExpertColumns:
     """Expert-ordered rows in e4m3, transposed and padded: ``values`` [C, blocks * BLOCK_M]
     (expert e's rows from padded position ``block_starts[e] * BLOCK_M``, zeros to its next
@@ -109,11 +114,13 @@ def quantize_expert_columns(src: torch.Tensor, m_sizes: torch.Tensor, num_rows: 
     num_experts, cols = m_sizes.shape[0], src.shape[1]
     src = src if src.stride(-1) == 1 else src.contiguous()
     block_ends = torch.cumsum((m_sizes + block_m - 1) // block_m, 0, dtype=torch.int32)
-    max_blocks = cdiv(num_rows, block_m) + num_experts  # no host sync: a bound, not the count
+    # no host sync: a bound of the blocks, not their count (each block of a counted expert
+    # holds one of its rows at least, and the counts sum to num_rows at most)
+    max_blocks = min(num_rows, cdiv(num_rows, block_m) + num_experts)
     m_ends = torch.cumsum(m_sizes, 0, dtype=torch.int32)
     amax = torch.zeros((num_experts, cols), device=src.device, dtype=torch.float32)
     values = torch.empty((cols, max_blocks * block_m), device=src.device, dtype=E4M3)
-    if num_experts and cols:
+    if max_blocks and cols:
         block_c = 64  # 128 bytes of a bf16 row per load
         common = dict(GATHER=index is not None, WEIGHTED=row_weights is not None, BLOCK_M=block_m, BLOCK_C=block_c,
                       BLOCK_E=triton.next_power_of_2(num_experts), num_warps=8 if block_m >= 128 else 4)
@@ -129,7 +136,7 @@ def quantize_expert_columns(src: torch.Tensor, m_sizes: torch.Tensor, num_rows: 
 # dW[e, n, k] = s_dy[e, n] * s_x[e, k] * sum over expert e's padded rows p of dy_t[n, p] * x_t[k, p]
 #   (+ dW[e, n, k] with ACCUMULATE), from ExpertColumns of dy and x.
 # Tiling: one program per (BLOCK_N x BLOCK_K tile of dW, expert), BLOCK_M padded rows a step
-#   (whole blocks: no row masks), fp32 accumulation on FP8 tensor cores.
+#   (whole blocks: no row masks), on FP8 tensor cores, promoted to fp32 every step.
 # Fuses: both operands' scales into the epilogue, and the accumulation into an existing dW.
 @triton.jit
 def _fp8_dw_kernel(dy_t_ptr, x_t_ptr, dy_scale_ptr, x_scale_ptr, block_ends_ptr, dw_ptr, N, K,
@@ -150,7 +157,9 @@ def _fp8_dw_kernel(dy_t_ptr, x_t_ptr, dy_scale_ptr, x_scale_ptr, block_ends_ptr,
     for _ in range(block_start, block_end):
         dy = tl.load(dy_ptrs, mask=n_ok[:, None], other=0.0)
         x = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(dy, tl.trans(x), acc)
+        # promoted to full fp32 every BLOCK_M rows: the FP8 tensor cores' own accumulation keeps
+        # about 14 bits, and an expert's rows are unbounded (the forward's K is the model's width)
+        acc = tl.dot(dy, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_M)
         dy_ptrs += BLOCK_M
         x_ptrs += BLOCK_M
     e64 = e.to(tl.int64)
@@ -169,6 +178,9 @@ def launch_fp8_dw(dy: ExpertColumns, x: ExpertColumns, dw: torch.Tensor, config:
     (K columns), quantized with ``config.BLOCK_M``-row blocks; ``accumulate``: added to what
     ``dw`` holds."""
     num_experts, n, k = dw.shape
+    if config.BLOCK_M % FP8_DOT_MIN_K:
+        raise ValueError(f"launch_fp8_dw: config.BLOCK_M={config.BLOCK_M}, the rows of a step, must be a multiple of "
+                         f"{FP8_DOT_MIN_K} (the FP8 tensor cores' smallest reduction)")
     if dy.block_m != config.BLOCK_M or x.block_m != config.BLOCK_M:
         raise ValueError(f"launch_fp8_dw: operands padded to {dy.block_m} and {x.block_m} rows, "
                          f"the config steps {config.BLOCK_M}")

@@ -120,10 +120,12 @@ def test_dw_operands_are_the_recipe_per_expert_column_and_dw_adds(case):
     rows, stored at whole-block offsets with zeros in the padding; dW added to a held one."""
     x, w, m_sizes, g = _problem(case, torch.float16, gather=True, seed=6)
     gen = torch.Generator().manual_seed(7)
-    rows, block = g.shape[0], 16
+    rows, block = g.shape[0] + 5, 32  # a bound past the counts, as the all-gather's rows have
+    g = torch.cat([g, torch.full((5,), 10**6, dtype=g.dtype, device=DEVICE)])  # never read
     rw = torch.rand(x.shape[0], generator=gen).to(DEVICE)
     columns = quantize_expert_columns(x, m_sizes, rows, block, index=g, row_weights=rw)
-    weighted = x.float()[g.long()] * rw[g.long()][:, None]
+    counted = g[:int(m_sizes.sum())].long()
+    weighted = x.float()[counted] * rw[counted][:, None]
     ends, start = torch.cumsum(m_sizes.long(), 0).tolist(), 0
     for e, end in enumerate(ends):
         blocks = (end - start + block - 1) // block
@@ -136,6 +138,7 @@ def test_dw_operands_are_the_recipe_per_expert_column_and_dw_adds(case):
         assert (values[:, end - start:] == 0).all(), e  # the padding
         start = end
     dy = torch.randn(rows, w.shape[1], generator=gen).to(DEVICE, torch.float16)
+    dy[m_sizes.sum():] = float("nan")  # rows past the counts are not read
     dy_columns = quantize_expert_columns(dy, m_sizes, rows, block)
     config = KernelConfig(BLOCK_M=block, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
     held = torch.randn(w.shape, generator=gen).to(DEVICE)
@@ -143,8 +146,10 @@ def test_dw_operands_are_the_recipe_per_expert_column_and_dw_adds(case):
     launch_fp8_dw(dy_columns, columns, dw, config, accumulate=True)
     want = held.double() + _dw_of_the_same_quantization(dy, weighted, m_sizes, w.shape[0])
     assert rel_err(dw, want) < 1e-6
-    with pytest.raises(ValueError, match="padded to 16 and 16 rows, the config steps 32"):
-        launch_fp8_dw(dy_columns, columns, dw, dataclasses.replace(config, BLOCK_M=32))
+    with pytest.raises(ValueError, match="padded to 32 and 32 rows, the config steps 64"):
+        launch_fp8_dw(dy_columns, columns, dw, dataclasses.replace(config, BLOCK_M=64))
+    with pytest.raises(ValueError, match="BLOCK_M=16, the rows of a step, must be a multiple of 32"):
+        launch_fp8_dw(dy_columns, columns, dw, dataclasses.replace(config, BLOCK_M=16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
