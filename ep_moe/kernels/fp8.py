@@ -205,7 +205,9 @@ class QuantizedWeight:
         self.forward, self.dx = quantize_weight(w.detach())
 
 
-_QUANTIZED = WeakIdKeyDictionary()  # weight -> QuantizedWeight, dropped with the weight
+_QUANTIZED = WeakIdKeyDictionary()
+"""A weight's storage owner (the tensor, or the base of a view) -> {the view's geometry:
+:class:`QuantizedWeight`}, dropped with the owner."""
 _optimizer_steps = 0
 """Steps of any ``torch.optim`` optimizer in this process (counted by a global step hook)."""
 _step_hook = None
@@ -217,8 +219,9 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
-    """``w``'s e4m3 copies, made once per version of ``w``, keyed on the tensor ``w`` itself
-    (pass the parameter, not a cast of it made per call). They are made again after an
+    """``w``'s e4m3 copies, made once per version of ``w``, keyed on the tensor ``w`` itself,
+    or for a view (a transposed layout's, made per call) on its base and its geometry: pass the
+    parameter or a view of it, not a cast of it made per call. They are made again after an
     in-place update of ``w`` (its version counter moves) or a step of any ``torch.optim``
     optimizer (counted by a global step hook, registered on the first call): FSDP2 writes
     the all-gathered values into its unsharded parameters without moving their version,
@@ -235,9 +238,14 @@ def quantized_weight(w: torch.Tensor) -> QuantizedWeight:
     if _step_hook is None:
         _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
     version = (w._version, _optimizer_steps)
-    held = _QUANTIZED.get(w)
+    owner = w if w._base is None else w._base  # a view made per call (a transposed layout) is keyed on its base
+    views = _QUANTIZED.get(owner)
+    if views is None:
+        views = _QUANTIZED[owner] = {}
+    geometry = (tuple(w.shape), w.stride(), w.storage_offset(), w.dtype)
+    held = views.get(geometry)
     if held is None or held.version != version:
-        held = _QUANTIZED[w] = QuantizedWeight(w, version)
+        held = views[geometry] = QuantizedWeight(w, version)
     return held
 
 

@@ -244,6 +244,11 @@ def test_weights_are_quantized_once_per_version():
     assert second is not first
     assert torch.equal(second.forward[1], 2 * first.forward[1])
     assert second.dx[0].shape == (w.shape[0], w.shape[2], w.shape[1]) and second.dx[0].is_contiguous()
+    stored = w.detach().transpose(1, 2).contiguous()  # a transposed layout, read as a view made per call
+    third = quantized_weight(stored.transpose(1, 2))
+    assert quantized_weight(stored.transpose(1, 2)) is third  # keyed on the base and the view's geometry
+    assert torch.equal(third.forward[0].view(torch.uint8), second.forward[0].view(torch.uint8))
+    assert quantized_weight(stored) is not third  # the base itself is another layout
 
 
 def test_bad_arguments_are_named():
