@@ -19,7 +19,9 @@ the noise to read the ratio against.
 --fp8 also times the FP8 (e4m3) path (``ep_moe.kernels.fp8.grouped_gemm_fp8``: the rows quantized
 in the gather, forward, dX and dW on FP8 tensor cores) against bf16 ``_grouped_mm`` and against
 ``torch._scaled_grouped_mm`` (rowwise e4m3, fast accumulation) with the rows quantized in separate
-eager passes; weights are quantized once outside the timing for both (once per optimizer step).
+eager passes; weights are quantized once outside the timing for both (once per optimizer step);
+and against torchao's FP8 MoE training GEMM where torchao imports (its own quantization, weights
+included, in every call; groups padded to 16 rows as it requires).
 The down projection runs on sorted rows there (no scatter or top-k weight).
 
     python benchmarks/bench_grouped_gemm.py [--tokens 8192] [--shapes all] [--sweep] [--bias] [--fp8]
@@ -225,7 +227,41 @@ def time_fp8(p, projection):
     except (RuntimeError, TypeError) as exc:  # not in every torch build
         print(f"  torch._scaled_grouped_mm unavailable: {exc}", flush=True)
         peer_err = None
+    ms.update(time_torchao_fp8(p, x_sorted, dy))
     return ms, err, peer_err
+
+
+def time_torchao_fp8(p, x_sorted, dy) -> dict[str, float]:
+    """torchao's FP8 MoE training GEMM (``torchao.prototype.moe_training``: rowwise e4m3 in the
+    forward and dX, per (group, column) scales in the dW, each call quantizing both operands,
+    the weight included), forward and forward+backward, where torchao imports; {} otherwise. It
+    takes groups of a multiple of 16 rows, so each expert's rows are padded up to one (up to 15
+    more rows per expert than ours run)."""
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm as peer
+    except Exception as exc:  # not installed, or built for another torch
+        print(f"  torchao's FP8 grouped GEMM unavailable: {type(exc).__name__}: {exc}", flush=True)
+        return {}
+    m_sizes = p["m_sizes"]
+    padded = (m_sizes + 15) // 16 * 16
+    ends = torch.cumsum(m_sizes, 0)
+    rows = torch.cat([torch.arange(e - m, e + pm - m, device="cuda").clamp_max(e - 1) if m else
+                      torch.zeros(0, dtype=torch.long, device="cuda")
+                      for m, pm, e in zip(m_sizes.tolist(), padded.tolist(), ends.tolist())])
+    a = x_sorted[rows].clone().requires_grad_()  # each group's last row repeated into its padding
+    w = p["w"].clone().requires_grad_()
+    offs = torch.cumsum(padded, 0, dtype=torch.int32)
+    dy_padded = dy[rows]
+
+    def forward():
+        return peer(a, w.transpose(-2, -1), offs, pad_token_groups_for_grouped_mm=False)
+
+    try:
+        return {"torchao_fwd": bench_ms(forward),
+                "torchao_fwdbwd": bench_ms(lambda: torch.autograd.grad(forward(), (a, w), dy_padded))}
+    except Exception as exc:  # a prototype: an API that moved is reported, not fatal
+        print(f"  torchao's FP8 grouped GEMM failed: {type(exc).__name__}: {exc}", flush=True)
+        return {}
 
 
 def sweep(p, projection, which):
@@ -315,6 +351,9 @@ def main() -> None:
                 row.update(fp8_ms=fp8_ms, fp8_err_vs_grouped_mm=fp8_err, scaled_gmm_err_vs_grouped_mm=peer_err)
                 peer = (f" | scaled_gmm {fp8_ms['scaled_gmm_fwd']:.3f} ms alone, "
                         f"{fp8_ms['scaled_gmm_quant_fwd']:.3f} with its quantization" if peer_err is not None else "")
+                if "torchao_fwd" in fp8_ms:
+                    peer += (f" | torchao fwd {fp8_ms['torchao_fwd']:.3f} fwd+bwd {fp8_ms['torchao_fwdbwd']:.3f} ms "
+                             "(groups padded to 16)")
                 print(f"{name:16s} {projection:7s} FP8 fwd {fp8_ms['fp8_fwd']:.3f} ms "
                       f"({flops / fp8_ms['fp8_fwd'] / 1e9:.0f} TF/s, {ms['gmm_fwd'] / fp8_ms['fp8_fwd']:.2f}x bf16 gmm) "
                       f"fwd+bwd {fp8_ms['fp8_fwdbwd']:.3f} ms ({ms['gmm_fwdbwd'] / fp8_ms['fp8_fwdbwd']:.2f}x) "
