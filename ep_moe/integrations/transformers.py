@@ -25,6 +25,18 @@ dispatchers (``dispatch="auto"``: the all-gather or the all-to-all, :mod:`ep_moe
 transformers' own expert parallelism (``DistributedConfig``) calls the experts with local
 ids and its sentinel id (``>= num_experts``) for slots of other ranks; those slots are left
 out here as there (no output, no gradient).
+
+FP8 experts (``expert_precision="fp8"`` of :func:`expert_parallel`, :func:`from_pretrained`,
+and of ``ep_moe.train`` through ``moe.expert_precision``) run both grouped GEMMs of every
+experts module in e4m3 as :attr:`ep_moe.MoEConfig.expert_precision` describes (forward, dX
+and dW on FP8 tensor cores; the module's weights quantized once per optimizer step, a
+transposed layout through its view): on the Triton kernels (``backend="auto"`` picks them for
+FP8 on any device), on GPUs with FP8 tensor cores (or the CPU under ``TRITON_INTERPRET=1``).
+Anything else raises naming the argument and the fix, at :func:`expert_parallel` where it can
+tell (``backend="torch"``, a device without FP8, ``dispatch="all_gather_copy_engine"``), else
+at the first call; never a bf16 result instead. At EP=1 ``expert_parallel(model, None,
+expert_precision="fp8")`` sets it (a model loaded with ``experts_implementation="ep_moe"``
+alone runs the default, bf16 in the compute dtype).
 """
 
 from __future__ import annotations
@@ -46,12 +58,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.config import Dispatch, MoEConfig, check_experts_divide
+from ep_moe.config import Dispatch, ExpertPrecision, MoEConfig, check_experts_divide
 from ep_moe.distributed import all_gather_single, check_same_config, group_size, mark_expert_param, resolve_ep_group
 from ep_moe.ep import build_dispatcher
 from ep_moe.experts import ActivationArg, StackedExpertsMath, compute_dtype
 from ep_moe.forward_graphs import ForwardGraphs, graphable, only_own_modules
 from ep_moe.kernels.activation import ClampedSwiGLU
+from ep_moe.kernels.fp8 import fp8_supported
+from ep_moe.kernels.grouped_gemm import interpreter_active
 from ep_moe.routing import RouterOutput, count_ids
 
 try:
@@ -71,7 +85,8 @@ _GRAPHABLE_LIBRARIES = ("transformers.", "torch.nn.", "ep_moe.")
 
 @dataclass(frozen=True)
 class ExpertsOptions:
-    """How ep_moe runs one experts module (set by :func:`expert_parallel`)."""
+    """How ep_moe runs one experts module (set by :func:`expert_parallel`, also at EP=1:
+    ``expert_parallel(model, None, ...)``; a module never passed there runs the defaults)."""
 
     dispatch: Dispatch = "auto"
     """At EP>1, how the tokens reach the experts (:attr:`ep_moe.MoEConfig.dispatch`)."""
@@ -79,6 +94,40 @@ class ExpertsOptions:
     """The grouped GEMM: Triton kernels, the torch reference, or ``"auto"`` (Triton on CUDA)."""
     all_gather_row_bound: Optional[float] = None
     """The all-gather dispatches' row bound (:attr:`ep_moe.MoEConfig.all_gather_row_bound`)."""
+    expert_precision: ExpertPrecision = "bf16"
+    """The experts' GEMM operands: ``"bf16"``, the compute dtype, or ``"fp8"``, e4m3
+    (:attr:`ep_moe.MoEConfig.expert_precision`): the Triton kernels, a device with FP8 tensor
+    cores; not with ``backend="torch"`` nor ``dispatch="all_gather_copy_engine"`` (raises here)."""
+
+    def __post_init__(self) -> None:
+        choices = ("bf16", "fp8")
+        if self.expert_precision not in choices:
+            raise ValueError(f"ExpertsOptions.expert_precision={self.expert_precision!r}: use one of {choices}")
+        if self.expert_precision != "fp8":
+            return
+        if self.backend == "torch":
+            raise ValueError("ExpertsOptions.expert_precision='fp8' runs the experts' GEMMs on ep_moe's FP8 Triton "
+                             "kernels, but backend='torch' is the plain-PyTorch path; pass backend='auto' (or "
+                             "'triton'), or expert_precision='bf16'")
+        if self.dispatch == "all_gather_copy_engine":
+            raise ValueError("ExpertsOptions.expert_precision='fp8' with dispatch='all_gather_copy_engine': the copy "
+                             "engines hand over rows still landing, which only the bf16 GEMM waits for; pass "
+                             "dispatch='all_gather' or 'all_to_all', or expert_precision='bf16'")
+
+
+def _check_fp8_device(device: torch.device, where: str) -> None:
+    """Raise where FP8 experts cannot run on ``device`` (:func:`ep_moe.kernels.fp8.fp8_supported`),
+    naming ``where`` and the fix. As :func:`ep_moe.experts.check_fp8_device`, a CPU stands for
+    the current GPU where there is one and the interpreter is off (a model built on the CPU,
+    then moved), and the meta device is left to the first call."""
+    if device.type == "meta":
+        return
+    if device.type == "cpu" and not interpreter_active() and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    ok, why = fp8_supported(device)
+    if not ok:
+        raise ValueError(f"{where}: expert_precision='fp8' (FP8 experts): {why}; or pass expert_precision='bf16' "
+                         "(the default)")
 
 
 def unsupported_reason(module: nn.Module) -> Optional[str]:
@@ -186,7 +235,10 @@ class HFExperts(StackedExpertsMath):
             hidden_size=hidden, intermediate_size=inter, num_experts=num_experts, top_k=top_k,
             activation=self.activation if isinstance(self.activation, str) else ("swiglu" if gated else "identity"),
             mlp_bias=module.has_bias, dispatch=options.dispatch, backend=options.backend,
-            all_gather_row_bound=options.all_gather_row_bound, ep_size=group_size(group))
+            all_gather_row_bound=options.all_gather_row_bound, expert_precision=options.expert_precision,
+            ep_size=group_size(group))
+        self.fp8_devices: set[torch.device] = set()
+        """With ``expert_precision="fp8"``: the devices a call checked FP8 runs on (:meth:`check_device`)."""
         self.num_local_experts = local
         rank = 0 if group is None else dist.get_rank(group)
         self.dispatcher = build_dispatcher(self.config, group, rank, group_size(group), local)
@@ -196,6 +248,13 @@ class HFExperts(StackedExpertsMath):
         self._problems = {}
         self.last_tokens_per_expert: Optional[torch.Tensor] = None
         """[E] tokens of this rank per global expert in the last call (:func:`expert_load`)."""
+
+    def check_device(self, x: torch.Tensor) -> None:
+        """With ``expert_precision="fp8"``, at the first call on a device: raise where it has
+        no FP8 tensor cores (naming the option and the fix), before any exchange."""
+        if self.config.expert_precision == "fp8" and x.device not in self.fp8_devices:
+            _check_fp8_device(x.device, f"{type(self.module).__name__} under experts_implementation='ep_moe'")
+            self.fp8_devices.add(x.device)
 
     def agree(self, x_TH: torch.Tensor) -> None:
         """First call at EP>1: every rank of the group checks that all run the same experts
@@ -319,9 +378,10 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     weights'). At EP=1 a small call without autograd replays a CUDA graph once its shapes
     recur (:mod:`ep_moe.forward_graphs`)."""
     runner = _runner(module, top_k_index.shape[-1])
+    runner.check_device(hidden_states)
     backend = runner.config.backend
-    if backend == "auto":
-        backend = "triton" if hidden_states.is_cuda else "torch"
+    if backend == "auto":  # FP8: Triton's kernels on any device (the CPU under the interpreter)
+        backend = "triton" if hidden_states.is_cuda or runner.config.expert_precision == "fp8" else "torch"
     call = functools.partial(_routed_experts, runner, backend)
     if runner.takes_graphs(hidden_states, backend):
         return runner.forward_graphs(runner, (hidden_states, top_k_index, top_k_weights), call)
@@ -372,7 +432,8 @@ _EXPERT_TENSOR_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bi
 
 def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, DeviceMesh], *,
                     dispatch: Dispatch = "auto", backend: Backend = "auto",
-                    all_gather_row_bound: Optional[float] = None) -> nn.Module:
+                    all_gather_row_bound: Optional[float] = None,
+                    expert_precision: ExpertPrecision = "bf16") -> nn.Module:
     """Split every experts module of ``model`` over ``ep_group`` (a ProcessGroup, a 1-D
     DeviceMesh, or None for EP=1, which only sets the options) and run it with ep_moe.
 
@@ -382,15 +443,27 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
     feeds its own tokens; the router's global expert ids reach the right rank through
     ``dispatch``. Sets ``experts_implementation="ep_moe"``. Call on every rank of the group,
     with the same model, before building the optimizer. Returns ``model``.
+
+    ``expert_precision="fp8"``: the experts' grouped GEMMs in e4m3
+    (:attr:`ExpertsOptions.expert_precision`); raises here, naming the fix, with
+    ``backend="torch"`` or where the experts' device has no FP8 tensor cores (a CPU without
+    ``TRITON_INTERPRET=1``; the meta device is left to the first call).
     """
     group = resolve_ep_group(ep_group)
     size = group_size(group)
     rank = 0 if group is None else dist.get_rank(group)
-    options = ExpertsOptions(dispatch=dispatch, backend=backend, all_gather_row_bound=all_gather_row_bound)
+    try:
+        options = ExpertsOptions(dispatch=dispatch, backend=backend, all_gather_row_bound=all_gather_row_bound,
+                                 expert_precision=expert_precision)
+    except ValueError as err:
+        raise ValueError(f"expert_parallel: {err}") from None
     modules = experts_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no transformers experts module (@use_experts_implementation); "
                          "expert_parallel splits the experts of a transformers MoE model")
+    if expert_precision == "fp8":  # before any module is split
+        for name, module in modules:
+            _check_fp8_device(module.down_proj.device, f"expert_parallel: {name}")
     for name, module in modules:
         reason = unsupported_reason(module)
         if reason is not None:
@@ -506,20 +579,32 @@ def _parameters_on_meta():
 def from_pretrained(model_class, path: str, ep_group: Union[None, ProcessGroup, DeviceMesh], *,
                     dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
                     dispatch: Dispatch = "auto", backend: Backend = "auto",
-                    all_gather_row_bound: Optional[float] = None, **config_kwargs) -> nn.Module:
+                    all_gather_row_bound: Optional[float] = None, expert_precision: ExpertPrecision = "bf16",
+                    **config_kwargs) -> nn.Module:
     """``model_class.from_pretrained(path)`` split over ``ep_group`` as :func:`expert_parallel`
     splits it, each rank reading only its own experts from the safetensors files (and every
     dense tensor). ``model_class``: an Auto class (``AutoModelForCausalLM``) or a model
     class; ``path``: a local HF folder with safetensors weights; ``dtype``: of the
     parameters (default: the checkpoint's); ``config_kwargs`` go to ``AutoConfig``. Returns
-    the model in eval mode, on ``device``, with ``experts_implementation="ep_moe"``. Raises
-    naming the tensors the checkpoint lacks or holds in another shape."""
+    the model in eval mode, on ``device``, with ``experts_implementation="ep_moe"``;
+    ``dispatch``, ``backend``, ``all_gather_row_bound`` and ``expert_precision`` (``"fp8"``:
+    e4m3 experts) as :func:`expert_parallel` takes them, checked before any file is read (FP8
+    on ``device`` too). Raises naming the tensors the checkpoint lacks or holds in another
+    shape."""
     from transformers import AutoConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
     from safetensors import safe_open
 
+    options = dict(dispatch=dispatch, backend=backend, all_gather_row_bound=all_gather_row_bound,
+                   expert_precision=expert_precision)
+    try:
+        ExpertsOptions(**options)
+    except ValueError as err:
+        raise ValueError(f"from_pretrained: {err}") from None
+    if expert_precision == "fp8":
+        _check_fp8_device(torch.device(device), f"from_pretrained(device={str(device)!r})")
     config = AutoConfig.from_pretrained(path, **config_kwargs)
     if getattr(config, "quantization_config", None) is not None:
         raise NotImplementedError(f"{path} is a quantized checkpoint ({config.quantization_config}); "
@@ -528,7 +613,7 @@ def from_pretrained(model_class, path: str, ep_group: Union[None, ProcessGroup, 
     build = getattr(model_class, "from_config", None) or model_class._from_config
     with _parameters_on_meta():
         model = build(config, dtype=dtype) if dtype is not None else build(config)
-    expert_parallel(model, ep_group, dispatch=dispatch, backend=backend, all_gather_row_bound=all_gather_row_bound)
+    expert_parallel(model, ep_group, **options)
     for module in model.modules():  # the buffers (parameters stay on meta until loaded)
         for name, buffer in module._buffers.items():
             if buffer is not None:
