@@ -253,7 +253,8 @@ class JobConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of ``ep_moe.MoEConfig`` other than ``hidden_size``."""
+    """Keyword arguments of ``ep_moe.MoEConfig`` other than ``hidden_size``; with
+    ``model.hf``, only :data:`HF_MOE_KEYS` (``expert_precision`` among them)."""
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -376,7 +377,7 @@ class Origins:
         """Who set the keys of ``table`` that ``message`` (a dataclass's error) names: the
         command line first; the default source when it names none that was set."""
         named = [self.of(f"{section}.{key}") for key in table
-                 if re.search(rf"\b(?:{section}|MoEConfig)\.{re.escape(key)}\b", message)]
+                 if re.search(rf"\b(?:{section}|MoEConfig|ExpertsOptions)\.{re.escape(key)}\b", message)]
         named.sort(key=lambda origin: not origin.startswith("--"))
         return named[0] if named else self.default
 
@@ -475,9 +476,11 @@ def build_job_config(raw: dict[str, Any], source: Union[Origins, str] = "config"
     return job
 
 
-HF_MOE_KEYS = ("dispatch", "backend", "all_gather_row_bound")
-"""The ``[moe]`` keys of an HF model (``model.hf``): how ep_moe runs its experts; the rest
-of the experts' shape comes from its config.json."""
+HF_MOE_KEYS = ("dispatch", "backend", "all_gather_row_bound", "expert_precision")
+"""The ``[moe]`` keys of an HF model (``model.hf``): how ep_moe runs its experts
+(``ep_moe.integrations.transformers.ExpertsOptions``; ``expert_precision='fp8'``: e4m3
+expert GEMMs, refused before the process group on a device without FP8); the rest of the
+experts' shape comes from its config.json."""
 
 
 def _check_hf(raw: dict[str, Any], job: JobConfig, origins: Origins) -> None:

@@ -225,14 +225,19 @@ class HFCausalLM(nn.Module):
 
 def build_hf_model(spec: HFModelSpec, ep_group, *, device: torch.device, dtype: torch.dtype, seed: int,
                    dispatch: str = "auto", backend: str = "auto",
-                   all_gather_row_bound: Optional[float] = None) -> HFCausalLM:
+                   all_gather_row_bound: Optional[float] = None, expert_precision: str = "bf16") -> HFCausalLM:
     """The model of ``spec`` split over ``ep_group`` (None: EP=1), on ``device`` with
     parameters in ``dtype``: each rank reads its own experts from the folder's weights, or,
     without weights, builds the whole model on ``device`` from ``seed`` (alike on every rank
-    of a device type) and keeps its experts. Call on every rank of the EP group."""
+    of a device type) and keeps its experts. ``dispatch``, ``backend``,
+    ``all_gather_row_bound`` and ``expert_precision`` (``"fp8"``: e4m3 expert GEMMs) are the
+    ``[moe]`` keys of an HF model (``config.HF_MOE_KEYS``), as
+    ``ep_moe.integrations.transformers.expert_parallel`` takes them. Call on every rank of
+    the EP group."""
     import ep_moe.integrations.transformers as ep_hf
 
-    options = dict(dispatch=dispatch, backend=backend, all_gather_row_bound=all_gather_row_bound)
+    options = dict(dispatch=dispatch, backend=backend, all_gather_row_bound=all_gather_row_bound,
+                   expert_precision=expert_precision)
     if spec.has_weights:
         hf = ep_hf.from_pretrained(spec.model_class, spec.path, ep_group, dtype=dtype, device=device, **options)
     else:  # built on the device (its initialisation is the slow part), alike on every rank

@@ -136,8 +136,9 @@ def check_parallel(job: JobConfig, world_size: int, num_experts: int) -> int:
 
 def check_expert_precision(job: JobConfig, device: torch.device) -> None:
     """``ConfigError`` when ``moe.expert_precision='fp8'`` asks for FP8 experts that ``device``
-    cannot run (:func:`ep_moe.kernels.fp8.fp8_supported`): one line on every rank before the
-    process group, not a traceback from the layer's construction."""
+    cannot run (:func:`ep_moe.kernels.fp8.fp8_supported`), the built-in model's or an HF
+    model's (``model.hf``, whose ``[moe]`` takes the key too): one line on every rank before
+    the process group, not a traceback from the layer's construction or the first step."""
     if job.moe.get("expert_precision") != "fp8":
         return
     ok, why = fp8_supported(device)
@@ -520,7 +521,8 @@ class Trainer:
 
     def _build_model(self) -> torch.nn.Module:
         """The built-in model or the HF model, split over the EP group, parameters in
-        ``training.param_dtype``; seeded alike on every rank."""
+        ``training.param_dtype``; seeded alike on every rank. ``[moe]`` goes to the HF model's
+        experts as it is (``HF_MOE_KEYS``: ``moe.expert_precision`` among them)."""
         job, tcfg, ranks = self.job, self.job.training, self.ranks
         dtype = torch.bfloat16 if tcfg.param_dtype == "bfloat16" else torch.float32
         if self.hf_spec is not None:
