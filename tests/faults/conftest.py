@@ -1,7 +1,9 @@
-"""Fixtures the trainer's fault probes share: its modules in this process, outside torchrun."""
+"""Fixtures the trainer's fault probes share: its modules in this process, outside torchrun; a
+bound on every probe of a module that sets ``PROBE_TIMEOUT_S``."""
 
 from __future__ import annotations
 
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -30,3 +32,21 @@ def group(train):
     """A gloo group of one, as the trainer forms without torchrun."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
+
+
+@pytest.fixture(autouse=True)
+def no_hang(request):
+    """Every probe of a module with ``PROBE_TIMEOUT_S`` ends within it, or fails as a hang."""
+    seconds = getattr(request.module, "PROBE_TIMEOUT_S", None)
+    if seconds is None:
+        yield
+        return
+
+    def timed_out(signum, frame):
+        raise TimeoutError(f"probe still running after {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, timed_out)
+    signal.alarm(seconds)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

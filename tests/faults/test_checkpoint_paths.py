@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -40,56 +39,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tiny_trainer import TINY, build, layout, tiny_hf_model
+
 pytestmark = pytest.mark.faults
 
-REPO = Path(__file__).resolve().parents[2]
 PROBE_TIMEOUT_S = 120
-TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
-        "--set", "moe.num_experts=4", "--set", "moe.intermediate_size=32", "--set", "moe.top_k=2",
-        "--set", "training.batch_size=2", "--set", "training.seq_len=16", "--set", "training.device='cpu'",
-        "--set", "logging.eval_interval=0", "--set", "logging.progress_bar=false",
-        "--set", "logging.sample_prompt=''", "--set", "data.synthetic_bytes=8192"]
 STEPS = (10, 20, 30)
-
-
-@pytest.fixture(autouse=True)
-def no_hang():
-    """Every probe ends within PROBE_TIMEOUT_S, or fails as a hang."""
-    def timed_out(signum, frame):
-        raise TimeoutError(f"probe still running after {PROBE_TIMEOUT_S} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, timed_out)
-    signal.alarm(PROBE_TIMEOUT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
-def _layout(train):
-    return train.checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1)
-
-
-def _build(train, *extra: str):
-    job = train.config.parse_args([*TINY, *extra])
-    torch.manual_seed(0)
-    net = train.model.MoETransformer(job.model, job.moe_config(), None)
-    optimizer = train.trainer.build_optimizer(net, job.training, torch.device("cpu"))
-    for p in net.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return job, net, optimizer
 
 
 def _save(train, root: Path, step: int, built, keep: int = 0) -> Path:
     job, net, optimizer = built
-    return train.checkpoint.save_checkpoint(root, step, _layout(train), net, optimizer,
+    return train.checkpoint.save_checkpoint(root, step, layout(train), net, optimizer,
                                              {"step": step, "data": {"step": step}}, {"config": job.to_dict()}, keep)
 
 
 def _resume(train, spec: str, root: Path):
-    job, net, optimizer = _build(train)
-    return train.checkpoint.resume(spec, root, _layout(train), net, optimizer, job.to_dict())
+    job, net, optimizer = build(train)
+    return train.checkpoint.resume(spec, root, layout(train), net, optimizer, job.to_dict())
 
 
 def _ckpt(root: Path, step: int) -> Path:
@@ -105,7 +71,7 @@ def saved(train, group, tmp_path):
     """Complete checkpoints of steps 10, 20 and 30 in ``tmp_path / "ckpt"``, and a complete
     archived one of step 5 in ``tmp_path / "archive"``."""
     root, archive = tmp_path / "ckpt", tmp_path / "archive"
-    built = _build(train)
+    built = build(train)
     for step in STEPS:
         _save(train, root, step, built)
     _save(train, archive, 5, built)
@@ -457,16 +423,8 @@ def test_hf_model_resumed_past_the_last_step_is_still_exported(train, tmp_path, 
     """An HF model resumed at training.steps: nothing trained, a warning, and the export
     that ``--export-hf`` asks for is written."""
     transformers = pytest.importorskip("transformers")
-    sys.path.insert(0, str(REPO / "tests"))
-    try:
-        from hf_models import tiny_model
-        from text_data import sample_documents, train_tokenizer, write_jsonl
-    finally:
-        sys.path.remove(str(REPO / "tests"))
-    hf_dir = tmp_path / "qwen3_moe"
-    tiny_model("qwen3_moe", vocab=320, std=0.05).save_pretrained(hf_dir)
-    train_tokenizer(hf_dir, sample_documents(60, seed=1))
-    corpus = write_jsonl(tmp_path / "docs.jsonl", sample_documents(200, seed=2))
+    hf = tiny_hf_model(tmp_path, documents=200)
+    hf_dir, corpus = hf.folder, hf.corpus
     common = ["--hf-model", str(hf_dir), "--data", str(corpus), "--steps", "2", "--set", "logging.eval_interval=0",
               "--set", "logging.progress_bar=false", "--set", "training.batch_size=2", "--set", "training.seq_len=16",
               "--checkpoint-dir", str(tmp_path / "ckpt")]

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_trainer import tiny_hf_model
+
 pytestmark = pytest.mark.faults
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,16 +128,8 @@ def test_token_cache_truncated(tmp_path):
     """The token cache of tokenized text (an HF model's) truncated after it was mapped:
     stopped naming the cache file and the fix, not killed by SIGBUS."""
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(REPO / "tests"))
-    try:
-        from hf_models import tiny_model
-        from text_data import sample_documents, train_tokenizer, write_jsonl
-    finally:
-        sys.path.remove(str(REPO / "tests"))
-    hf_dir = tmp_path / "qwen3_moe"
-    tiny_model("qwen3_moe", vocab=320, std=0.05).save_pretrained(hf_dir)
-    train_tokenizer(hf_dir, sample_documents(60, seed=1))
-    corpus = write_jsonl(tmp_path / "docs.jsonl", sample_documents(100, seed=2))
+    hf = tiny_hf_model(tmp_path)
+    hf_dir, corpus = hf.folder, hf.corpus
     proc = _run(tmp_path, "cache", "start", str(corpus),
                 ["--hf-model", str(hf_dir), "--data", str(corpus), "--steps", "2", "--set", "logging.eval_interval=0",
                  "--set", "logging.progress_bar=false", "--set", "training.batch_size=2",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ep_moe.experts as experts_mod
-from ep_moe import GemmConfigs, KernelConfig, MoEConfig, MoELayer, grouped_gemm
+from ep_moe import KernelConfig, MoEConfig, MoELayer, grouped_gemm
 from ep_moe.kernels.ops import grouped_gemm_slot_sum
 from ep_moe.kernels.reference import grouped_gemm_reference
 from ep_moe.layer import moe_aux_loss

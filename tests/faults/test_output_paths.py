@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,28 +28,14 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tiny_trainer import TINY as TINY_RUN, tiny_hf_model
+
 pytestmark = pytest.mark.faults
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 PROBE_TIMEOUT_S = 120
-TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
-        "--set", "moe.num_experts=4", "--set", "moe.intermediate_size=32", "--set", "moe.top_k=2",
-        "--set", "training.batch_size=2", "--set", "training.seq_len=16", "--set", "training.device='cpu'",
-        "--set", "logging.eval_interval=0", "--set", "logging.progress_bar=false",
-        "--set", "logging.sample_prompt=''", "--set", "data.synthetic_bytes=8192", "--steps", "2"]
-
-
-@pytest.fixture(autouse=True)
-def no_hang():
-    def timed_out(signum, frame):
-        raise TimeoutError(f"probe still running after {PROBE_TIMEOUT_S} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, timed_out)
-    signal.alarm(PROBE_TIMEOUT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+TINY = [*TINY_RUN, "--steps", "2"]
 
 
 @pytest.fixture
@@ -206,16 +191,8 @@ def test_export_hf_that_is_a_file(train, no_training, tmp_path):
     """An HF model whose ``--export-hf`` names a file: refused before step 1, not after the
     run with the export's raw error."""
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(REPO / "tests"))
-    try:
-        from hf_models import tiny_model
-        from text_data import sample_documents, train_tokenizer, write_jsonl
-    finally:
-        sys.path.remove(str(REPO / "tests"))
-    hf_dir = tmp_path / "qwen3_moe"
-    tiny_model("qwen3_moe", vocab=320, std=0.05).save_pretrained(hf_dir)
-    train_tokenizer(hf_dir, sample_documents(60, seed=1))
-    corpus = write_jsonl(tmp_path / "docs.jsonl", sample_documents(100, seed=2))
+    hf = tiny_hf_model(tmp_path)
+    hf_dir, corpus = hf.folder, hf.corpus
     target = tmp_path / "export"
     target.write_text("x")
     _refused(train, ["--hf-model", str(hf_dir), "--data", str(corpus), "--checkpoint-dir", str(tmp_path / "ckpt"),

@@ -12,7 +12,6 @@ bug planted (the planted change is named in each test's docstring):
 
 import contextlib
 import dataclasses
-import math
 import re
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 import ep_moe.experts as experts_mod
 import ep_moe.forward_graphs as fg
 from dist_utils import run_distributed
-from ep_moe import MoEConfig, MoELayer
+from ep_moe import MoELayer
 from ep_moe.ep.all_gather import gathered_routing, row_bound
 from ep_moe.routing import combine_slots, route
 from layer_helpers import E, H, _config

@@ -33,10 +33,8 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -46,15 +44,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tiny_trainer import TINY, build, layout
+
 pytestmark = pytest.mark.faults
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE_TIMEOUT_S = 60
-TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
-        "--set", "moe.num_experts=4", "--set", "moe.intermediate_size=32", "--set", "moe.top_k=2",
-        "--set", "training.batch_size=2", "--set", "training.seq_len=16", "--set", "training.device='cpu'",
-        "--set", "logging.eval_interval=0", "--set", "logging.progress_bar=false",
-        "--set", "logging.sample_prompt=''", "--set", "data.synthetic_bytes=8192"]
 STEPS = (10, 20, 30)
 """The checkpoints the ``saved`` fixture writes."""
 
@@ -63,38 +58,8 @@ class Kill(BaseException):
     """A simulated kill: a BaseException, so no ``except Exception`` in the code catches it."""
 
 
-@pytest.fixture(autouse=True)
-def no_hang():
-    """Every probe ends within PROBE_TIMEOUT_S, or fails as a hang."""
-    def timed_out(signum, frame):
-        raise TimeoutError(f"probe still running after {PROBE_TIMEOUT_S} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, timed_out)
-    signal.alarm(PROBE_TIMEOUT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
-def _layout(train):
-    return train.checkpoint.Layout(rank=0, world_size=1, ep_rank=0, ep_size=1)
-
-
-def _build(train, *extra: str):
-    """This config's job, model (seed 0) and AdamW with state (one step of small gradients)."""
-    job = train.config.parse_args([*TINY, *extra])
-    torch.manual_seed(0)
-    net = train.model.MoETransformer(job.model, job.moe_config(), None)
-    optimizer = train.trainer.build_optimizer(net, job.training, torch.device("cpu"))
-    for p in net.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return job, net, optimizer
-
-
 def _save(train, root: Path, step: int, job, net, optimizer, keep: int = 0) -> Path:
-    return train.checkpoint.save_checkpoint(root, step, _layout(train), net, optimizer, {"step": step, "data": {"step": step}},
+    return train.checkpoint.save_checkpoint(root, step, layout(train), net, optimizer, {"step": step, "data": {"step": step}},
                                         {"config": job.to_dict()}, keep)
 
 
@@ -102,7 +67,7 @@ def _save(train, root: Path, step: int, job, net, optimizer, keep: int = 0) -> P
 def saved(train, group, tmp_path):
     """Complete checkpoints of steps 10, 20 and 30 in ``tmp_path / "ckpt"``."""
     root = tmp_path / "ckpt"
-    job, net, optimizer = _build(train)
+    job, net, optimizer = build(train)
     for step in STEPS:
         _save(train, root, step, job, net, optimizer)
     return SimpleNamespace(root=root, job=job, net=net, optimizer=optimizer)
@@ -114,13 +79,13 @@ def _ckpt(root: Path, step: int) -> Path:
 
 def _load(train, path: Path, *extra: str) -> dict:
     """``load_checkpoint`` of ``path`` into a fresh model of the TINY config (+ ``extra``)."""
-    job, net, optimizer = _build(train, *extra)
-    return train.checkpoint.load_checkpoint(path, _layout(train), net, optimizer, job.to_dict())
+    job, net, optimizer = build(train, *extra)
+    return train.checkpoint.load_checkpoint(path, layout(train), net, optimizer, job.to_dict())
 
 
 def _resume(train, spec: str, root: Path, *extra: str):
-    job, net, optimizer = _build(train, *extra)
-    return train.checkpoint.resume(spec, root, _layout(train), net, optimizer, job.to_dict())
+    job, net, optimizer = build(train, *extra)
+    return train.checkpoint.resume(spec, root, layout(train), net, optimizer, job.to_dict())
 
 
 def _listing(root: Path) -> list[str]:
@@ -606,7 +571,7 @@ def test_non_finite_state_is_never_saved(train, saved, where, value):
 
 @pytest.mark.parametrize("fault", ["nan_loss", "inf_grad"])
 def test_non_finite_step_is_flagged_and_left_unclipped(train, group, fault):
-    job, net, _ = _build(train)
+    job, net, _ = build(train)
     for p in net.parameters():
         p.grad = torch.full_like(p, 10.0)
     loss = torch.tensor(float("nan") if fault == "nan_loss" else 1.0)
