@@ -543,6 +543,7 @@ def test_another_model_config_names_the_fields(train, saved, change, named):
         _resume(train, str(_ckpt(saved.root, 30)), saved.root, *change)
     message = str(err.value)
     assert "saved with another model config (" in message and named in message, message
+    assert message.index(named) < message.index("so its tensors do not fit this model"), message
     assert message.index(named) < message.find("size mismatch") or "size mismatch" not in message
 
 
