@@ -351,19 +351,20 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     return once_differentiable_output(_summed_per_token(y_RH, slot_sum, slots_per_token, backend), backend)
 
 
-def check_fp8_device(device: torch.device) -> None:
+def check_fp8_device(device: torch.device, where: str = "MoEConfig.expert_precision='fp8'") -> None:
     """At construction of experts with ``expert_precision="fp8"`` on ``device``: raise where
-    it has no FP8 tensor cores (:func:`~ep_moe.kernels.fp8.fp8_supported`), naming why and
-    the fix. A CPU stands for the current GPU where there is one and the Triton interpreter is
-    off (a model built on the CPU and then moved, as the trainer does); the meta device is
-    left to the first call (:func:`~ep_moe.kernels.fp8.layer_grouped_gemm_fp8` checks there)."""
+    it has no FP8 tensor cores (:func:`~ep_moe.kernels.fp8.fp8_supported`), naming ``where``,
+    why and the fix. A CPU stands for the current GPU where there is one and the Triton
+    interpreter is off (a model built on the CPU and then moved, as the trainer does); the meta
+    device is left to the first call (:func:`~ep_moe.kernels.fp8.layer_grouped_gemm_fp8`
+    checks there)."""
     if device.type == "meta":
         return
     if device.type == "cpu" and not interpreter_active() and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     ok, why = fp8_supported(device)
     if not ok:
-        raise ValueError(f"MoEConfig.expert_precision='fp8': {why}; or use expert_precision='bf16'")
+        raise ValueError(f"{where}: {why}; or use expert_precision='bf16' (the default)")
 
 
 def _check_slots_per_token(slots_per_token: Optional[int], scatter_index: Optional[torch.Tensor],

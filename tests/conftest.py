@@ -82,6 +82,22 @@ def device() -> torch.device:
     return torch.device("cuda") if ON_GPU else torch.device("cpu")
 
 
+@pytest.fixture
+def quantizations(monkeypatch) -> list:
+    """The weights given FP8 copies so far in the test (each ``QuantizedWeight`` made by
+    :func:`ep_moe.kernels.fp8.quantized_weight`), in order."""
+    from ep_moe.kernels import fp8
+
+    made = []
+    real = fp8.QuantizedWeight
+
+    def counted(w, version=None):
+        made.append(w)
+        return real(w, version)
+    monkeypatch.setattr(fp8, "QuantizedWeight", counted)
+    return made
+
+
 @pytest.fixture(scope="module")
 def deepspeed(tmp_path_factory):
     """DeepSpeed on its CPU accelerator, with a private extensions dir, for the drop-in's tests

@@ -28,7 +28,6 @@ from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.ep.all_to_all import AllToAllDispatcher
 from ep_moe.integrations.deepspeed import MoE
-from ep_moe.kernels import fp8 as fp8_module
 from ep_moe.kernels.e4m3 import quantize_rows_reference
 from ep_moe.kernels.fp8 import fp8_supported
 from ep_moe.routing import capacity_keep_mask, expert_capacity, route
@@ -264,19 +263,6 @@ def test_fp8_layer_is_quantized_and_within_the_bound_of_the_unquantized_one(name
 
 # ---------------------------------------------------------------------------------------
 # The weights' e4m3 copies.
-
-
-@pytest.fixture
-def quantizations(monkeypatch):
-    """The weights quantized so far (each a QuantizedWeight made)."""
-    made = []
-    real = fp8_module.QuantizedWeight
-
-    def counted(w, version=None):
-        made.append(w)
-        return real(w, version)
-    monkeypatch.setattr(fp8_module, "QuantizedWeight", counted)
-    return made
 
 
 def _fresh_output(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:

@@ -61,11 +61,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ep_moe.config import Dispatch, ExpertPrecision, MoEConfig, check_experts_divide
 from ep_moe.distributed import all_gather_single, check_same_config, group_size, mark_expert_param, resolve_ep_group
 from ep_moe.ep import build_dispatcher
-from ep_moe.experts import ActivationArg, StackedExpertsMath, compute_dtype
+from ep_moe.experts import ActivationArg, StackedExpertsMath, check_fp8_device, compute_dtype
 from ep_moe.forward_graphs import ForwardGraphs, graphable, only_own_modules
 from ep_moe.kernels.activation import ClampedSwiGLU
-from ep_moe.kernels.fp8 import fp8_supported
-from ep_moe.kernels.grouped_gemm import interpreter_active
 from ep_moe.routing import RouterOutput, count_ids
 
 try:
@@ -115,19 +113,6 @@ class ExpertsOptions:
                              "dispatch='all_gather' or 'all_to_all', or expert_precision='bf16'")
 
 
-def _check_fp8_device(device: torch.device, where: str) -> None:
-    """Raise where FP8 experts cannot run on ``device`` (:func:`ep_moe.kernels.fp8.fp8_supported`),
-    naming ``where`` and the fix. As :func:`ep_moe.experts.check_fp8_device`, a CPU stands for
-    the current GPU where there is one and the interpreter is off (a model built on the CPU,
-    then moved), and the meta device is left to the first call."""
-    if device.type == "meta":
-        return
-    if device.type == "cpu" and not interpreter_active() and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    ok, why = fp8_supported(device)
-    if not ok:
-        raise ValueError(f"{where}: expert_precision='fp8' (FP8 experts): {why}; or pass expert_precision='bf16' "
-                         "(the default)")
 
 
 def unsupported_reason(module: nn.Module) -> Optional[str]:
@@ -253,7 +238,8 @@ class HFExperts(StackedExpertsMath):
         """With ``expert_precision="fp8"``, at the first call on a device: raise where it has
         no FP8 tensor cores (naming the option and the fix), before any exchange."""
         if self.config.expert_precision == "fp8" and x.device not in self.fp8_devices:
-            _check_fp8_device(x.device, f"{type(self.module).__name__} under experts_implementation='ep_moe'")
+            check_fp8_device(x.device, f"{type(self.module).__name__} under experts_implementation='ep_moe': "
+                             "expert_precision='fp8'")
             self.fp8_devices.add(x.device)
 
     def agree(self, x_TH: torch.Tensor) -> None:
@@ -463,7 +449,7 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
                          "expert_parallel splits the experts of a transformers MoE model")
     if expert_precision == "fp8":  # before any module is split
         for name, module in modules:
-            _check_fp8_device(module.down_proj.device, f"expert_parallel: {name}")
+            check_fp8_device(module.down_proj.device, f"expert_parallel: {name}: expert_precision='fp8'")
     for name, module in modules:
         reason = unsupported_reason(module)
         if reason is not None:
@@ -604,7 +590,7 @@ def from_pretrained(model_class, path: str, ep_group: Union[None, ProcessGroup, 
     except ValueError as err:
         raise ValueError(f"from_pretrained: {err}") from None
     if expert_precision == "fp8":
-        _check_fp8_device(torch.device(device), f"from_pretrained(device={str(device)!r})")
+        check_fp8_device(torch.device(device), f"from_pretrained(device={str(device)!r}): expert_precision='fp8'")
     config = AutoConfig.from_pretrained(path, **config_kwargs)
     if getattr(config, "quantization_config", None) is not None:
         raise NotImplementedError(f"{path} is a quantized checkpoint ({config.quantization_config}); "
