@@ -157,19 +157,7 @@ class MoEConfig:
         if self.num_linears == 1:
             self._check_single_linear()
         if self.expert_precision == "fp8":
-            self._check_fp8()
-
-    def _check_fp8(self) -> None:
-        """``expert_precision="fp8"``: the Triton kernels, rows that have landed."""
-        if self.backend == "torch":
-            raise ValueError("MoEConfig.expert_precision='fp8' runs the experts' GEMMs on the FP8 Triton kernels, but "
-                             "backend='torch' is the plain-PyTorch path; pass backend='auto' (or 'triton'), or "
-                             "expert_precision='bf16'")
-        if self.dispatch == "all_gather_copy_engine":
-            raise ValueError("MoEConfig.expert_precision='fp8' with dispatch='all_gather_copy_engine': the copy engines "
-                             "hand over rows still landing, which only the bf16 GEMM waits for (the FP8 path "
-                             "quantizes the rows first); use dispatch='all_gather' or 'all_to_all', or "
-                             "expert_precision='bf16'")
+            check_fp8_combination(self.backend, self.dispatch, "MoEConfig")
 
     def _check_single_linear(self) -> None:
         """``num_linears=1``: one Linear H -> H, no activation, not on the copy engines."""
@@ -194,6 +182,20 @@ class MoEConfig:
     def gate_up_size(self) -> int:
         """Output features of the gate_up projection: 2I for a gated activation, else I."""
         return 2 * self.intermediate_size if self.gated else self.intermediate_size
+
+
+def check_fp8_combination(backend: str, dispatch: str, owner: str, verb: str = "use") -> None:
+    """``expert_precision="fp8"`` with ``backend`` and ``dispatch``: the FP8 Triton kernels, on
+    rows that have landed. Raises naming ``owner``'s fields (``MoEConfig``, or an integration's
+    options) and the fix (``verb``: how the caller sets a field)."""
+    if backend == "torch":
+        raise ValueError(f"{owner}.expert_precision='fp8' runs the experts' GEMMs on ep_moe's FP8 Triton kernels, but "
+                         "backend='torch' is the plain-PyTorch path; pass backend='auto' (or 'triton'), or "
+                         "expert_precision='bf16'")
+    if dispatch == "all_gather_copy_engine":
+        raise ValueError(f"{owner}.expert_precision='fp8' with dispatch='all_gather_copy_engine': the copy engines "
+                         "hand over rows still landing, which only the bf16 GEMM waits for (the FP8 path quantizes "
+                         f"the rows first); {verb} dispatch='all_gather' or 'all_to_all', or expert_precision='bf16'")
 
 
 def check_experts_divide(num_experts: int, ep_size: int, what: str) -> None:

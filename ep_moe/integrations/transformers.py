@@ -49,7 +49,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ep_moe.config import Dispatch, ExpertPrecision, MoEConfig, check_experts_divide
+from ep_moe.config import Dispatch, ExpertPrecision, MoEConfig, check_experts_divide, check_fp8_combination
 from ep_moe.distributed import all_gather_single, check_same_config, group_size, mark_expert_param, resolve_ep_group
 from ep_moe.ep import build_dispatcher
 from ep_moe.experts import ActivationArg, StackedExpertsMath, check_fp8_device, compute_dtype
@@ -98,21 +98,11 @@ class ExpertsOptions:
     cores; not with ``backend="torch"`` nor ``dispatch="all_gather_copy_engine"`` (raises here)."""
 
     def __post_init__(self) -> None:
-        choices = ("bf16", "fp8")
+        choices = get_args(ExpertPrecision)
         if self.expert_precision not in choices:
             raise ValueError(f"ExpertsOptions.expert_precision={self.expert_precision!r}: use one of {choices}")
-        if self.expert_precision != "fp8":
-            return
-        if self.backend == "torch":
-            raise ValueError("ExpertsOptions.expert_precision='fp8' runs the experts' GEMMs on ep_moe's FP8 Triton "
-                             "kernels, but backend='torch' is the plain-PyTorch path; pass backend='auto' (or "
-                             "'triton'), or expert_precision='bf16'")
-        if self.dispatch == "all_gather_copy_engine":
-            raise ValueError("ExpertsOptions.expert_precision='fp8' with dispatch='all_gather_copy_engine': the copy "
-                             "engines hand over rows still landing, which only the bf16 GEMM waits for; pass "
-                             "dispatch='all_gather' or 'all_to_all', or expert_precision='bf16'")
-
-
+        if self.expert_precision == "fp8":
+            check_fp8_combination(self.backend, self.dispatch, "ExpertsOptions", verb="pass")
 
 
 def unsupported_reason(module: nn.Module) -> Optional[str]:
