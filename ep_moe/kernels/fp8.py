@@ -46,7 +46,7 @@ from ep_moe.kernels.e4m3 import E4M3, E4M3_MAX, MIN_AMAX, on_e4m3_grid, scale_of
 from ep_moe.kernels.fp8_dw import FP8_DOT_MIN_K, launch_fp8_dw, quantize_expert_columns
 from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, interpreter_active, launch_rows, smem_limit_for
 from ep_moe.kernels.ops import (_as_int32, _check_gather_slots, _configs_from_ints, _configs_to_ints, _contiguous,
-                                _grad_input, _grad_weight, _grads, _setup_context, _validate, debug_enabled,
+                                _grad_input, _grad_weight, _setup_context, _validate, debug_enabled,
                                 eager_backward, value_checks)
 
 
@@ -333,14 +333,14 @@ class _GroupedGemmFP8(torch.autograd.Function):
         *inputs, qw = inputs_and_weight
         out = _forward(qw, *inputs)
         _setup_context(ctx, inputs, out)
-        ctx.grads = functools.partial(_grads, grad_input=functools.partial(_grad_input_fp8, qw),
-                                      grad_weight=_grad_weight_fp8)
+        ctx.quantized_weight = qw
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        return (*eager_backward(ctx, dy, ctx.grads, _grad_weight_fp8), None)
+        return (*eager_backward(ctx, dy, functools.partial(_grad_input_fp8, ctx.quantized_weight),
+                                _grad_weight_fp8), None)
 
 
 def _run(qw: QuantizedWeight, x, w, m_sizes, gather_index, scatter_index, row_weights, bias, configs: GemmConfigs,

@@ -326,12 +326,14 @@ class _EagerGroupedGemm(torch.autograd.Function):
         return eager_backward(ctx, dy)
 
 
-def eager_backward(ctx, dy, grads=_grads, grad_weight=_grad_weight):
+def eager_backward(ctx, dy, grad_input=None, grad_weight=None):
     """The eager backward of a grouped GEMM whose context :func:`_setup_context` filled (its
-    inputs those of ``ep_moe::grouped_gemm_fwd``): the weight's gradient through
-    ``grad_weight`` (:func:`_grad_weight`'s signature) queued where an open
-    :func:`defer_weight_grads` queue owns the weight, the rest through ``grads``
-    (:func:`_grads`' signature)."""
+    inputs those of ``ep_moe::grouped_gemm_fwd``), through :func:`_grads` with ``grad_input``
+    and ``grad_weight`` (default :func:`_grad_input`, :func:`_grad_weight`); the weight's
+    gradient queued where an open :func:`defer_weight_grads` queue owns the weight."""
+    grads = _grads if grad_input is None and grad_weight is None else functools.partial(
+        _grads, grad_input=grad_input, grad_weight=grad_weight)
+    grad_weight = grad_weight or _grad_weight
     saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
     x, w, m_sizes, gather_index, scatter_index, row_weights, bias, _ = saved
     with_bias = bias is not None and ctx.needs_input_grad[_BIAS_ARG]
