@@ -313,7 +313,7 @@ def _grad_weight_fp8(dy, x, w, m_sizes, gather_index, scatter_index, row_weights
     rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
     dy_columns = quantize_expert_columns(dy, m_sizes, rows, config.BLOCK_M, index=scatter_index,
                                          row_weights=row_weights)
-    x_columns = quantize_expert_columns(x, m_sizes, rows, config.BLOCK_M, index=gather_index)
+    x_columns = quantize_expert_columns(x, m_sizes, rows, config.BLOCK_M, index=gather_index, layout=dy_columns)
     launch_fp8_dw(dy_columns, x_columns, dw, config, accumulate=held_dw is not None)
     if bias is None:
         return dw

@@ -95,29 +95,35 @@ multiple of it."""
 
 class ExpertColumns:
     """Expert-ordered rows in e4m3, transposed and padded: ``values`` [C, blocks * BLOCK_M]
-    (expert e's rows from padded position ``block_starts[e] * BLOCK_M``, zeros to its next
-    block), ``scales`` [E, C] fp32 (per expert and column), ``block_ends`` [E] int32 (each
-    expert's padded blocks, cumulated), ``block_m``."""
+    (expert e's rows from padded block ``block_ends[e-1]`` on, zeros to its next block),
+    ``scales`` [E, C] fp32 (per expert and column), ``block_ends`` [E] int32 (each expert's
+    padded blocks, cumulated), ``m_ends`` [E] int32 (its rows, cumulated), ``block_m``."""
 
-    __slots__ = ("values", "scales", "block_ends", "block_m")
+    __slots__ = ("values", "scales", "block_ends", "m_ends", "block_m")
 
-    def __init__(self, values, scales, block_ends, block_m):
-        self.values, self.scales, self.block_ends, self.block_m = values, scales, block_ends, block_m
+    def __init__(self, values, scales, block_ends, m_ends, block_m):
+        self.values, self.scales, self.block_ends = values, scales, block_ends
+        self.m_ends, self.block_m = m_ends, block_m
 
 
 def quantize_expert_columns(src: torch.Tensor, m_sizes: torch.Tensor, num_rows: int, block_m: int,
-                            index: Optional[torch.Tensor] = None,
-                            row_weights: Optional[torch.Tensor] = None) -> ExpertColumns:
+                            index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
+                            layout: Optional[ExpertColumns] = None) -> ExpertColumns:
     """The rows ``src[index[r]] * row_weights[index[r]]`` (``index`` None: ``src[r]``; no
     weights: 1) for the ``num_rows`` expert-ordered rows r (``m_sizes`` [E] int32 each;
-    only the counted rows are read), in e4m3 per (expert, column): :class:`ExpertColumns`."""
+    only the counted rows are read), in e4m3 per (expert, column): :class:`ExpertColumns`.
+    ``layout``: the other operand's, of the same ``m_sizes`` and ``block_m`` (its cumulated
+    blocks and rows are reused)."""
     num_experts, cols = m_sizes.shape[0], src.shape[1]
     src = src if src.stride(-1) == 1 else src.contiguous()
-    block_ends = torch.cumsum((m_sizes + block_m - 1) // block_m, 0, dtype=torch.int32)
+    if layout is None:
+        block_ends = torch.cumsum((m_sizes + block_m - 1) // block_m, 0, dtype=torch.int32)
+        m_ends = torch.cumsum(m_sizes, 0, dtype=torch.int32)
+    else:
+        block_ends, m_ends = layout.block_ends, layout.m_ends
     # no host sync: a bound of the blocks, not their count (each block of a counted expert
     # holds one of its rows at least, and the counts sum to num_rows at most)
     max_blocks = min(num_rows, cdiv(num_rows, block_m) + num_experts)
-    m_ends = torch.cumsum(m_sizes, 0, dtype=torch.int32)
     amax = torch.zeros((num_experts, cols), device=src.device, dtype=torch.float32)
     values = torch.empty((cols, max_blocks * block_m), device=src.device, dtype=E4M3)
     if max_blocks and cols:
@@ -130,7 +136,7 @@ def quantize_expert_columns(src: torch.Tensor, m_sizes: torch.Tensor, num_rows: 
                                          num_experts, cols, src.stride(0), values.stride(0), STORE=store,
                                          FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, **common)
     scales = amax.clamp_min_(MIN_AMAX).mul_(1.0 / E4M3_MAX)
-    return ExpertColumns(values, scales, block_ends, block_m)
+    return ExpertColumns(values, scales, block_ends, m_ends, block_m)
 
 
 # dW[e, n, k] = s_dy[e, n] * s_x[e, k] * sum over expert e's padded rows p of dy_t[n, p] * x_t[k, p]
