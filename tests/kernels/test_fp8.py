@@ -208,12 +208,16 @@ def test_fp8_scatter_row_weights_and_bias_match_float64_of_the_same_quantization
     expert = torch.repeat_interleave(torch.arange(w.shape[0], device=DEVICE), m_sizes.long())
     x_rows, b_rows = x.detach()[g.long()].double(), bias.detach().double()[expert]
     rw, dy_rows = row_weights.detach().double()[scatter], dy.double()[scatter]  # in routed order
-    wq = _dequantized(*quantize_rows_reference(w.detach()))[expert]
-    wtq = _dequantized(*quantize_rows_reference(w.detach().transpose(1, 2)))[expert]  # [rows, K, N]
+    wq = _dequantized(*quantize_rows_reference(w.detach()))  # [E, N, K]
+    wtq = _dequantized(*quantize_rows_reference(w.detach().transpose(1, 2)))  # [E, K, N]
+    xq, dyq = _dequantized(*quantize_rows_reference(x_rows)), _dequantized(*quantize_rows_reference(dy_rows))
+    forward = torch.empty(y.shape, dtype=torch.float64, device=DEVICE)  # in routed order
+    product = torch.empty(x_rows.shape, dtype=torch.float64, device=DEVICE)
+    for e in range(w.shape[0]):  # one expert's rows at a time: a weight per row would not fit the GPU
+        mine = expert == e
+        forward[mine], product[mine] = xq[mine] @ wq[e].T, dyq[mine] @ wtq[e].T
     y_ref = torch.empty(y.shape, dtype=torch.float64, device=DEVICE)
-    y_ref[scatter] = rw[:, None] * (torch.einsum("rk,rnk->rn", _dequantized(*quantize_rows_reference(x_rows)), wq)
-                                    + b_rows)
-    product = torch.einsum("rn,rkn->rk", _dequantized(*quantize_rows_reference(dy_rows)), wtq)
+    y_ref[scatter] = rw[:, None] * (forward + b_rows)
     dx_ref = torch.zeros(x.shape, dtype=torch.float64, device=DEVICE).index_add_(0, g.long(), rw[:, None] * product)
     drw_ref = torch.empty(rows, dtype=torch.float64, device=DEVICE)
     drw_ref[scatter] = (product * x_rows).sum(1) + (dy_rows * b_rows).sum(1)
