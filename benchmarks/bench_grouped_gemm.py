@@ -17,7 +17,7 @@ forward+backward with a top-k weight gradient as in training; the two runs of ea
 the noise to read the ratio against.
 
 --fp8 also times the FP8 (e4m3) path (``ep_moe.kernels.fp8.grouped_gemm_fp8``: the rows quantized
-in the gather, forward, dX and dW on FP8 tensor cores) against bf16 ``_grouped_mm`` and against
+in the gather, forward and dX on FP8 tensor cores, dW bf16) against bf16 ``_grouped_mm`` and against
 ``torch._scaled_grouped_mm`` (rowwise e4m3, fast accumulation) with the rows quantized in separate
 eager passes; weights are quantized once outside the timing for both (once per optimizer step);
 and against torchao's FP8 MoE training GEMM where torchao imports (its own quantization, weights

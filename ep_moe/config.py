@@ -122,8 +122,7 @@ class MoEConfig:
     """The operands of the routed experts' two grouped GEMMs. ``"bf16"``: the compute dtype
     (bf16 under the usual autocast). ``"fp8"``: e4m3 with one scale per row and per (expert,
     output channel), fp32 accumulation, outputs in the compute dtype, in the forward and the
-    dX; the weight gradients from operands scaled per (expert, column), the bias gradients in
-    the compute dtype (:mod:`ep_moe.kernels.fp8` has the recipe);
+    dX; the weight gradients in the compute dtype (:mod:`ep_moe.kernels.fp8` has the recipe);
     the weights' e4m3 copies are made once per optimizer step from the parameters as they
     are (fp32 master weights are quantized directly), the parameters stay in their dtype.
     The router, the shared experts and the activation between the GEMMs stay in the compute

@@ -166,7 +166,7 @@ class StackedExpertsMath:
         if backend != "triton":
             return (None, None)
         if self.config.expert_precision == "fp8":
-            fp8 = fp8_gemm_configs(like.device)
+            fp8 = fp8_gemm_configs(like.device, like.dtype)
             return (None, fp8) if self.gate_up is None else (fp8, fp8)
         problems = self._problems.get(like.dtype)
         if problems is None:  # built once per dtype, not on every call

@@ -87,14 +87,11 @@ class _FP8Linear(torch.autograd.Function):
     """``rw * (qdq(a) @ qdq(w)^T + b)`` for one row ``a`` [K] of an expert ``w`` [N, K], and
     the FP8 path's gradients: the row's ``dy`` quantized per row times ``w`` quantized per
     column (its dX copy); the row weight's gradient the dot of that with ``a`` plus
-    ``dy . b``; db from ``rw * dy`` rounded to float16 (the bias gradient's rows); dW left to
-    :func:`_expert_dw`: the rows ``(rw * dy, a)`` go to ``sink``, since the FP8 dW quantizes
-    each expert's rows together."""
+    ``dy . b``; dW and db from ``rw * dy`` rounded to float16 (the dW operand's rows)."""
 
     @staticmethod
-    def forward(ctx, a, w, b, rw, sink):
+    def forward(ctx, a, w, b, rw):
         ctx.save_for_backward(a, w, b, rw)
-        ctx.sink = sink
         out = _qdq(a) @ _qdq(w).T
         return rw * (out if b is None else out + b)
 
@@ -102,24 +99,16 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         a, w, b, rw = ctx.saved_tensors
         product = _qdq(dy) @ _qdq(w.T).T
-        ctx.sink.append((rw * dy, a))
         weighted = (rw * dy).half().double()
         drw = product @ a + (0.0 if b is None else dy @ b)
-        return rw * product, torch.zeros_like(w), None if b is None else weighted, drw, None
-
-
-def _expert_dw(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """One expert's FP8 dW from its rows ``(rw * dy, a)``: both operands quantized per column
-    over the expert's rows, then ``dy_rows^T @ a_rows`` in float64."""
-    dy_rows, a_rows = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
-    return _qdq(dy_rows.T) @ _qdq(a_rows.T).T
+        return rw * product, torch.outer(weighted, a), None if b is None else weighted, drw
 
 
 class _Linear(torch.autograd.Function):
-    """:class:`_FP8Linear` unquantized, in autograd's float64 (no roundings; ``sink`` unused)."""
+    """:class:`_FP8Linear` unquantized, in autograd's float64 (no roundings)."""
 
     @staticmethod
-    def forward(ctx, a, w, b, rw, sink):
+    def forward(ctx, a, w, b, rw):
         ctx.save_for_backward(a, w, b, rw)
         return rw * (a @ w.T if b is None else a @ w.T + b)
 
@@ -128,7 +117,7 @@ class _Linear(torch.autograd.Function):
         a, w, b, rw = ctx.saved_tensors
         product = dy @ w
         drw = product @ a + (0.0 if b is None else dy @ b)
-        return rw * product, torch.outer(rw * dy, a), None if b is None else rw * dy, drw, None
+        return rw * product, torch.outer(rw * dy, a), None if b is None else rw * dy, drw
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -160,7 +149,6 @@ def _reference(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, quantized: boo
         keep = capacity_keep_mask(router.topk_ids_TK, router.topk_scores_TK, num_experts=cfg.num_experts,
                                   capacity=capacity, drop_policy=cfg.drop_policy)
     one = torch.ones((), dtype=torch.float64)
-    sinks: dict[tuple[str, int], list] = {}  # (weight, expert): its dW rows (FP8Linear's)
     rows = []
     for t in range(x.shape[0]):
         y_t = torch.zeros(cfg.hidden_size, dtype=torch.float64)
@@ -170,19 +158,15 @@ def _reference(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, quantized: boo
                 continue
             a = rounded(x64[t])  # each slot's dX row is stored before the slots are summed
             if "gate_up" in p:
-                h = rounded(linear(a, p["gate_up"][e], p["gate_up_bias"][e] if "gate_up_bias" in p else None, one,
-                                   sinks.setdefault(("gate_up", e), [])))
+                h = rounded(linear(a, p["gate_up"][e], p["gate_up_bias"][e] if "gate_up_bias" in p else None, one))
                 a = rounded(_activate(h, cfg.activation))
             y_t = y_t + rounded(linear(a, p["down"][e], p["down_bias"][e] if "down_bias" in p else None,
-                                       router.topk_weights_TK[t, k], sinks.setdefault(("down", e), [])))
+                                       router.topk_weights_TK[t, k]))
         rows.append(y_t)
     y = torch.stack(rows) if rows else torch.zeros(0, cfg.hidden_size, dtype=torch.float64)
     if y.requires_grad:
         (y * g.double()).sum().backward()
     grads = {name: torch.zeros_like(t) if t.grad is None else t.grad for name, t in p.items()}
-    for (name, e), expert_rows in sinks.items():
-        if quantized and expert_rows:
-            grads[name][e] += _expert_dw(expert_rows)
     return y.detach(), {"x": torch.zeros_like(x64) if x64.grad is None else x64.grad, **grads}, router.counts_E
 
 
@@ -442,16 +426,14 @@ def test_fp8_ep2_on_gloo_matches_ep1():
         config, state, inputs, grads = _ep_case(name, 2)
         layer = MoELayer(config).half()
         layer.load_state_dict(state)
-        # every rank's tokens in one call: the FP8 dW scales each expert's columns over all
-        # of its rows, as the EP group's receiving rank sees them
-        x = torch.cat(inputs).requires_grad_()
-        y = layer(x)
-        (y * torch.cat(grads)).sum().backward()
-        for rank, tokens in enumerate(torch.arange(x.shape[0]).split([len(t) for t in inputs])):
+        for rank, (x, g) in enumerate(zip(inputs, grads)):
+            x = x.clone().requires_grad_()
+            y = layer(x)
+            (y * g).sum().backward()  # the EP group's gradients: every rank's tokens
             got = results[rank][name]
             assert got["dispatch"] == config.dispatch
-            assert _rel_err(got["y"], y[tokens]) < SAME_QUANT_TOL, f"{name} rank {rank} output"
-            assert _rel_err(got["dx"], x.grad[tokens]) < SAME_QUANT_TOL, f"{name} rank {rank} dx"
+            assert _rel_err(got["y"], y) < SAME_QUANT_TOL, f"{name} rank {rank} output"
+            assert _rel_err(got["dx"], x.grad) < SAME_QUANT_TOL, f"{name} rank {rank} dx"
         want = {**_expert_grads(layer), "router": layer.router.weight.grad}
         got = {**results[0][name]["grads"], **results[1][name]["grads"],  # the router's: each rank's tokens
                "router": results[0][name]["router"].float() + results[1][name]["router"].float()}

@@ -183,8 +183,7 @@ def _fp8_ep_worker(rank: int, world: int) -> dict:
 def test_fp8_ep2_on_gloo_matches_ep1():
     """GPT-OSS's experts split over two gloo ranks with FP8, all-to-all and all-gather: each
     rank's output and the gradients of its tokens and routing weights, and each rank's
-    expert rows' gradients, as one EP=1 call over every rank's tokens (the FP8 dW scales
-    each expert's columns over all of its rows, as the EP group's receiving rank sees them)."""
+    expert rows' gradients, as one EP=1 call over every rank's tokens."""
     results = run_distributed(_fp8_ep_worker, 2)
     inputs = _ep_inputs(2)
     experts = _gpt_oss_experts()

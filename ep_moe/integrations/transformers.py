@@ -28,8 +28,8 @@ out here as there (no output, no gradient).
 
 FP8 experts (``expert_precision="fp8"`` of :func:`expert_parallel`, :func:`from_pretrained`,
 and of ``ep_moe.train`` through ``moe.expert_precision``) run both grouped GEMMs of every
-experts module in e4m3 as :attr:`ep_moe.MoEConfig.expert_precision` describes (forward, dX
-and dW on FP8 tensor cores; the module's weights quantized once per optimizer step, a
+experts module in e4m3 as :attr:`ep_moe.MoEConfig.expert_precision` describes (forward and
+dX on FP8 tensor cores, dW in bf16; the module's weights quantized once per optimizer step, a
 transposed layout through its view): on the Triton kernels (``backend="auto"`` picks them for
 FP8 on any device), on GPUs with FP8 tensor cores (or the CPU under ``TRITON_INTERPRET=1``).
 Anything else raises naming the argument and the fix, at :func:`expert_parallel` where it can

@@ -118,16 +118,15 @@ def smem_bytes(config: KernelConfig, which: Pass, elem_size: int) -> int:
     return per_stage * elem_size * c.num_stages
 
 
-def fit_to_smem(config: KernelConfig, which: Pass, elem_size: int, smem_limit: int,
-                smallest_reduce: int = 16) -> KernelConfig:
+def fit_to_smem(config: KernelConfig, which: Pass, elem_size: int, smem_limit: int) -> KernelConfig:
     """``config`` with fewer stages (down to 2), then a halved reduction block, until its
     tiles fit ``smem_limit`` bytes: how a default tuned for bf16 serves float32 or a GPU
-    with less shared memory. The reduction block stays ``smallest_reduce`` or more."""
+    with less shared memory."""
     reduce_field = "BLOCK_M" if which == "dw" else "BLOCK_K"
     while smem_bytes(config, which, elem_size) > smem_limit:
         if config.num_stages > 2:
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
-        elif getattr(config, reduce_field) > smallest_reduce:
+        elif getattr(config, reduce_field) > 16:
             config = dataclasses.replace(config, **{reduce_field: getattr(config, reduce_field) // 2})
         else:
             break

@@ -25,7 +25,8 @@ def on_e4m3_grid(v):
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     magnitude = (tl.abs(v) + 24576.0) - 24576.0  # fp32's step at 1.5 * 2**14 is 2**-9
-    subnormal = tl.where(bits < 0, -magnitude, magnitude)  # the sign kept when rounded to zero
+    # the sign kept when rounded to zero: a product, since a GPU build negates as 0 - x (+0 for +0)
+    subnormal = magnitude * tl.where(bits < 0, -1.0, 1.0)
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 

@@ -1,5 +1,5 @@
 """FP8 (e4m3) operands for the grouped GEMM: quantization, and the grouped product whose
-forward, dX and dW run on FP8 tensor cores.
+forward and dX run on FP8 tensor cores.
 
 Recipe (rowwise, "tensorwise per row"; the format itself in :mod:`ep_moe.kernels.e4m3`):
 
@@ -17,9 +17,10 @@ Recipe (rowwise, "tensorwise per row"; the format itself in :mod:`ep_moe.kernels
 - dX: the output gradient quantized per row the same way, times the weight's dX copy; the
   top-k weights' gradient is the dot of that product with the forward's rows (so it carries
   the dX's quantization), taken in the same epilogue;
-- dW (``dy_rows^T @ x_rows``, a reduction over rows, across the rowwise scales): both operands
-  scaled per (expert, column) over the expert's rows instead, written transposed
-  (:mod:`ep_moe.kernels.fp8_dw`); the bias's gradient from the bf16 rows.
+- dW stays bf16 (``dy_rows^T @ x_rows``): its reduction runs over the rows, across the
+  rowwise scales. An FP8 dW with operands scaled per (expert, column) measured slower than
+  the bf16 one on the H200 (its two extra quantization passes cost what the FP8 product
+  saves; ``benchmarks/experiments/fp8_dw.patch``).
 
 The autograd, index modes (deterministic sums of gathered rows), bounded rows and deferred
 weight gradients are :mod:`ep_moe.kernels.ops`' own, with these operands;
@@ -43,10 +44,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ep_moe.kernels.config import GemmConfigs, KernelConfig, fit_to_smem
 from ep_moe.kernels.e4m3 import E4M3, E4M3_MAX, MIN_AMAX, on_e4m3_grid, scale_of
-from ep_moe.kernels.fp8_dw import FP8_DOT_MIN_K, launch_fp8_dw, quantize_expert_columns
 from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, interpreter_active, launch_rows, smem_limit_for
 from ep_moe.kernels.ops import (_as_int32, _check_gather_slots, _configs_from_ints, _configs_to_ints, _contiguous,
-                                _grad_input, _grad_weight, _setup_context, _validate, debug_enabled,
+                                _grad_input, _setup_context, _validate, debug_enabled,
                                 eager_backward, value_checks)
 
 
@@ -298,35 +298,11 @@ def _grad_input_fp8(qw: QuantizedWeight, dy, x, w, m_sizes, gather_index, scatte
     return dx, drw
 
 
-def _grad_weight_fp8(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config: KernelConfig,
-                     add_to=None, bounded_rows: bool = False, bias: Optional[torch.Tensor] = None,
-                     need_dw: bool = True):
-    """:func:`ep_moe.kernels.ops._grad_weight` with dW on e4m3 operands (:mod:`ep_moe.kernels.fp8_dw`:
-    dy's and x's expert-ordered rows scaled per (expert, column), ``config.BLOCK_M``-row
-    blocks); db as the bf16 GEMM's, from dy's weighted rows. Only the counted rows are read,
-    so ``bounded_rows`` needs nothing more."""
-    if not need_dw:
-        return _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, add_to,
-                            bounded_rows, bias, need_dw=False)
-    held_dw, held_db = (add_to, None) if bias is None or add_to is None else add_to
-    dw = torch.empty_like(w) if held_dw is None else held_dw
-    rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
-    dy_columns = quantize_expert_columns(dy, m_sizes, rows, config.BLOCK_M, index=scatter_index,
-                                         row_weights=row_weights)
-    x_columns = quantize_expert_columns(x, m_sizes, rows, config.BLOCK_M, index=gather_index, layout=dy_columns)
-    launch_fp8_dw(dy_columns, x_columns, dw, config, accumulate=held_dw is not None)
-    if bias is None:
-        return dw
-    _, db = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
-                         bounded_rows=bounded_rows, bias=bias, need_dw=False)
-    return dw, (db if held_db is None else held_db.add_(db))
-
-
 class _GroupedGemmFP8(torch.autograd.Function):
     """The grouped GEMM's eager autograd function (:mod:`ep_moe.kernels.ops`: the inputs of
     ``ep_moe::grouped_gemm_fwd``, then the weight's :class:`QuantizedWeight`) with e4m3
-    operands in the forward, the dX and the dW (:func:`_grad_weight_fp8`, queued where an open
-    ``defer_weight_grads`` queue owns the weight)."""
+    operands in the forward and the dX; dW and the bias's gradient as the bf16 GEMM's,
+    queued where an open ``defer_weight_grads`` queue owns the weight."""
 
     @staticmethod
     def forward(ctx, *inputs_and_weight):
@@ -339,8 +315,7 @@ class _GroupedGemmFP8(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        return (*eager_backward(ctx, dy, functools.partial(_grad_input_fp8, ctx.quantized_weight),
-                                _grad_weight_fp8), None)
+        return (*eager_backward(ctx, dy, functools.partial(_grad_input_fp8, ctx.quantized_weight)), None)
 
 
 def _run(qw: QuantizedWeight, x, w, m_sizes, gather_index, scatter_index, row_weights, bias, configs: GemmConfigs,
@@ -361,8 +336,8 @@ def grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, *,
                      configs: Optional[tuple[KernelConfig, KernelConfig, KernelConfig]] = None) -> torch.Tensor:
     """:func:`ep_moe.grouped_gemm`'s product, ``out[s(r)] = row_weights[s(r)] * (x[g(r)] @
     w[e(r)]^T + bias[e(r)])`` for rows sorted by expert (``m_sizes`` [E] rows each, int32),
-    with e4m3 operands in the forward, the dX and the dW (the recipe in this module's
-    docstring); differentiable in ``x``, ``w``, ``row_weights`` and ``bias``.
+    with e4m3 operands in the forward and the dX (the recipe in this module's docstring) and
+    a bf16 dW; differentiable in ``x``, ``w``, ``row_weights`` and ``bias``.
 
     ``x`` [T, K] bf16 or fp16 (read at ``gather_index[r]`` when given, else T = rows; rows
     read several times get their gradients summed in a fixed order); ``w`` [E, N, K] in x's
@@ -388,7 +363,7 @@ def grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, *,
                          f"{m_sizes.dtype} {tuple(m_sizes.shape)}")
     _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, debug_enabled(), False, bias,
               fp32_weights=True)
-    gemm_configs = GemmConfigs(*configs) if configs is not None else fp8_gemm_configs(x.device)
+    gemm_configs = GemmConfigs(*configs) if configs is not None else fp8_gemm_configs(x.device, x.dtype)
     return _run(quantized_weight(w), x, w, m_sizes, gather_index, scatter_index, row_weights, bias, gemm_configs,
                 "sort", False, None)
 
@@ -425,29 +400,26 @@ def layer_grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tens
         _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, True, bounded_rows, bias, fp32_weights=True)
         _check_gather_slots(gather_slots, gather_index, x.shape[0], bounded_rows)
     return _run(quantized_weight(source), x, w, m_sizes, gather_index, scatter_index, row_weights, bias,
-                configs or fp8_gemm_configs(x.device), "sort" if gather_slots is None else "slots",
+                configs or fp8_gemm_configs(x.device, x.dtype), "sort" if gather_slots is None else "slots",
                 bounded_rows, gather_slots)
 
 
 @eager_or_graph_break  # device queries: run eagerly, the configs enter as constants
-def fp8_gemm_configs(device: torch.device) -> GemmConfigs:
-    """The (forward, dx, dw) kernel configs of the FP8 GEMMs on ``device``: forward and dX with
-    128-wide K steps (one e4m3 byte per value, so a 128-byte row per stage as bf16's 64) and B
-    through TMA; dW 128 rows a step (the padding of :mod:`ep_moe.kernels.fp8_dw`'s operands)
-    into 128 x 128 tiles; fitted to the device's shared memory (fewer stages, then shorter
-    reduction steps: an Ada GPU has less than Hopper's); small blocks in the interpreter. Not
-    autotuned yet."""
-    return _fitted_configs(interpreter_active(), smem_limit_for(device))
+def fp8_gemm_configs(device: torch.device, dtype: torch.dtype) -> GemmConfigs:
+    """The (forward, dx, dw) kernel configs of the FP8 GEMMs on ``device`` with rows of
+    ``dtype``: 128-wide K steps (one e4m3 byte per value, so a 128-byte row per stage as
+    bf16's 64), B through TMA, dW in ``dtype``; fitted to the device's shared memory (fewer
+    stages, then shorter reduction steps: an Ada GPU has less than Hopper's); small blocks in
+    the interpreter. Not autotuned yet."""
+    return _fitted_configs(interpreter_active(), smem_limit_for(device), dtype.itemsize)
 
 
 @functools.lru_cache(maxsize=None)
-def _fitted_configs(interpreted: bool, smem_limit: int) -> GemmConfigs:
+def _fitted_configs(interpreted: bool, smem_limit: int, row_bytes: int) -> GemmConfigs:
     if interpreted:
         small = KernelConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
         return GemmConfigs(forward=small, dx=small, dw=small)
     rows = KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
-    # 128 x 128 tiles of dW: with the accumulator promoted every step (and a held dW added)
-    # a 128 x 256 tile spills registers (cuobjdump of the sm_90 build)
-    dw = KernelConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+    dw = KernelConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
     return GemmConfigs(forward=fit_to_smem(rows, "forward", 1, smem_limit), dx=fit_to_smem(rows, "dx", 1, smem_limit),
-                       dw=fit_to_smem(dw, "dw", 1, smem_limit, smallest_reduce=FP8_DOT_MIN_K))
+                       dw=fit_to_smem(dw, "dw", row_bytes, smem_limit))

@@ -103,12 +103,11 @@ def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weigh
 
 
 def _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows,
-           need_dx, need_dw, need_drw, bias, need_db, dx_slots, grad_input=None, grad_weight=None):
+           need_dx, need_dw, need_drw, bias, need_db, dx_slots, grad_input=None):
     """(dx, dw, d row_weights, d bias), None for a gradient not asked for (the eager backward's;
     the custom op's, :func:`_bwd_impl`, returns empty tensors instead). ``grad_input``: what
-    computes dX and the row weights' gradient, default :func:`_grad_input`; ``grad_weight``:
-    what computes dW and db, default :func:`_grad_weight` (the FP8 GEMM passes its own,
-    :mod:`ep_moe.kernels.fp8`)."""
+    computes dX and the row weights' gradient, default :func:`_grad_input` (the FP8 GEMM
+    passes its own, :mod:`ep_moe.kernels.fp8`)."""
     configs = _configs_from_ints(tuple(config))
     dx = dw = drw = db = None
     if need_dx or need_drw:
@@ -118,9 +117,8 @@ def _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, 
         if need_drw:
             drw = drw_f32.to(row_weights.dtype)
     if need_dw or need_db:
-        grads = (grad_weight or _grad_weight)(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                              configs.dw, bounded_rows=bounded_rows, bias=bias if need_db else None,
-                                              need_dw=need_dw)
+        grads = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, configs.dw,
+                             bounded_rows=bounded_rows, bias=bias if need_db else None, need_dw=need_dw)
         if not need_db:
             dw = grads
         elif need_dw:
@@ -326,14 +324,12 @@ class _EagerGroupedGemm(torch.autograd.Function):
         return eager_backward(ctx, dy)
 
 
-def eager_backward(ctx, dy, grad_input=None, grad_weight=None):
+def eager_backward(ctx, dy, grad_input=None):
     """The eager backward of a grouped GEMM whose context :func:`_setup_context` filled (its
     inputs those of ``ep_moe::grouped_gemm_fwd``), through :func:`_grads` with ``grad_input``
-    and ``grad_weight`` (default :func:`_grad_input`, :func:`_grad_weight`); the weight's
-    gradient queued where an open :func:`defer_weight_grads` queue owns the weight."""
-    grads = _grads if grad_input is None and grad_weight is None else functools.partial(
-        _grads, grad_input=grad_input, grad_weight=grad_weight)
-    grad_weight = grad_weight or _grad_weight
+    (default :func:`_grad_input`); the weight's gradient queued where an open
+    :func:`defer_weight_grads` queue owns the weight."""
+    grads = _grads if grad_input is None else functools.partial(_grads, grad_input=grad_input)
     saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
     x, w, m_sizes, gather_index, scatter_index, row_weights, bias, _ = saved
     with_bias = bias is not None and ctx.needs_input_grad[_BIAS_ARG]
@@ -344,8 +340,8 @@ def eager_backward(ctx, dy, grad_input=None, grad_weight=None):
     config = _configs_from_ints(tuple(ctx.config)).dw
     bounded_rows, bias = ctx.bounded_rows, bias if with_bias else None
     queue.add((w, bias) if with_bias else w,
-              lambda add_to: grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                         config, add_to, bounded_rows, bias))
+              lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
+                                          config, add_to, bounded_rows, bias))
     return _backward_with(grads, ctx, dy, defer_dw=True, saved=saved)
 
 
