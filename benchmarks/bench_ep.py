@@ -3,6 +3,7 @@
     torchrun --nproc-per-node P benchmarks/bench_ep.py [--shapes all] [--tokens 8192]
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --device cpu --shapes tiny   # smoke test
     torchrun --nproc-per-node 4 benchmarks/bench_ep.py --ep-size 1   # EP=1 on every GPU at once
+    torchrun --nproc-per-node 2 benchmarks/bench_ep.py --fp8 --variants nccl,ag   # and FP8 experts (Hopper+)
 
 ``--ep-size S`` (default: every rank, S = P) splits the P ranks into P/S groups of S
 (the expert-then-data layout of ``ep_moe.parallel``), each running its own layer at the
@@ -20,7 +21,10 @@ layer (router to combine, dX and every weight gradient) of:
   (``VARIANTS``: ``nccl`` the all-to-all, ``ag`` the all-gather, ``agce`` the all-gather on
   the copy engines) or its full one, named ``ep_moe`` for the all-to-all and
   ``ep_moe_<short name>`` otherwise; with ``--compile`` each once more under
-  ``torch.compile`` (``<name>+compile``);
+  ``torch.compile`` (``<name>+compile``); with ``--fp8`` each once more with FP8 experts
+  (``MoEConfig(expert_precision="fp8")``, the same weights: ``<name>+fp8``; a dispatch that
+  FP8 refuses is skipped and said so), validated against the plain bf16 layer within the FP8
+  layer's bound (``FP8_MAX_REL_ERR``);
 - ``plain``: the torchtitan-style layer of ``baselines.py`` (argsort permute, uneven
   ``all_to_all_single``, ``torch._grouped_mm`` SwiGLU experts);
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` (dropless, SwiGLU experts) when deepspeed
@@ -72,14 +76,15 @@ early-training end (up to 8x; beyond it with 128 experts), s of 0.2-0.5 the 1.5-
 warm-up with 8 to 32 experts (128 experts: below 0.2). A ``zipf`` run saves to
 ``..._zipf<s>.json`` beside the uniform one.
 
-Results: ``benchmarks/results/ep_<device>_ep<S>.json`` (``_dp<P/S>`` added with replicas;
-``--out`` to change), with the
+Results: ``benchmarks/results/ep_<device>_ep<S>.json`` (``_dp<P/S>`` added with replicas,
+``_fp8`` with ``--fp8``; ``--out`` to change), with the
 device, torch, triton and deepspeed versions. Exit status 1 when ep_moe fails validation.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gc
 import json
@@ -104,6 +109,9 @@ from ep_moe.routing import rank_counts, route  # noqa: E402
 # A shape small enough for the CPU smoke test (dims keep torch._grouped_mm's 16-byte strides).
 TINY = MoEShape("tiny", 8, 64, 32, 2)
 MAX_REL_ERR = 2e-2
+FP8_MAX_REL_ERR = 1e-1
+"""The FP8 layer against bf16 experts: 3.5-4.5e-2 per GEMM, two in a row (the bound of
+``tests/gpu/test_fp8_layer_cuda.py``)."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -133,6 +141,8 @@ def parse_args() -> argparse.Namespace:
                         help="also time each host-sync-free ep_moe layer (EP=1, or the 'ag' and 'agce' variants) "
                              "captured whole, forward and backward, in CUDA graphs (torch.cuda.make_graphed_callables; "
                              "named <layer>+graph)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time each ep_moe variant with FP8 experts (expert_precision='fp8', same weights)")
     parser.add_argument("--routing", choices=("uniform", "zipf"), default="uniform",
                         help="expert popularity: uniform (random router on N(0,1) tokens) or zipf (tokens shifted "
                              "so that expert e's selection probability ~ rank(e)^-s over a random expert "
@@ -319,19 +329,29 @@ def variant_name(dispatch: str) -> str:
     return "ep_moe_" + next(short for short, full in VARIANTS.items() if full == dispatch)
 
 
-def sharing_modules(layer: MoELayer, dispatch: str) -> MoELayer:
-    """A layer with another dispatch that shares ``layer``'s modules (same parameters)."""
-    config = dataclasses.replace(layer.config, dispatch=dispatch)
+def sharing_modules(layer: MoELayer, dispatch: str, fp8: bool = False) -> MoELayer:
+    """A layer with another dispatch that shares ``layer``'s modules (same parameters);
+    ``fp8``: its experts in FP8 (a copy of the experts module holding the same parameters
+    under the FP8 config, on the Triton kernels). Raises ValueError where the config refuses
+    the combination."""
+    precision = dict(expert_precision="fp8", backend="auto") if fp8 else {}
+    config = dataclasses.replace(layer.config, dispatch=dispatch, **precision)
     variant = MoELayer(config, layer.ep_group, device="meta")
-    variant.router, variant.experts, variant.shared_experts = layer.router, layer.experts, layer.shared_experts
+    experts = layer.experts
+    if fp8:
+        experts = copy.copy(layer.experts)  # shares the parameter dict: the same weights
+        experts.config = config
+    variant.router, variant.experts, variant.shared_experts = layer.router, experts, layer.shared_experts
     return variant
 
 
 def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtype, impls: list[str],
-                 variants: list[str], deepspeed, compile_mode: Optional[str] = None) -> tuple[MoELayer, dict]:
+                 variants: list[str], deepspeed, compile_mode: Optional[str] = None,
+                 fp8: bool = False) -> tuple[MoELayer, dict]:
     """ep_moe's layer, and {name: (forward, params)} of the plain layer and of the other
-    layers in ``impls`` (ep_moe once per variant, and with ``compile_mode`` once more under
-    ``torch.compile`` in that mode), all with ep_moe's weights."""
+    layers in ``impls`` (ep_moe once per variant, with ``fp8`` once more with FP8 experts,
+    and with ``compile_mode`` each once more under ``torch.compile`` in that mode), all with
+    ep_moe's weights."""
     torch.manual_seed(0)  # same router on every rank; expert weights depend on global ids only
     config = MoEConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                        num_experts=shape.num_experts, top_k=shape.top_k, aux_loss_coef=0.0,
@@ -342,6 +362,11 @@ def build_layers(shape: MoEShape, group, device: torch.device, dtype: torch.dtyp
         for variant in variants:
             name = variant_name(variant)
             layers[name] = ours if variant == ours.config.dispatch else sharing_modules(ours, variant)
+        for variant in variants if fp8 else ():
+            try:
+                layers[variant_name(variant) + "+fp8"] = sharing_modules(ours, variant, fp8=True)
+            except ValueError as refused:
+                print0(f"  {variant_name(variant)}+fp8 skipped: {refused}")
     if "deepspeed" in impls and deepspeed is not None:
         layers["deepspeed"] = deepspeed_moe_like(ours)
     forwards = {name: (lambda x, m=m: m(x)[0]) if name == "deepspeed" else m for name, m in layers.items()}
@@ -375,7 +400,7 @@ def bench_shape(shape: MoEShape, args, group, ep_size: int, device: torch.device
     at EP=1); one result row per timed layer, times the slowest of every rank."""
     impls = args.impls.split(",")
     variants = parse_variants(args.variants) if ep_size > 1 else ["all_to_all"]
-    ours, layers = build_layers(shape, group, device, dtype, impls, variants, deepspeed, args.compile)
+    ours, layers = build_layers(shape, group, device, dtype, impls, variants, deepspeed, args.compile, args.fp8)
     if args.autotune:
         from ep_moe.autotune import warmup
 
@@ -415,7 +440,7 @@ def bench_shape(shape: MoEShape, args, group, ep_size: int, device: torch.device
     # session 9 in PERFORMANCE_LOG.md); each round's time is the slowest rank's
     # median, a layer's time the median over rounds.
     timed = [n for n in layers if ("ep_moe" if n.startswith("ep_moe") else n) in impls]
-    valid = {name: max(errors[name]) < MAX_REL_ERR for name in timed}
+    valid = {name: max(errors[name]) < (FP8_MAX_REL_ERR if "+fp8" in name else MAX_REL_ERR) for name in timed}
     rounds = {name: [] for name in timed}  # per round, every rank's median
     for r in range(args.rounds):
         for name in timed[r % len(timed):] + timed[:r % len(timed)]:
@@ -485,11 +510,11 @@ def main() -> int:
         if dist.get_rank() == 0:
             out = args.out or REPO / "benchmarks" / "results" / (
                 f"ep_{env['device'].replace(' ', '_')}_ep{ep_size}" + (f"_dp{replicas}" if replicas > 1 else "")
-                + (f"_zipf{args.zipf_s:g}" if args.routing == "zipf" else "") + ".json")
+                + (f"_zipf{args.zipf_s:g}" if args.routing == "zipf" else "") + ("_fp8" if args.fp8 else "") + ".json")
             save_results(out, {"ep_size": ep_size, "world_size": world_size, "tokens_per_rank": args.tokens, "dtype": args.dtype,
                                "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds, "autotune": args.autotune,
                                "routing": args.routing, "zipf_s": args.zipf_s if args.routing == "zipf" else None,
-                               "deepspeed": deepspeed.__version__ if deepspeed else None, "results": rows})
+                               "fp8": args.fp8, "deepspeed": deepspeed.__version__ if deepspeed else None, "results": rows})
             print(json.dumps({"saved": str(out)}), flush=True)
         return 0 if all(r["valid"] for r in rows if r["impl"].startswith("ep_moe")) else 1
     finally:

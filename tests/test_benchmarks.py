@@ -2,7 +2,7 @@
 tiny shape, ep_moe against the plain layer in rotated rounds, at EP=2 and as two EP=1
 replicas (``--ep-size 1``). Catches a benchmark broken by a change to the layer before a
 GPU session spends its time on it. And once with ``--routing zipf``: the skewed routing
-reaches every layer alike (they still validate) and is reported."""
+reaches every layer alike (they still validate) and is reported; and with ``--fp8``."""
 
 import json
 import os
@@ -61,6 +61,29 @@ def test_bench_ep_zipf_routing_skews_expert_load_and_says_so(tmp_path):
         assert row["expert_load_max_mean"] > 1.5  # the hottest expert well above the mean (2.4x measured)
         assert 1.0 < row["rank_load_max_mean"] <= row["expert_load_max_mean"]
         assert len(row["ms_per_rank"]) == 2 and row["ms"] == max(row["ms_per_rank"]) > 0  # the slowest rank
+
+
+@pytest.mark.distributed
+def test_bench_ep_fp8_column_times_fp8_experts_on_the_same_weights(tmp_path):
+    """``--fp8``: each ep_moe variant once more with FP8 experts sharing its weights (the Triton
+    interpreter on the CPU, float16): validated against the plain layer within the FP8 bound,
+    quantized (off by more than float16's noise)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "benchmarks" / "bench_ep.py"), "--device", "cpu", "--dtype", "float16", "--shapes", "tiny",
+           "--tokens", "64", "--impls", "ep_moe,plain", "--variants", "nccl,ag", "--fp8", "--iters", "1",
+           "--warmup", "0", "--out", str(tmp_path / "ep_fp8.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "ep_fp8.json").read_text())
+    assert data["fp8"] is True
+    rows = {row["impl"]: row for row in data["results"]}
+    assert set(rows) == {"plain", "ep_moe", "ep_moe_ag", "ep_moe+fp8", "ep_moe_ag+fp8"}
+    for name in ("ep_moe", "ep_moe_ag"):
+        assert rows[name]["valid"] and rows[name]["rel_err_y"] < 5e-3
+        fp8 = rows[name + "+fp8"]
+        assert fp8["valid"] and 1e-2 < fp8["rel_err_y"] < 1e-1 and 1e-2 < fp8["rel_err_dx"] < 1e-1
+        assert fp8["ms"] > 0
 
 
 def test_bench_host_smoke_run(tmp_path):
