@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# FP8 experts (MoEConfig(expert_precision="fp8")) on one GPU with FP8 tensor cores, in parts that each fit
+# FP8 experts (MoEConfig(expert_precision="fp8")) on GPUs with FP8 tensor cores, in parts that each fit
 # one 10-minute device call:
 #   PART=tests   the FP8 kernels' and layer's tests in bf16 on the GPU (tests/kernels/test_fp8.py,
-#                tests/gpu/test_fp8_layer_cuda.py), verbose, into fp8_tests.log (about 4 minutes: compiles)
+#                tests/gpu/test_fp8_layer_cuda.py; its EP=2 test over NCCL where 2 GPUs are visible), verbose,
+#                into fp8_tests.log (about 5 minutes: compiles)
+#   PART=ep      benchmarks/bench_ep.py --fp8 at EP=NPROC [2]: the EP layer with bf16 and with FP8 experts, the
+#                all-to-all and the all-gather dispatch, every shape (ep_<device>_ep<NPROC>_fp8.json)
 #   PART=bench   benchmarks/bench_grouped_gemm.py --fp8: each shape's projections, FP8 (quantization included)
 #                against bf16 torch._grouped_mm and torch._scaled_grouped_mm (about 2 minutes)
 #   PART=parity  the trainer, STEPS [1000] steps of each preset in CONFIGS ["gpu qwen3_ep"] with bf16 and then
@@ -30,6 +33,12 @@ bench)
   device=$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))')
   python3 benchmarks/bench_grouped_gemm.py --fp8 --out "$RESULTS/grouped_gemm_fp8_${device}_x1.json" \
     2>&1 | tee "$RESULTS/fp8_bench.log" | grep -E "FP8|saved"
+  ;;
+ep)
+  device=$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))')
+  python3 -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" benchmarks/bench_ep.py --fp8 \
+    --variants nccl,ag --impls ep_moe,plain --out "$RESULTS/ep_${device}_ep${NPROC:-2}_fp8.json" \
+    2>&1 | tee "$RESULTS/fp8_ep.log" | grep -E "fwd\+bwd|skipped|saved"
   ;;
 parity)
   for config in $CONFIGS; do
@@ -82,7 +91,7 @@ print(f"saved {out}")
 PY
   ;;
 *)
-  echo "PART must be tests, bench or parity, not '$PART'" >&2
+  echo "PART must be tests, bench, ep or parity, not '$PART'" >&2
   exit 2
   ;;
 esac

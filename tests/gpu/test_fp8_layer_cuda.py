@@ -115,3 +115,78 @@ def test_fp8_weight_copies_follow_optimizer_steps_in_cuda_graphs():
         assert within(err, 1e-3, f"replay after step {grad_step}", __name__), f"step {grad_step}: {err:.2e}"
         assert rel_err(replayed, outputs[-1]) > 1e-3, "the replay kept the old weights' copies"
         outputs.append(replayed)
+
+
+# ---------------------------------------------------------------------------------------
+# EP=2 over NCCL against EP=1.
+
+EP_DISPATCHES = ("all_to_all", "all_gather")
+EP_SAME_QUANT = 2e-2
+"""EP=2 against EP=1 with the same FP8 operands (each row scaled alone, so both quantize
+alike): the difference is bf16's rounding of sums in another order."""
+
+
+def _ep_setup(world_size: int):
+    """(config kwargs, the EP=1 FP8 layer's state dict, per-rank tokens and output gradients)."""
+    fp8, _ = _pair(torch.bfloat16, mlp_bias=True)
+    state = {k: v.cpu() for k, v in fp8.state_dict().items()}
+    gen = torch.Generator().manual_seed(11)
+    inputs = [torch.randn(300, 360, generator=gen).bfloat16() for _ in range(world_size)]  # the all-gather: equal counts
+    return state, inputs, [torch.randn(x.shape, generator=gen).bfloat16() for x in inputs]
+
+
+def _expert_grads(layer: MoELayer) -> dict[str, torch.Tensor]:
+    return {f"{name}.{e}": p.grad[j].float().cpu() for name, p in layer.experts.named_parameters()
+            for j, e in enumerate(layer.experts.global_ids())}
+
+
+def _fp8_ep_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    group = dist.new_group(list(range(world_size)), backend="nccl")
+    state, inputs, grads = _ep_setup(world_size)
+    out = {}
+    for dispatch in EP_DISPATCHES:
+        config = MoEConfig(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2, init_std=0.05,
+                           mlp_bias=True, expert_precision="fp8", dispatch=dispatch)
+        layer = MoELayer(config, group, device="cuda", dtype=torch.bfloat16)
+        layer.load_state_dict(state)
+        x = inputs[rank].cuda().requires_grad_()
+        y = layer(x)
+        y.backward(grads[rank].cuda())
+        out[dispatch] = dict(y=y.detach().float().cpu(), dx=x.grad.float().cpu(), grads=_expert_grads(layer),
+                             dispatch=layer.dispatch)
+    dist.destroy_process_group(group)
+    return out
+
+
+def test_fp8_ep2_over_nccl_matches_ep1():
+    """FP8 experts split over two GPUs (NCCL; the all-to-all and the all-gather): each rank's
+    output and input gradient, and every expert tensor's gradient, equal the EP=1 FP8 layer's
+    over the same tokens (the expert gradients summed over both ranks' tokens)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    from dist_utils import run_distributed
+
+    results = run_distributed(_fp8_ep_worker, 2, timeout_s=300)
+    state, inputs, grads = _ep_setup(2)
+    for dispatch in EP_DISPATCHES:
+        layer = MoELayer(MoEConfig(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2, init_std=0.05,
+                                   mlp_bias=True, expert_precision="fp8"), device="cuda", dtype=torch.bfloat16)
+        layer.load_state_dict(state)
+        for rank in range(2):
+            x = inputs[rank].cuda().requires_grad_()
+            y = layer(x)
+            y.backward(grads[rank].cuda())  # the expert gradients: both ranks' tokens
+            got = results[rank][dispatch]
+            assert got["dispatch"] == dispatch
+            for what, mine, want in (("output", got["y"], y), ("dx", got["dx"], x.grad)):
+                err = rel_err(mine, want.float().cpu())
+                assert within(err, EP_SAME_QUANT, f"EP=2 {dispatch} {what}", __name__), f"{dispatch} {what}: {err:.2e}"
+        want = _expert_grads(layer)
+        got = {**results[0][dispatch]["grads"], **results[1][dispatch]["grads"]}
+        assert got.keys() == want.keys()
+        for name, grad in want.items():
+            err = rel_err(got[name], grad)
+            assert within(err, EP_SAME_QUANT, f"EP=2 {dispatch} {name}", __name__), f"{dispatch} {name}: {err:.2e}"
