@@ -13,6 +13,7 @@
     torchrun --nproc-per-node 1 benchmarks/bench_train.py --hf-model DIR --data FILES \
         --set training.dtype=\'bfloat16\' --set training.param_dtype=\'bfloat16\'  # an HF model (hf preset)
     ... the same with --experts grouped_mm       # transformers' own experts: the baseline, same loop
+    ... the same with --ep-size N --experts hf_ep  # transformers' own EP (its DistributedConfig), same loop
 
 What runs is the trainer itself: ``ep_moe.train.trainer.Trainer`` built from the config (a
 preset or a file, with ``--set``/``--ep-size`` overrides as for the trainer), its process groups, model,
@@ -29,6 +30,21 @@ step. Per rank the median step; the run's step time is the slowest rank's median
 = global tokens per step (``batch_size * seq_len * world``) / step time; per GPU = / world.
 The mean wall time of the timed steps (synchronize + ``perf_counter`` around them all) is
 recorded too.
+
+``--experts hf_ep`` (transformers 5.21+, and ``accelerate``, which its distributed loading
+imports): the trainer is built as for ep_moe at ``--ep-size N``, then its model is replaced by
+the same weights loaded through transformers' own parallelism, ``from_pretrained(DIR,
+distributed_config=DistributedConfig(ep_size=N, fsdp_size=world))`` (a folder without weights:
+the trainer's seeded init, exported to a temporary folder first): each rank keeps
+``E / N`` experts (its ``base_model_ep_plan``: ``grouped_gemm`` shards, ``ep_dispatch_experts``
+hooks; ``ep_implementation='auto'`` runs its all-to-all in training), its experts run
+transformers' ``grouped_mm``, and the rest of the model is FSDP2-sharded over all ranks by
+transformers (``fsdp_size`` = world is the layout in which its EP ranks hold different
+batches). So every rank trains on its own batch, as under ep_moe's EP, and tokens/s counts the
+same tokens; its peer in ep_moe is ``--set parallel.fsdp=true`` at the same ``--ep-size``.
+The step is the trainer's FSDP step (no ``sync_gradients``: transformers' reduce-scatters
+average the gradients; its mixed precision under ``training.dtype='bfloat16'`` with fp32
+parameters). ``hf_ep`` in the JSON records the layout; the line says which EP ran.
 
 MFU = tokens/s per GPU * model FLOPs per token / peak FLOP/s of one GPU. Model FLOPs per
 token (:func:`model_flops`; forward + backward, no recomputation, no elementwise work):
@@ -129,7 +145,7 @@ shards it); ``max_memory_steps_gb`` the same over the training steps alone (peak
 reset after the setup), the number to compare between replicated and FSDP runs.
 
 Output: one JSON (rank 0; ``--out``, default
-``benchmarks/results/train_<device>_<model>_w<world>_ep<ep>[_fsdp].json``) with the
+``benchmarks/results/train_<device>_<model>_w<world>_ep<ep>[_fsdp][_<experts>].json``) with the
 environment, world / EP / DP sizes, whether FSDP shards the model (``fsdp``), tokens/s
 (global and per GPU), step times of every rank, memory, FLOPs and parameter counts, peak
 and MFU, the breakdown (rank 0's, and a summary of every rank's); and one line on stdout
@@ -464,7 +480,9 @@ def hf_model_flops(hf_model: Any, seq_len: int, ep_size: int) -> dict[str, Any]:
                          if p.dim() >= 2 and n not in expert_names and p is not embedding)
     experts_local = sum(p.numel() for n, p in hf_model.named_parameters() if n in expert_names)
     experts_total = experts_local * ep_size
-    E = experts_modules(hf_model)[0][1].num_global_experts
+    first = experts_modules(hf_model)[0][1]
+    # ep_moe's experts record the global count; transformers' own EP (DTensors) has the global shape
+    E = getattr(first, "num_global_experts", None) or next(first.parameters()).shape[0]
     routed = experts_total * config.num_experts_per_tok // E
     active = dense_matrices + routed
     if config.tie_word_embeddings:
@@ -705,10 +723,13 @@ def run(args: argparse.Namespace) -> Optional[dict]:
     t_build = time.perf_counter()
     trainer = trainer_module.Trainer(job)
     try:
-        if args.experts != "ep_moe":
+        hf_ep = None
+        if args.experts == "hf_ep":
+            hf_ep = load_hf_ep(trainer)
+        elif args.experts != "ep_moe":
             if trainer.ranks.ep_size > 1:
                 raise ValueError(f"--experts {args.experts}: transformers' own experts run at EP=1 only; "
-                                 "pass --ep-size 1")
+                                 "pass --ep-size 1, or --experts hf_ep for transformers' own EP")
             trainer.model.hf.set_experts_implementation(args.experts)
         build_s = time.perf_counter() - t_build
         ranks, device = trainer.ranks, trainer.ranks.device
@@ -741,10 +762,79 @@ def run(args: argparse.Namespace) -> Optional[dict]:
         dist.all_gather_object(every, mine)
         if ranks.rank != 0:
             return None
-        return _result(args, job, trainer, every, build_s, peak_dtype, peak_n, capture.lines)
+        return _result(args, job, trainer, every, build_s, peak_dtype, peak_n, capture.lines, hf_ep)
     finally:
         logging.getLogger("ep_moe.train").removeHandler(capture)
         trainer.close()
+
+
+def load_hf_ep(trainer) -> dict:
+    """``--experts hf_ep``: replace the trainer's model (an HF model split by ep_moe) with the
+    same weights loaded through transformers' own expert parallelism (module docstring), a new
+    AdamW over them, and the trainer's FSDP step; returns the layout for the result. Call on
+    every rank."""
+    import dataclasses
+    import gc
+
+    import torch.distributed as dist
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    from ep_moe.integrations.transformers import experts_modules
+    from ep_moe.train.hf_model import HFCausalLM
+
+    _, trainer_module = _trainer_modules()
+    spec, ranks, tcfg = trainer.hf_spec, trainer.ranks, trainer.job.training
+    if spec is None:
+        raise ValueError("--experts hf_ep: transformers' own EP runs an HF model; pass --hf-model")
+    if ranks.ep_size < 2:
+        raise ValueError("--experts hf_ep: pass --ep-size 2 or more (transformers' own experts at EP=1: "
+                         "--experts grouped_mm)")
+    if "ep_size" not in DistributedConfig.__dataclass_fields__:
+        raise ValueError(f"--experts hf_ep: transformers {transformers.__version__} has no "
+                         "DistributedConfig(ep_size=...) (5.21+); its EP before that (enable_expert_parallel with "
+                         "tp_size=world) runs every rank on the same batch")
+    if tcfg.compile:
+        raise ValueError("--experts hf_ep: training.compile compiles the trainer's model, not the one "
+                         "transformers loads; set training.compile=false")
+    path, tmp = spec.path, [None]
+    if not spec.has_weights:  # a config only: the trainer's seeded init, as an HF folder
+        tmp = [tempfile.mkdtemp(prefix="bench_hf_ep_") if ranks.rank == 0 else None]
+        dist.broadcast_object_list(tmp)
+        trainer.model.export(tmp[0])
+        path = tmp[0]
+    trainer.model = trainer.optimizer = None
+    gc.collect()
+    if ranks.device.type == "cuda":
+        torch.cuda.empty_cache()
+    config = DistributedConfig(ep_size=ranks.ep_size, fsdp_size=ranks.world_size,
+                               fsdp_mixed_precision=tcfg.dtype == "bfloat16" and tcfg.param_dtype == "float32")
+    try:
+        hf = spec.model_class.from_pretrained(
+            path, distributed_config=config, experts_implementation="grouped_mm",
+            dtype=torch.bfloat16 if tcfg.param_dtype == "bfloat16" else torch.float32)
+    finally:
+        if tmp[0] is not None:  # every rank has read it
+            dist.barrier()
+            if ranks.rank == 0:
+                shutil.rmtree(tmp[0], ignore_errors=True)
+    hf.config.use_cache = False
+    model = HFCausalLM(hf)
+    if tcfg.activation_checkpointing:
+        model.enable_activation_checkpointing()
+    model.train()
+    trainer.model = model
+    trainer.optimizer = trainer_module.build_optimizer(model, tcfg, ranks.device)
+    trainer.ranks = dataclasses.replace(ranks, fsdp=True)  # the step of a sharded model: no sync_gradients
+    return {"transformers": transformers.__version__, "ep_size": config.ep_size, "fsdp_size": config.fsdp_size,
+            "efsdp_size": config.efsdp_size, "ep_implementation": config.ep_implementation,
+            # 'auto' (AutoEP) all-reduces only where an EP group shares one batch (ep_size == tp_size), at inference
+            "ep_implementation_run": "all_to_all" if config.ep_implementation == "auto" else config.ep_implementation,
+            "experts_per_rank": experts_modules(hf)[0][1].num_experts,
+            "fsdp_mixed_precision": config.fsdp_mixed_precision,
+            "experts_implementation": hf.config._experts_implementation,
+            "weights": "the folder's" if tmp[0] is None else "the trainer's init, exported",
+            "batches": "one per rank (as ep_moe's EP)"}
 
 
 def _dispatch_run(trainer) -> str:
@@ -757,14 +847,14 @@ def _dispatch_run(trainer) -> str:
 
 
 def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: str, peak_n: int,
-            kernel_log: list[str]) -> dict:
+            kernel_log: list[str], hf_ep: Optional[dict] = None) -> dict:
     ranks, tcfg = trainer.ranks, job.training
     world, ep = ranks.world_size, ranks.ep_size
     step_ms = max(r["median_ms"] for r in every)
     tokens_per_s = trainer.tokens_per_step / (step_ms / 1e3)
     per_gpu = tokens_per_s / world
     hf = job.model.hf
-    flops = (hf_model_flops(trainer.model.hf, tcfg.seq_len, ep) if hf
+    flops = (hf_model_flops(trainer.model.hf, tcfg.seq_len, 1 if hf_ep else ep) if hf  # hf_ep: DTensors, global
              else model_flops(job.model, job.moe_config(), tcfg.seq_len))
     dense, experts = every[0]["params"]
     counted = dense + experts * ep
@@ -780,10 +870,11 @@ def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: s
         "environment": env,
         "device": env["device"], "torch": env["torch"], "triton": env["triton"],
         "model": args.label or Path(args.hf_model or args.config).name.removesuffix(".toml"), "config": str(args.config), "overrides": args.overrides,
-        "configuration": configuration_name(world, ep), "fsdp": job.parallel.fsdp,
+        "configuration": configuration_name(world, ep), "fsdp": job.parallel.fsdp or hf_ep is not None,
         "world_size": world, "ep_size": ep, "dp_size": world, "edp_size": world // ep,
-        "dispatch": _dispatch_run(trainer), "dispatch_config": job.moe.get("dispatch", "auto"),
-        "experts": args.experts if hf else "ep_moe", "param_dtype": tcfg.param_dtype,
+        "dispatch": f"transformers {hf_ep['ep_implementation_run']}" if hf_ep else _dispatch_run(trainer),
+        "dispatch_config": job.moe.get("dispatch", "auto"),
+        "experts": args.experts if hf else "ep_moe", "hf_ep": hf_ep, "param_dtype": tcfg.param_dtype,
         "cuda_graphs": "on" if trainer.graphs_off is None else f"off: {trainer.graphs_off}", "dtype": tcfg.dtype,
         "batch_size": tcfg.batch_size, "seq_len": tcfg.seq_len,
         "tokens_per_step": trainer.tokens_per_step, "tokens_per_step_per_gpu": trainer.tokens_per_step // world,
@@ -814,8 +905,11 @@ def _result(args, job, trainer, every: list[dict], build_s: float, peak_dtype: s
 def summary_line(result: dict) -> str:
     """The one-line stdout summary of a result."""
     fsdp = ", FSDP" if result.get("fsdp") else ""
+    experts = "" if result.get("experts", "ep_moe") == "ep_moe" else f", experts {result['experts']}"
+    if result.get("hf_ep"):
+        experts = f", transformers' own EP: {result['hf_ep']['experts_implementation']} experts, {result['dispatch']}"
     line = (f"train {result['model']} {result['configuration']} (world {result['world_size']}, "
-            f"EP {result['ep_size']}{fsdp}) on {result['device']}: {result['step_ms']:.1f} ms/step | {result['tokens_per_s']:,.0f} tok/s | "
+            f"EP {result['ep_size']}{fsdp}{experts}) on {result['device']}: {result['step_ms']:.1f} ms/step | {result['tokens_per_s']:,.0f} tok/s | "
             f"{result['tokens_per_s_per_gpu']:,.0f} tok/s/GPU | MFU {100 * result['mfu']:.1f}% of "
             f"{result['peak_tflops']:.4g} TFLOP/s ({result['peak_source']}; "
             f"{100 * result['mfu_vs_measured_peak']:.1f}% of measured {result['measured_peak_tflops']:.4g})")
@@ -863,9 +957,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              f"--hf-model {DEFAULT_HF_CONFIG})")
     parser.add_argument("--hf-model", default="", help="train this HF model folder (the trainer's --hf-model)")
     parser.add_argument("--data", default="", help="with --hf-model: the data (the trainer's --data)")
-    parser.add_argument("--experts", default="ep_moe", choices=("ep_moe", "grouped_mm", "batched_mm", "eager"),
+    parser.add_argument("--experts", default="ep_moe", choices=("ep_moe", "grouped_mm", "batched_mm", "eager", "hf_ep"),
                         help="with --hf-model at EP=1: the experts implementation; anything but ep_moe is "
-                             "transformers' own, the baseline (default: %(default)s)")
+                             "transformers' own, the baseline; hf_ep (--ep-size N > 1): transformers' own expert "
+                             "parallelism, see above (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value, as the trainer's --set; repeatable")
     parser.add_argument("--ep-size", type=int, default=None,
@@ -912,7 +1007,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         if result is not None:
             out = args.out or RESULTS / (f"train_{device_tag(result['device'])}_{result['model']}_"
                                          f"w{result['world_size']}_ep{result['ep_size']}"
-                                         f"{'_fsdp' if result['fsdp'] else ''}.json")
+                                         f"{'_fsdp' if result['fsdp'] else ''}"
+                                         f"{'' if result['experts'] == 'ep_moe' else '_' + result['experts']}.json")
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1) + "\n")
             print(summary_line(result), flush=True)

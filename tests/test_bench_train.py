@@ -7,6 +7,9 @@
   exposed communication, idle) on a synthetic GPU trace whose answer is worked out below;
 - the CPU smoke run: the benchmark under torchrun with 2 gloo ranks on the ``tiny`` preset
   (EP=2), 1 warm-up + 2 timed + 1 profiled step, and its JSON checked (about 6 s);
+- ``--experts hf_ep`` (transformers' own EP; needs transformers 5.21+ and ``accelerate``, else
+  skipped): 2 gloo ranks on a tiny saved Qwen3-MoE, its first steps' losses against the EP=1
+  run's (ep_moe's experts, DP=2), and its refusals;
 - the scaling plot from result files (needs matplotlib, else skipped).
 
 The trainer runs as a subprocess without ``TRITON_INTERPRET`` (its CPU path is torch's).
@@ -243,6 +246,83 @@ def test_bench_train_cpu_two_ranks(tmp_path):
     assert {"forward", "backward", "grad_sync", "optimizer", "clip"} <= set(phases)
     assert all(v >= 0 for v in phases.values()) and phases["forward"] > 0 and phases["backward"] > 0
     assert [p["rank"] for p in r["breakdown_per_rank"]] == [0, 1]
+
+
+def _bench(tmp_path: Path, name: str, hf_dir: Path, corpus: Path, *extra: str) -> tuple[dict, str]:
+    """bench_train.py under torchrun, 2 gloo ranks, on an HF folder: 2 timed steps from step 1
+    (no warm-up: the first loss is the initial weights'), fp32; (its JSON, its stdout)."""
+    out = tmp_path / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "benchmarks" / "bench_train.py"), "--hf-model", str(hf_dir), "--data", str(corpus),
+           "--device", "cpu", "--warmup", "0", "--steps", "2", "--profile-steps", "0",
+           "--set", "training.batch_size=2", "--set", "training.seq_len=16", "--set", "training.lr=1e-2",
+           "--set", "training.warmup_steps=1", "--out", str(out), *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def _hf_ep_available():
+    """Skip unless transformers has its own EP layout (5.21+) and ``accelerate`` (which its
+    distributed loading imports) is installed."""
+    pytest.importorskip("accelerate")
+    distributed = pytest.importorskip("transformers.distributed")
+    if "ep_size" not in distributed.DistributedConfig.__dataclass_fields__:
+        pytest.skip("transformers before 5.21: no DistributedConfig(ep_size=...)")
+
+
+@pytest.mark.distributed
+def test_bench_train_hf_ep_matches_ep1(tmp_path):
+    """``--experts hf_ep --ep-size 2``: each rank holds 4 of the 8 experts through
+    transformers' own plan, and rank 0's losses are those of the EP=1 run of the same
+    folder and batches. fp32 and the same weights: step 1's loss differs only by the order in
+    which the expert outputs are summed (transformers' grouped_mm after its all-to-all,
+    against ep_moe's torch path), ~1e-7, so rel 1e-5; a rank running the wrong experts, or
+    gradients averaged over the wrong count, moves it (or step 2's, after one AdamW step at
+    lr 1e-2) by far more than 1e-4."""
+    _hf_ep_available()
+    from hf_models import tiny_model
+    from text_data import sample_documents, train_tokenizer, write_jsonl
+
+    hf_dir, corpus = tmp_path / "qwen3_moe", tmp_path / "docs.jsonl"
+    model = tiny_model("qwen3_moe", vocab=320, std=0.05)  # 8 experts, top-2
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.01
+    model.save_pretrained(hf_dir)
+    train_tokenizer(hf_dir, sample_documents(60, seed=1))
+    write_jsonl(corpus, sample_documents(200, seed=2))
+
+    r, stdout = _bench(tmp_path, "hf_ep", hf_dir, corpus, "--ep-size", "2", "--experts", "hf_ep")
+    ep1, _ = _bench(tmp_path, "ep1", hf_dir, corpus, "--ep-size", "1")
+    assert any(line.startswith("train qwen3_moe EP=2 (world 2, EP 2, FSDP, transformers' own EP: grouped_mm")
+               for line in stdout.splitlines()), stdout[-2000:]
+    assert (r["experts"], r["configuration"], r["ep_size"], r["fsdp"]) == ("hf_ep", "EP=2", 2, True)
+    h = r["hf_ep"]
+    assert (h["ep_size"], h["fsdp_size"], h["efsdp_size"], h["experts_per_rank"]) == (2, 2, 1, 4)
+    assert (h["ep_implementation_run"], h["experts_implementation"], h["weights"]) == \
+        ("all_to_all", "grouped_mm", "the folder's")
+    assert r["dispatch"] == "transformers all_to_all" and ep1["hf_ep"] is None
+    assert r["tokens_per_step"] == ep1["tokens_per_step"] == 2 * 2 * 16
+    assert r["flops"]["param_count_matches"] and r["flops"] == ep1["flops"]
+    assert r["losses_finite"] and len(r["losses"]) == 2
+    assert r["loss_first"] == pytest.approx(ep1["loss_first"], rel=1e-5)
+    assert r["losses"][1] == pytest.approx(ep1["losses"][1], rel=1e-4)
+
+
+def test_hf_ep_refusals():
+    """``load_hf_ep`` refuses, before loading anything, the built-in model and EP=1."""
+    _hf_ep_available()
+    from types import SimpleNamespace
+
+    training = SimpleNamespace(compile=False)
+    built_in = SimpleNamespace(hf_spec=None, ranks=SimpleNamespace(ep_size=2), job=SimpleNamespace(training=training))
+    with pytest.raises(ValueError, match="pass --hf-model"):
+        bench_train.load_hf_ep(built_in)
+    ep1 = SimpleNamespace(hf_spec=object(), ranks=SimpleNamespace(ep_size=1), job=SimpleNamespace(training=training))
+    with pytest.raises(ValueError, match="--ep-size 2 or more"):
+        bench_train.load_hf_ep(ep1)
 
 
 def test_plot(tmp_path):
