@@ -436,9 +436,9 @@ def bench_shape(shape: MoEShape, args, group, ep_size: int, device: torch.device
            if ep_size > 1 else 0.0 for per_slot in (False, True)}
     flops = 18 * args.tokens * shape.top_k * shape.hidden * shape.intermediate
     # Timed in rounds, the order rotated each round, so that no layer always runs right after
-    # the same other one (a layer timed after the plain one measured slower at EP=4 on H200:
-    # session 9 in PERFORMANCE_LOG.md); each round's time is the slowest rank's
-    # median, a layer's time the median over rounds.
+    # the same other one (a layer timed after the plain one measured slower at EP=4 on H200,
+    # as the performance log records); each round's time is the slowest rank's median, a
+    # layer's time the median over rounds.
     timed = [n for n in layers if ("ep_moe" if n.startswith("ep_moe") else n) in impls]
     valid = {name: max(errors[name]) < (FP8_MAX_REL_ERR if "+fp8" in name else MAX_REL_ERR) for name in timed}
     rounds = {name: [] for name in timed}  # per round, every rank's median

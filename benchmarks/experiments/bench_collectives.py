@@ -7,8 +7,8 @@ environment gives (each setting needs a fresh process: NCCL reads them once).
 
 Rank 0 prints, per hidden size, the CUDA-event median of ``--iters`` calls (each after a
 barrier) and the bandwidth into each GPU ((P-1) * T * H * 2 bytes over that time).
-A run of each setting on 4x H200 is in ``benchmarks/PERFORMANCE_LOG.md`` (session 13; its JSON,
-``benchmarks/results/ep_session13_NVIDIA_H200_x4.json``, is in the git history).
+A run of each setting on 4x H200 is in ``benchmarks/PERFORMANCE_LOG.md`` (its JSON is in the
+git history).
 """
 
 from __future__ import annotations
