@@ -156,6 +156,8 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
+import gc
 import gzip
 import json
 import logging
@@ -773,9 +775,6 @@ def load_hf_ep(trainer) -> dict:
     same weights loaded through transformers' own expert parallelism (module docstring), a new
     AdamW over them, and the trainer's FSDP step; returns the layout for the result. Call on
     every rank."""
-    import dataclasses
-    import gc
-
     import torch.distributed as dist
     import transformers
     from transformers.distributed import DistributedConfig
