@@ -4,6 +4,7 @@
 #   NPROC [1] = 1   both precision regimes, ep_moe against grouped_mm, then 200-step loss curves of the
 #                   two and of a second ep_moe seed
 #   NPROC = N > 1   pure bf16: ep_moe at EP=N, ep_moe and grouped_mm at DP=N (every GPU all experts),
+#                   transformers' own EP at EP=N (bench_train --experts hf_ep) and ep_moe at EP=N with FSDP,
 #                   then 200-step loss curves of EP=N and DP=N (EP=1), the same global batch
 #   model   Qwen3-30B-A3B's widths at LAYERS [4] layers, a 32k BPE (benchmarks/hf_train_fixture.py: generated
 #           English text, MEGABYTES [48], the tokenizer trained on it; no weights, so the model starts from its init)
@@ -58,6 +59,11 @@ else
     bench "bf16_${experts}_dp$NPROC" "${BF16[@]}" --experts $experts --ep-size 1 --warmup "$WARMUP" --steps "$STEPS" \
       --profile-steps "$PROFILE_STEPS"
   done
+  # transformers' own EP (FSDP2 over every rank, transformers 5.21+ and accelerate) against ep_moe's EP with FSDP
+  bench "bf16_hf_ep_ep$NPROC" "${BF16[@]}" --experts hf_ep --ep-size "$NPROC" --warmup "$WARMUP" --steps "$STEPS" \
+    --profile-steps "$PROFILE_STEPS"
+  bench "bf16_ep_moe_ep${NPROC}_fsdp" "${BF16[@]}" --set parallel.fsdp=true --ep-size "$NPROC" --warmup "$WARMUP" \
+    --steps "$STEPS" --profile-steps "$PROFILE_STEPS"
   for ep in "$NPROC" 1; do
     bench "curve_bf16_ep_moe_ep$ep" "${BF16[@]}" --ep-size "$ep" --warmup 0 --steps "$CURVE_STEPS" --profile-steps 0
   done
