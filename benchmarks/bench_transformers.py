@@ -20,6 +20,11 @@ route alike) by switching the experts' ``config._experts_implementation``.
   max|a-b| / max|b| and ``rel`` = ||a-b|| / ||b||; the output's max_rel or dX's rel above
   ``--warn-rel`` (2e-2), or a gradient's rel above 10x that (a router's gradient cancels, so
   bf16 leaves ~1e-2 there), prints a loud warning and lands in the results' ``warnings``.
+  ``ep_moe_fp8`` in ``--block-impls`` adds ep_moe with FP8 experts
+  (``expert_precision="fp8"``, a GPU with FP8 tensor cores, or the Triton interpreter) on the
+  same parameters: its output and dX against the reference within ``FP8_BOUND`` (the FP8
+  layer's bound) in ``numerics_fp8``, its speedup over the fastest of transformers' own in
+  ``speedup_fp8``.
 - ``small``: the block's forward without grad (``torch.no_grad``, as ``generate`` runs it) at
   ``--small-tokens`` tokens: ``grouped_mm``, ``batched_mm``, ``eager`` and ``ep_moe``, the
   speedup against the fastest of transformers' own, each output checked against grouped_mm's.
@@ -53,6 +58,7 @@ was resident (its gradients included), and per step implementation ``peak_gb``.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gc
 import importlib
@@ -74,7 +80,11 @@ from common import call_times, environment, save_results  # noqa: E402
 import ep_moe.integrations.transformers as ep_hf  # noqa: E402  (registers "ep_moe")
 
 OURS = "ep_moe"
+OURS_FP8 = "ep_moe_fp8"
+"""ep_moe with FP8 experts (block section only)."""
 HF_IMPLS = ("grouped_mm", "batched_mm", "eager")
+FP8_BOUND = 1e-1
+"""FP8 experts against bf16 ones: the recipe's 3.5-4.5e-2 per GEMM, two in a row."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +181,21 @@ def build_block(shape: BlockShape, device: torch.device, dtype: torch.dtype) -> 
 
 def use(experts: list[torch.nn.Module], impl: str) -> None:
     for m in experts:
-        m.config._experts_implementation = impl
+        m.config._experts_implementation = OURS if impl == OURS_FP8 else impl
+
+
+def fp8_twin(block: torch.nn.Module) -> torch.nn.Module:
+    """``block`` with FP8 experts on the same parameters: a shallow copy whose experts modules
+    (direct children) are shallow copies set to ``expert_precision="fp8"``."""
+    twin = copy.copy(block)
+    twin._modules = dict(block._modules)  # its own children; the parameters stay shared
+    for name, module in ep_hf.experts_modules(block):
+        if "." in name:
+            raise ValueError(f"{type(block).__name__}: experts module {name!r} is not a direct child")
+        twin._modules[name] = copy.copy(module)
+    ep_hf.expert_parallel(torch.nn.ModuleList(m for _, m in ep_hf.experts_modules(twin)), None,
+                          expert_precision="fp8")
+    return twin
 
 
 def block_out(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -249,7 +273,15 @@ def warn(warnings: list[str], message: str) -> None:
 
 def bench_block(block, shape: BlockShape, args, device, dtype, warnings: list[str]) -> dict:
     """Forward+backward of the whole block at ``args.tokens`` tokens, each implementation."""
-    experts = [module for _, module in ep_hf.experts_modules(block)]
+    blocks = {impl: block for impl in args.block_impls}
+    if OURS_FP8 in blocks:
+        try:
+            blocks[OURS_FP8] = fp8_twin(block)
+        except ValueError as err:  # no FP8 tensor cores here: one_pass raises it, recorded as unavailable
+            blocks[OURS_FP8], fp8_error = None, err
+    experts = {impl: [module for _, module in ep_hf.experts_modules(b)] for impl, b in blocks.items() if b is not None}
+    experts.setdefault("eager", [module for _, module in ep_hf.experts_modules(block)])  # the fallback reference
+    blocks.setdefault("eager", block)
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
     dy = torch.randn(1, args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
@@ -260,19 +292,21 @@ def bench_block(block, shape: BlockShape, args, device, dtype, warnings: list[st
 
     def run(impl):
         def fn():
-            use(experts, impl)
-            block_out(block, x).backward(dy)
+            use(experts[impl], impl)
+            block_out(blocks[impl], x).backward(dy)
         return fn
 
     def one_pass(impl):
-        use(experts, impl)
-        y = block_out(block, x)
+        if blocks[impl] is None:
+            raise fp8_error
+        use(experts[impl], impl)
+        y = block_out(blocks[impl], x)
         y.backward(dy)
         return y.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
 
-    impls = sorted(args.block_impls, key=lambda i: i == OURS)  # the reference (HF) before ep_moe
+    impls = sorted(args.block_impls, key=lambda i: i in (OURS, OURS_FP8))  # the reference (HF) before ep_moe
     row = {"tokens": args.tokens, "impls": {}, "numerics": None}
-    passes = {}  # the first HF implementation's (output, dX, gradients) and ep_moe's
+    passes = {}  # the first HF implementation's (output, dX, gradients) and ep_moe's (bf16, FP8)
     for impl in impls:
         setup()
         before = resident_gb(device)
@@ -283,17 +317,20 @@ def bench_block(block, shape: BlockShape, args, device, dtype, warnings: list[st
         row["impls"][impl] = {"available": False, "error": error} if error else {"extra_peak_gb": extra}
         if error:
             print(f"  {shape.name}: {impl} unavailable: {error}", flush=True)
-        elif impl == OURS or len(passes) == 0:
+        elif impl in (OURS, OURS_FP8) or len(passes) == 0:
             passes[impl] = result
         result = None
-    if OURS in passes and len(passes) == 1:  # grouped_mm failed: transformers' loop as the reference
+    reference = next((i for i in passes if i not in (OURS, OURS_FP8)), None)
+    if reference is None and passes:  # grouped_mm failed: transformers' loop as the reference
         result, error = attempt(lambda: one_pass("eager"), device)
         setup()
         if result is not None:
-            passes = {"eager": result, OURS: passes[OURS]}
+            reference, passes["eager"] = "eager", result
         result = None
-    if OURS in passes and len(passes) == 2:
-        row["numerics"] = check_block(passes, shape, args, warnings)
+    if reference is not None and OURS in passes:
+        row["numerics"] = check_block({reference: passes[reference], OURS: passes[OURS]}, shape, args, warnings)
+    if reference is not None and OURS_FP8 in passes:
+        row["numerics_fp8"] = check_fp8_block(passes[reference], passes[OURS_FP8], reference, shape, warnings)
     passes.clear()
     free_memory(device)
     timed = measure({i: run(i) for i in impls if row["impls"][i].get("available", True)}, setup, args, device)
@@ -301,6 +338,8 @@ def bench_block(block, shape: BlockShape, args, device, dtype, warnings: list[st
         row["impls"][impl].update(t)
     setup()
     row["speedup"] = speedup(row["impls"])
+    if OURS_FP8 in row["impls"]:
+        row["speedup_fp8"] = speedup(row["impls"], OURS_FP8)
     return row
 
 
@@ -321,10 +360,22 @@ def check_block(passes: dict, shape: BlockShape, args, warnings: list[str]) -> d
     return numerics
 
 
-def speedup(impls: dict) -> Optional[float]:
-    """The fastest timed transformers implementation's ms over ep_moe's (None without both)."""
-    hf = [r["ms"] for i, r in impls.items() if i != OURS and "ms" in r]
-    return min(hf) / impls[OURS]["ms"] if hf and "ms" in impls.get(OURS, {}) else None
+def check_fp8_block(ref_pass: tuple, fp8_pass: tuple, reference: str, shape: BlockShape,
+                    warnings: list[str]) -> dict:
+    """The FP8 experts' output and dX against the reference's, warned beyond ``FP8_BOUND``."""
+    (y_ref, dx_ref, _), (y, dx, _) = ref_pass, fp8_pass
+    numerics = {"reference": reference, "out": errors(y, y_ref), "dx": errors(dx, dx_ref)}
+    bad = [f"{what} rel {numerics[what]['rel']:.2e}" for what in ("out", "dx") if numerics[what]["rel"] > FP8_BOUND]
+    if bad:
+        warn(warnings, f"block {shape.name}: ep_moe's FP8 experts against {reference} beyond {FP8_BOUND:g}: "
+                       + ", ".join(bad))
+    return numerics
+
+
+def speedup(impls: dict, ours: str = OURS) -> Optional[float]:
+    """The fastest timed transformers implementation's ms over ``ours``' (None without both)."""
+    hf = [r["ms"] for i, r in impls.items() if i not in (OURS, OURS_FP8) and "ms" in r]
+    return min(hf) / impls[ours]["ms"] if hf and "ms" in impls.get(ours, {}) else None
 
 
 def bench_small(block, shape: BlockShape, args, device, dtype, warnings: list[str]) -> list[dict]:
@@ -457,6 +508,10 @@ def print_tables(results: dict) -> None:
                      if n and n["worst_grad"] else "-")
             speedup = f"{r['speedup']:8.2f}x" if r["speedup"] else f"{'-':>9s}"
             print(f"{r['shape']:16s}" + "".join(f" {_ms(r['impls'][i])}" for i in impls) + f"{speedup}  {check}")
+            if r.get("numerics_fp8"):
+                n8, s8 = r["numerics_fp8"], r.get("speedup_fp8")
+                print(f"{'':16s} {OURS_FP8}: " + (f"{s8:.2f}x, " if s8 else "") +
+                      f"out rel {n8['out']['rel']:.1e}, dx rel {n8['dx']['rel']:.1e} ({n8['reference']})")
     if "small" in results:
         impls = list(dict.fromkeys(i for r in results["small"]["results"] for i in r["impls"]))
         print(f"\nblock forward, no grad, few tokens ({results['dtype']}, ms); speedup against the fastest of "
@@ -495,7 +550,8 @@ def plot_results(path: Path, out: Optional[Path] = None) -> Path:
     shapes = list(dict.fromkeys(r["shape"] for r in small))
     cols = max(2, len(shapes))
     fig, axes = plt.subplots(2, cols, figsize=(4.3 * cols, 8.5), squeeze=False)
-    colors = {"grouped_mm": "tab:gray", "batched_mm": "tab:orange", "eager": "tab:green", OURS: "tab:blue"}
+    colors = {"grouped_mm": "tab:gray", "batched_mm": "tab:orange", "eager": "tab:green", OURS: "tab:blue",
+              OURS_FP8: "tab:purple"}
     bars = ((axes[0][0], "block", "block forward+backward", data.get("block", {}).get("results", [])),
             (axes[0][1], "step", "training step", [dict(data["step"], shape=data["step"]["model"])]
              if data.get("step") else []))
@@ -580,8 +636,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.small_tokens = [int(t) for t in str(args.small_tokens).split(",")]
     for key in ("block_impls", "small_impls", "step_impls"):
         setattr(args, key, [i for i in getattr(args, key).split(",") if i])
-        if unknown := set(getattr(args, key)) - {*HF_IMPLS, OURS}:
-            p.error(f"--{key.replace('_', '-')}: unknown {sorted(unknown)}")
+        if unknown := set(getattr(args, key)) - {*HF_IMPLS, OURS, *((OURS_FP8,) if key == "block_impls" else ())}:
+            p.error(f"--{key.replace('_', '-')}: unknown {sorted(unknown)}" +
+                    (f" ({OURS_FP8} runs in the block section only)" if OURS_FP8 in unknown else ""))
     if unknown := set(args.sections) - {"block", "small", "step"}:
         p.error(f"--sections: unknown {sorted(unknown)}")
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")

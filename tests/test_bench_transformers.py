@@ -109,3 +109,37 @@ def test_a_failing_implementation_is_recorded_and_the_run_goes_on(tmp_path, monk
     (small,) = data["small"]["results"]
     assert not small["impls"]["grouped_mm"]["available"] and small["best_hf"] in ("batched_mm", "eager")
     assert small["impls"]["ep_moe"]["vs_eager"]["max_rel"] < 1e-5
+
+
+def test_fp8_experts_in_the_block_section(tmp_path):
+    """``ep_moe_fp8`` in ``--block-impls``: ep_moe with FP8 experts on the same parameters (the
+    Triton interpreter, float16), timed, its output and dX against the reference within the
+    FP8 bound and quantized (off by more than float16's noise), bf16 ep_moe unchanged beside
+    it; the other sections refuse it."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_transformers
+
+    data = bench_transformers.main(["--smoke", "--dtype", "float16", "--sections", "block", "--shapes", "mixtral-8x7b",
+                                    "--block-impls", "grouped_mm,ep_moe,ep_moe_fp8", "--out", str(tmp_path / "x.json")])
+    (block,) = data["block"]["results"]
+    assert block["impls"]["ep_moe_fp8"]["ms"] > 0 and block["speedup_fp8"] > 0 and block["speedup"] > 0
+    fp8 = block["numerics_fp8"]
+    assert 1e-2 < fp8["out"]["rel"] < bench_transformers.FP8_BOUND and 1e-2 < fp8["dx"]["rel"] < bench_transformers.FP8_BOUND
+    assert block["numerics"]["out"]["max_rel"] < 1e-2  # the bf16 experts on the same block, not quantized
+    assert not data["warnings"]
+    with pytest.raises(SystemExit):
+        bench_transformers.parse_args(["--smoke", "--small-impls", "ep_moe_fp8"])
+
+
+def test_fp8_experts_without_fp8_hardware_are_recorded_unavailable(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_transformers
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without the interpreter: no FP8
+    data = bench_transformers.main(["--smoke", "--sections", "block", "--shapes", "qwen3-30b-a3b",
+                                    "--block-impls", "grouped_mm,ep_moe,ep_moe_fp8", "--out", str(tmp_path / "x.json")])
+    (block,) = data["block"]["results"]
+    fp8 = block["impls"]["ep_moe_fp8"]
+    assert not fp8["available"] and "FP8 experts run on CUDA GPUs with FP8 tensor cores" in fp8["error"]
+    assert block["impls"]["ep_moe"]["ms"] > 0 and block["speedup"] > 0 and "speedup_fp8" in block
+    assert block["speedup_fp8"] is None and "numerics_fp8" not in block
