@@ -25,6 +25,7 @@ included, in every call; groups padded to 16 rows as it requires).
 The down projection runs on sorted rows there (no scatter or top-k weight).
 
     python benchmarks/bench_grouped_gemm.py [--tokens 8192] [--shapes all] [--sweep] [--bias] [--fp8]
+    python benchmarks/bench_grouped_gemm.py --fp8 --sweep --sweep-passes forward,dx   # FP8 configs too
 """
 
 from __future__ import annotations
@@ -264,6 +265,59 @@ def time_torchao_fp8(p, x_sorted, dy) -> dict[str, float]:
         return {}
 
 
+SWEEP_FP8 = [
+    KernelConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_SIZE_M=8, num_warps=w, num_stages=st, use_tma=True)
+    for bm, bn, bk, w, st in [(128, 256, 128, 8, 3), (128, 128, 128, 4, 4), (128, 128, 128, 8, 4),
+                              (128, 128, 256, 8, 3), (64, 128, 128, 4, 5), (64, 256, 128, 4, 4),
+                              (128, 256, 64, 8, 4), (128, 128, 64, 4, 5), (256, 128, 128, 8, 3)]
+]
+"""FP8 forward and dX candidates (one e4m3 byte per value: a 128-wide K step reads 128-byte rows)."""
+
+
+def sweep_fp8(p, projection, which):
+    """Each FP8 candidate as the forward's config (forward timed, the row quantization
+    included) and as the dX's (forward+backward timed, the other passes at their defaults);
+    validated against the default configs' output first. {pass: [(ms, cfg)]}."""
+    from ep_moe.kernels.fp8 import fp8_gemm_configs, grouped_gemm_fp8, quantized_weight
+
+    x, w, m_sizes = p["x"], p["w"], p["m_sizes"]
+    kw = dict(gather_index=p["gather"]) if projection == "gate_up" else dict(scatter_index=p["scatter"],
+                                                                               row_weights=p["rw"])
+    default = fp8_gemm_configs(x.device, x.dtype)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    quantized_weight(w), quantized_weight(wg)
+    dy = torch.randn(p["rows"], p["n"], device=x.device, dtype=x.dtype)
+    runs = {"forward": lambda c: grouped_gemm_fp8(x, w, m_sizes, configs=(c, default.dx, default.dw), **kw),
+            "dx": lambda c: torch.autograd.grad(grouped_gemm_fp8(xg, wg, m_sizes, configs=(default.forward, c,
+                                                                                           default.dw), **kw),
+                                                (xg, wg), dy)}
+    results = {}
+    for name, run in runs.items():
+        if name not in which:
+            continue
+        first = (lambda out: out if name == "forward" else out[0])  # the output, or dX
+        ref = first(run(default.forward if name == "forward" else default.dx))
+        timings = []
+        for cfg in SWEEP_FP8:
+            try:
+                if rel_err(first(run(cfg)), ref) > 1e-2:  # the same FP8 operands: accumulation order only
+                    print(f"  skip fp8 {name} {cfg.short()}: its result differs", flush=True)
+                    continue
+                timings.append((bench_ms(lambda: run(cfg), warmup_ms=10, rep_ms=40), cfg))
+            except Exception as exc:  # out of resources, compile failure: skip the candidate
+                print(f"  skip fp8 {name} {cfg.short()}: {type(exc).__name__}", flush=True)
+        results[name] = sorted(timings, key=lambda t: t[0])
+    return results
+
+
+def fp8_default_ms(timings, which: str, like: torch.Tensor) -> str:
+    """The default FP8 config's time among ``timings`` ([(ms, cfg)]), or where it is not one."""
+    from ep_moe.kernels.fp8 import fp8_gemm_configs
+
+    default = getattr(fp8_gemm_configs(like.device, like.dtype), which)
+    return next((f"{ms:.3f} ms" for ms, c in timings if c == default), f"{default.short()} not in the grid")
+
+
 def sweep(p, projection, which):
     """Time every sweep candidate for each pass of one projection; {pass: [(ms, cfg)]}."""
     x, w, m_sizes = p["x"], p["w"], p["m_sizes"]
@@ -308,7 +362,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--shapes", default="all", help="comma-separated names, or 'all'")
     parser.add_argument("--projections", default="gate_up,down")
-    parser.add_argument("--sweep", action="store_true", help="time a grid of configs per pass")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time a grid of configs per pass (with --fp8: the FP8 forward's and dX's too)")
     parser.add_argument("--sweep-passes", default="forward,dx,dw")
     parser.add_argument("--bias", action="store_true", help="also time ours with a per-expert bias against without")
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 path and torch._scaled_grouped_mm")
@@ -334,6 +389,15 @@ def main() -> None:
                     best = v[0]
                     print(f"  sweep {name:16s} {projection:7s} {k:7s} best {best[0]:.3f} ms "
                           f"{flops / best[0] / 1e9:.0f} TFLOP/s  {best[1].short()}", flush=True)
+                if args.fp8:
+                    res = sweep_fp8(p, projection, args.sweep_passes.split(","))
+                    sweeps[f"{name}/{projection}/fp8"] = {
+                        k: [(round(ms, 4), c.short()) for ms, c in v[:5]] for k, v in res.items()}
+                    for k, v in res.items():
+                        print(f"  sweep {name:16s} {projection:7s} fp8 {k:7s} best {v[0][0]:.3f} ms  "
+                              f"{v[0][1].short()} (of {len(v)}; the default "
+                              f"{fp8_default_ms(v, k, p['x'])})" if v else f"  sweep fp8 {k}: no candidate ran",
+                              flush=True)
             ms, err = time_projection(p, projection, configs)
             row = dict(shape=name, projection=projection, rows=p["rows"], n=p["n"], k=p["k"],
                        flops_fwd=flops, err_vs_grouped_mm=err, ms=ms)

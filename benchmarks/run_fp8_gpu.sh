@@ -4,6 +4,8 @@
 #   PART=tests   the FP8 kernels' and layer's tests in bf16 on the GPU (tests/kernels/test_fp8.py,
 #                tests/gpu/test_fp8_layer_cuda.py; its EP=2 test over NCCL where 2 GPUs are visible), verbose,
 #                into fp8_tests.log (about 5 minutes: compiles)
+#   PART=sweep   bench_grouped_gemm.py --fp8 --sweep: a grid of configs for the FP8 forward and dX (and bf16's)
+#                per projection, the best five of each in grouped_gemm_fp8_sweep_<device>_x1.json
 #   PART=ep      benchmarks/bench_ep.py --fp8 at EP=NPROC [2]: the EP layer with bf16 and with FP8 experts, the
 #                all-to-all and the all-gather dispatch, every shape (ep_<device>_ep<NPROC>_fp8.json)
 #   PART=bench   benchmarks/bench_grouped_gemm.py --fp8: each shape's projections, FP8 (quantization included)
@@ -33,6 +35,11 @@ bench)
   device=$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))')
   python3 benchmarks/bench_grouped_gemm.py --fp8 --out "$RESULTS/grouped_gemm_fp8_${device}_x1.json" \
     2>&1 | tee "$RESULTS/fp8_bench.log" | grep -E "FP8|saved"
+  ;;
+sweep)
+  device=$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))')
+  python3 benchmarks/bench_grouped_gemm.py --fp8 --sweep --sweep-passes forward,dx \
+    --out "$RESULTS/grouped_gemm_fp8_sweep_${device}_x1.json" 2>&1 | tee "$RESULTS/fp8_sweep.log" | grep -E "sweep|saved"
   ;;
 ep)
   device=$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))')
@@ -91,7 +98,7 @@ print(f"saved {out}")
 PY
   ;;
 *)
-  echo "PART must be tests, bench, ep or parity, not '$PART'" >&2
+  echo "PART must be tests, bench, sweep, ep or parity, not '$PART'" >&2
   exit 2
   ;;
 esac
