@@ -23,8 +23,10 @@ layer (router to combine, dX and every weight gradient) of:
   ``ep_moe_<short name>`` otherwise; with ``--compile`` each once more under
   ``torch.compile`` (``<name>+compile``); with ``--fp8`` each once more with FP8 experts
   (``MoEConfig(expert_precision="fp8")``, the same weights: ``<name>+fp8``; a dispatch that
-  FP8 refuses is skipped and said so), validated against the plain bf16 layer within the FP8
-  layer's bound (``FP8_MAX_REL_ERR``);
+  FP8 or the device refuses is skipped and said so), validated against the plain bf16 layer
+  within the FP8 layer's bound (``FP8_MAX_REL_ERR``); the weights' e4m3 copies are made once
+  (no optimizer steps here), so its time leaves out the weight quantization that training
+  pays once per step;
 - ``plain``: the torchtitan-style layer of ``baselines.py`` (argsort permute, uneven
   ``all_to_all_single``, ``torch._grouped_mm`` SwiGLU experts);
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` (dropless, SwiGLU experts) when deepspeed
@@ -102,6 +104,7 @@ from baselines import PlainEPMoE, deepspeed_moe_like  # noqa: E402
 from common import REPO, SHAPES, MoEShape, call_times, environment, save_results, synchronize  # noqa: E402
 
 from ep_moe import MoEConfig, MoELayer  # noqa: E402
+from ep_moe.experts import check_fp8_device  # noqa: E402
 from ep_moe.ep.all_to_all import gather_counts, rank_splits, start_combine, start_dispatch  # noqa: E402
 from ep_moe.parallel import build_ep_groups  # noqa: E402
 from ep_moe.routing import rank_counts, route  # noqa: E402
@@ -339,6 +342,7 @@ def sharing_modules(layer: MoELayer, dispatch: str, fp8: bool = False) -> MoELay
     variant = MoELayer(config, layer.ep_group, device="meta")
     experts = layer.experts
     if fp8:
+        check_fp8_device(layer.experts.first_weight.device)  # built on meta: the check the layer skipped
         experts = copy.copy(layer.experts)  # shares the parameter dict: the same weights
         experts.config = config
     variant.router, variant.experts, variant.shared_experts = layer.router, experts, layer.shared_experts

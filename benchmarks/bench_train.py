@@ -796,19 +796,24 @@ def load_hf_ep(trainer) -> dict:
     if tcfg.compile:
         raise ValueError("--experts hf_ep: training.compile compiles the trainer's model, not the one "
                          "transformers loads; set training.compile=false")
+    if trainer.job.moe.get("expert_precision", "bf16") != "bf16":
+        raise ValueError("--experts hf_ep: moe.expert_precision is ep_moe's; transformers' own experts run in the "
+                         "compute dtype, so leave it at 'bf16'")
     path, tmp = spec.path, [None]
-    if not spec.has_weights:  # a config only: the trainer's seeded init, as an HF folder
+    if not spec.has_weights:  # a config only: the trainer's seeded init, as an HF folder (rank 0's /tmp: one host)
         tmp = [tempfile.mkdtemp(prefix="bench_hf_ep_") if ranks.rank == 0 else None]
         dist.broadcast_object_list(tmp)
-        trainer.model.export(tmp[0])
-        path = tmp[0]
-    trainer.model = trainer.optimizer = None
-    gc.collect()
-    if ranks.device.type == "cuda":
-        torch.cuda.empty_cache()
     config = DistributedConfig(ep_size=ranks.ep_size, fsdp_size=ranks.world_size,
                                fsdp_mixed_precision=tcfg.dtype == "bfloat16" and tcfg.param_dtype == "float32")
     try:
+        if tmp[0] is not None:
+            trainer.model.export(tmp[0])
+            path = tmp[0]
+        trainer.model = trainer.optimizer = None
+        gc.collect()
+        if ranks.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(ranks.device)  # the memory figures leave out the dropped model
         hf = spec.model_class.from_pretrained(
             path, distributed_config=config, experts_implementation="grouped_mm",
             dtype=torch.bfloat16 if tcfg.param_dtype == "bfloat16" else torch.float32)

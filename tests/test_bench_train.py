@@ -280,9 +280,9 @@ def test_bench_train_hf_ep_matches_ep1(tmp_path):
     transformers' own plan, and rank 0's losses are those of the EP=1 run of the same
     folder and batches. fp32 and the same weights: step 1's loss differs only by the order in
     which the expert outputs are summed (transformers' grouped_mm after its all-to-all,
-    against ep_moe's torch path), ~1e-7, so rel 1e-5; a rank running the wrong experts, or
-    gradients averaged over the wrong count, moves it (or step 2's, after one AdamW step at
-    lr 1e-2) by far more than 1e-4."""
+    against ep_moe's torch path), ~1e-7, so rel 1e-5; a rank running the wrong experts moves
+    it (or step 2's, after one AdamW step at lr 1e-2) by far more than 1e-4. (AdamW's first
+    step does not see a gradient's scale, so this does not check the gradients' averaging.)"""
     _hf_ep_available()
     from hf_models import tiny_model
     from text_data import sample_documents, train_tokenizer, write_jsonl

@@ -55,8 +55,7 @@ a float16 one is within 1e-3 of float64)."""
 SAME_QUANT_TOL = 2e-3
 """Relative Frobenius error of FP8 experts at EP=2 against EP=1 over the same rows: the same
 quantization, maybe summed in another order (tests/test_fp8_layer.py's bound of the same
-quantization; equal bit for bit here). EP=1 computing each rank's tokens in its own call
-(each expert's dW scaled over fewer rows) is off by more in gate_up's gradient."""
+quantization; equal bit for bit here)."""
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -121,9 +121,10 @@ def test_fp8_weight_copies_follow_optimizer_steps_in_cuda_graphs():
 # EP=2 over NCCL against EP=1.
 
 EP_DISPATCHES = ("all_to_all", "all_gather")
-EP_SAME_QUANT = 2e-2
+EP_SAME_QUANT = 1e-2
 """EP=2 against EP=1 with the same FP8 operands (each row scaled alone, so both quantize
-alike): the difference is bf16's rounding of sums in another order."""
+alike): the difference is bf16's rounding of sums in another order (a few 1e-3), well below
+a quantization that one side skipped (3.5-4.5e-2)."""
 
 
 def _ep_setup(world_size: int):
@@ -141,26 +142,32 @@ def _expert_grads(layer: MoELayer) -> dict[str, torch.Tensor]:
 
 
 def _fp8_ep_worker(rank: int, world_size: int) -> dict:
+    import datetime
+
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    group = dist.new_group(list(range(world_size)), backend="nccl")
-    state, inputs, grads = _ep_setup(world_size)
-    out = {}
-    for dispatch in EP_DISPATCHES:
-        config = MoEConfig(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2, init_std=0.05,
-                           mlp_bias=True, expert_precision="fp8", dispatch=dispatch)
-        layer = MoELayer(config, group, device="cuda", dtype=torch.bfloat16)
-        layer.load_state_dict(state)
-        x = inputs[rank].cuda().requires_grad_()
-        y = layer(x)
-        y.backward(grads[rank].cuda())
-        out[dispatch] = dict(y=y.detach().float().cpu(), dx=x.grad.float().cpu(), grads=_expert_grads(layer),
-                             dispatch=layer.dispatch)
-    dist.destroy_process_group(group)
-    return out
+    group = dist.new_group(list(range(world_size)), backend="nccl", timeout=datetime.timedelta(seconds=300))
+    try:
+        state, inputs, grads = _ep_setup(world_size)
+        out = {}
+        for dispatch in EP_DISPATCHES:
+            config = MoEConfig(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2, init_std=0.05,
+                               mlp_bias=True, expert_precision="fp8", dispatch=dispatch)
+            layer = MoELayer(config, group, device="cuda", dtype=torch.bfloat16)
+            layer.load_state_dict(state)
+            x = inputs[rank].cuda().requires_grad_()
+            y = layer(x)
+            y.backward(grads[rank].cuda())
+            out[dispatch] = dict(y=y.detach().float().cpu(), dx=x.grad.float().cpu(), grads=_expert_grads(layer),
+                                 dispatch=layer.dispatch)
+            del layer  # before the group goes
+        return out
+    finally:
+        dist.destroy_process_group(group)
 
 
+@pytest.mark.distributed
 def test_fp8_ep2_over_nccl_matches_ep1():
     """FP8 experts split over two GPUs (NCCL; the all-to-all and the all-gather): each rank's
     output and input gradient, and every expert tensor's gradient, equal the EP=1 FP8 layer's
