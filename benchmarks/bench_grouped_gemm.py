@@ -274,6 +274,22 @@ SWEEP_FP8 = [
 """FP8 forward and dX candidates (one e4m3 byte per value: a 128-wide K step reads 128-byte rows)."""
 
 
+def time_candidates(name: str, run, candidates, same_result=None) -> list:
+    """[(ms, cfg)], fastest first, of ``run(cfg)`` for each candidate; one that fails to build or
+    launch (out of resources, a compile failure), or whose ``same_result(cfg)`` is false, is
+    skipped and said so."""
+    timings = []
+    for cfg in candidates:
+        try:
+            if same_result is not None and not same_result(cfg):
+                print(f"  skip {name} {cfg.short()}: its result differs", flush=True)
+                continue
+            timings.append((bench_ms(lambda: run(cfg), warmup_ms=10, rep_ms=40), cfg))
+        except Exception as exc:
+            print(f"  skip {name} {cfg.short()}: {type(exc).__name__}", flush=True)
+    return sorted(timings, key=lambda t: t[0])
+
+
 def sweep_fp8(p, projection, which):
     """Each FP8 candidate as the forward's config (forward timed, the row quantization
     included) and as the dX's (forward+backward timed, the other passes at their defaults);
@@ -297,16 +313,9 @@ def sweep_fp8(p, projection, which):
             continue
         first = (lambda out: out if name == "forward" else out[0])  # the output, or dX
         ref = first(run(default.forward if name == "forward" else default.dx))
-        timings = []
-        for cfg in SWEEP_FP8:
-            try:
-                if rel_err(first(run(cfg)), ref) > 1e-2:  # the same FP8 operands: accumulation order only
-                    print(f"  skip fp8 {name} {cfg.short()}: its result differs", flush=True)
-                    continue
-                timings.append((bench_ms(lambda: run(cfg), warmup_ms=10, rep_ms=40), cfg))
-            except Exception as exc:  # out of resources, compile failure: skip the candidate
-                print(f"  skip fp8 {name} {cfg.short()}: {type(exc).__name__}", flush=True)
-        results[name] = sorted(timings, key=lambda t: t[0])
+        # the same FP8 operands: a candidate differs by its accumulation order only
+        results[name] = time_candidates(f"fp8 {name}", run, SWEEP_FP8,
+                                        lambda cfg: rel_err(first(run(cfg)), ref) <= 1e-2)
     return results
 
 
@@ -343,18 +352,8 @@ def sweep(p, projection, which):
                                         scale_by_load_row=True, dot_with=x),
             "dw": lambda c: launch_dw(dy_rows, x, dw, m_sizes, c),
         }
-    results = {}
-    for name, run in passes.items():
-        if name not in which:
-            continue
-        timings = []
-        for cfg in (SWEEP_DW if name == "dw" else SWEEP_ROWS):
-            try:
-                timings.append((bench_ms(lambda: run(cfg), warmup_ms=10, rep_ms=40), cfg))
-            except Exception as exc:  # out of resources, compile failure: skip the candidate
-                print(f"  skip {name} {cfg.short()}: {type(exc).__name__}", flush=True)
-        results[name] = sorted(timings, key=lambda t: t[0])
-    return results
+    return {name: time_candidates(name, run, SWEEP_DW if name == "dw" else SWEEP_ROWS)
+            for name, run in passes.items() if name in which}
 
 
 def main() -> None:
