@@ -274,15 +274,13 @@ def warn(warnings: list[str], message: str) -> None:
 
 def bench_block(block, shape: BlockShape, args, device, dtype, warnings: list[str]) -> dict:
     """Forward+backward of the whole block at ``args.tokens`` tokens, each implementation."""
-    blocks = {impl: block for impl in args.block_impls}
-    if OURS_FP8 in blocks:
+    blocks = {}  # impl -> the block it runs, where not ``block`` itself: ep_moe_fp8's twin
+    if OURS_FP8 in args.block_impls:
         try:
             blocks[OURS_FP8] = fp8_twin(block)
         except ValueError as err:  # no FP8 tensor cores here: one_pass raises it, recorded as unavailable
             blocks[OURS_FP8], fp8_error = None, err
-    experts = {impl: [module for _, module in ep_hf.experts_modules(b)] for impl, b in blocks.items() if b is not None}
-    experts.setdefault("eager", [module for _, module in ep_hf.experts_modules(block)])  # the fallback reference
-    blocks.setdefault("eager", block)
+    experts = {id(b): [module for _, module in ep_hf.experts_modules(b)] for b in (block, *blocks.values()) if b}
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
     dy = torch.randn(1, args.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
@@ -293,15 +291,17 @@ def bench_block(block, shape: BlockShape, args, device, dtype, warnings: list[st
 
     def run(impl):
         def fn():
-            use(experts[impl], impl)
-            block_out(blocks[impl], x).backward(dy)
+            b = blocks.get(impl, block)
+            use(experts[id(b)], impl)
+            block_out(b, x).backward(dy)
         return fn
 
     def one_pass(impl):
-        if blocks[impl] is None:
+        b = blocks.get(impl, block)
+        if b is None:
             raise fp8_error
-        use(experts[impl], impl)
-        y = block_out(blocks[impl], x)
+        use(experts[id(b)], impl)
+        y = block_out(b, x)
         y.backward(dy)
         return y.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
 
