@@ -22,7 +22,7 @@ from ep_moe.config import GATED_ACTIVATIONS, Activation, MoEConfig
 from ep_moe.distributed import gathered_expert_rows, mark_expert_param
 from ep_moe.grouped_mm_experts import grouped_mm_mlp, once_differentiable_output, use_grouped_mm
 from ep_moe.kernels.activation import ClampedSwiGLU, gated
-from ep_moe.kernels.config import GemmConfigs
+from ep_moe.kernels.config import GemmConfigs, configs_to_ints
 from ep_moe.kernels.fp8 import fp8_gemm_configs, fp8_supported, layer_grouped_gemm_fp8
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break, interpreter_active
 from ep_moe.kernels.ops import layer_grouped_gemm, layer_grouped_gemm_slot_sum
@@ -78,8 +78,7 @@ def activate(h_RF: torch.Tensor, activation: ActivationArg, backend: str,
     return h_RF  # identity
 
 
-@eager_or_graph_break  # a cache lookup (maybe file reads): run eagerly, the configs enter as constants
-def _kernel_configs(problem: "GemmProblem", num_rows: int, device: torch.device) -> Optional[GemmConfigs]:
+def _lookup_kernel_configs(problem: "GemmProblem", num_rows: int, device: torch.device) -> Optional[GemmConfigs]:
     """Tuned configs for one Triton GEMM call, or None (the kernels' defaults) when the
     autotuner is not available."""
     try:
@@ -87,6 +86,33 @@ def _kernel_configs(problem: "GemmProblem", num_rows: int, device: torch.device)
     except ImportError:
         return None
     return get_kernel_configs(problem, num_rows, device)
+
+
+@torch.compiler.assume_constant_result
+def _kernel_configs_traced(fields: tuple, num_rows: int, device: torch.device) -> Optional[tuple[int, ...]]:
+    """:func:`_lookup_kernel_configs` at ``torch.compile``'s trace time, as constants Dynamo
+    takes in and hands back: the problem as its fields, the configs as their ints."""
+    from ep_moe.autotune.space import GemmProblem
+
+    configs = _lookup_kernel_configs(GemmProblem(**dict(fields)), num_rows, device)
+    return None if configs is None else configs_to_ints(configs)
+
+
+_PROBLEM_FIELDS = ("projection", "num_local_experts", "n", "k", "top_k", "dtype")
+""":class:`~ep_moe.autotune.space.GemmProblem`'s fields (its constructor takes them by name)."""
+_kernel_configs_eager = eager_or_graph_break(_lookup_kernel_configs)
+
+
+def _kernel_configs(problem: "GemmProblem", num_rows: int,
+                    device: torch.device) -> Union[GemmConfigs, tuple[int, ...], None]:
+    """:func:`_lookup_kernel_configs`; under ``torch.compile`` without a graph break where the
+    row count is static, the configs then in their int form (:func:`~ep_moe.kernels.config.
+    configs_to_ints`, which the GEMMs take as well); a symbolic count (dynamic shapes) breaks
+    the graph here and looks them up on every call."""
+    if torch.compiler.is_compiling() and isinstance(num_rows, int):
+        fields = tuple((name, getattr(problem, name)) for name in _PROBLEM_FIELDS)
+        return _kernel_configs_traced(fields, num_rows, device)
+    return _kernel_configs_eager(problem, num_rows, device)
 
 
 EXPERT_TENSORS = ("gate_up", "down", "gate_up_bias", "down_bias")

@@ -134,6 +134,17 @@ class _GLU(torch.autograd.Function):
         return _launch(h, da.contiguous(), torch.empty_like(h), num_rows, ctx.act, ctx.form), None, None, None
 
 
+def _gated_in_torch(h: torch.Tensor, act: GateActivation, form: GateForm) -> torch.Tensor:
+    """The kernel's math as torch ops, fp32 and rounded once (what ``torch.compile`` fuses into
+    one kernel forward and one backward); every row, ``num_rows`` or not."""
+    h32 = h.float()
+    gate, up = (h32[:, 0::2], h32[:, 1::2]) if form.interleaved else h32.chunk(2, dim=-1)
+    if form.clamp_at is not None:
+        gate, up = gate.clamp(max=form.clamp_at), up.clamp(min=-form.clamp_at, max=form.clamp_at)
+    act_g = gate * torch.sigmoid(gate * form.alpha) if act == "silu" else torch.nn.functional.gelu(gate)
+    return (act_g * (up + form.up_offset)).to(h.dtype)
+
+
 def gated(h: torch.Tensor, act: GateActivation, num_rows: torch.Tensor | None = None,
           form: GateForm = _PLAIN) -> torch.Tensor:
     """``act(h[:, :I]) * h[:, I:]`` for ``h`` [rows, 2I] (row-contiguous), ``act`` SiLU or the
@@ -142,7 +153,9 @@ def gated(h: torch.Tensor, act: GateActivation, num_rows: torch.Tensor | None = 
 
     ``num_rows``: a count still on the device (0-dim integer tensor) when only the first
     rows of ``h`` are in use (the grouped GEMM's ``bounded_rows``): the output rows past
-    it, and the gradient rows past it, are left unwritten, and no time is spent on them."""
+    it, and the gradient rows past it, are left unwritten, and no time is spent on them.
+    Under ``torch.compile`` the same math runs as torch ops, which Inductor fuses (the
+    kernel's launch would break the graph), every row computed."""
     name = "swiglu" if act == "silu" else "geglu"
     if act not in ("silu", "gelu"):
         raise ValueError(f"gated: act={act!r}; use 'silu' (SwiGLU) or 'gelu' (GeGLU)")
@@ -155,6 +168,8 @@ def gated(h: torch.Tensor, act: GateActivation, num_rows: torch.Tensor | None = 
                                  or num_rows.device != h.device):
         raise ValueError(f"{name}: num_rows must be a one-element integer tensor on {h.device}, got "
                          f"{num_rows.dtype} {tuple(num_rows.shape)} on {num_rows.device}; pass m_sizes.sum()")
+    if torch.compiler.is_compiling():  # no graph break: Inductor fuses the same math, each way
+        return _gated_in_torch(h, act, form)
     if not torch.is_grad_enabled():  # the forward alone: no autograd function's per-call setup
         return _launch(h, None, h.new_empty((h.shape[0], h.shape[1] // 2)), num_rows, act, form)
     return _GLU.apply(h, num_rows, act, form)

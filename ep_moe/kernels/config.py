@@ -150,3 +150,28 @@ class GemmConfigs:
     def defaults(cls, elem_size: int, smem_limit: int) -> "GemmConfigs":
         """The default configs fitted to an element size and a shared-memory limit."""
         return cls(**{p: fit_to_smem(DEFAULT_CONFIGS[p], p, elem_size, smem_limit) for p in PASSES})
+
+
+CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages", "use_tma")
+"""A :class:`KernelConfig`'s fields in the order of its int form."""
+
+
+# The int form: what the custom ops take (their schema has no dataclass) and the constant
+# torch.compile's trace hands over; both directions cached, a layer passing the same few
+# configs on every call.
+@functools.lru_cache(maxsize=None)
+def configs_to_ints(configs: GemmConfigs) -> tuple[int, ...]:
+    """``configs`` as ints: each pass's :data:`CONFIG_FIELDS`, passes in ``PASSES`` order."""
+    return tuple(int(getattr(configs.for_pass(p), f)) for p in PASSES for f in CONFIG_FIELDS)
+
+
+@functools.lru_cache(maxsize=None)
+def configs_from_ints(values: tuple[int, ...]) -> GemmConfigs:
+    """The :class:`GemmConfigs` of :func:`configs_to_ints`' ints."""
+    n = len(CONFIG_FIELDS)
+    per_pass = {}
+    for i, p in enumerate(PASSES):
+        fields = dict(zip(CONFIG_FIELDS, values[i * n:(i + 1) * n]))
+        fields["use_tma"] = bool(fields["use_tma"])
+        per_pass[p] = KernelConfig(**fields)
+    return GemmConfigs(**per_pass)

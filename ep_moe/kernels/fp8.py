@@ -42,10 +42,10 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ep_moe.kernels.config import GemmConfigs, KernelConfig, fit_to_smem
+from ep_moe.kernels.config import GemmConfigs, KernelConfig, configs_from_ints, configs_to_ints, fit_to_smem
 from ep_moe.kernels.e4m3 import E4M3, E4M3_MAX, MIN_AMAX, on_e4m3_grid, scale_of
 from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, interpreter_active, launch_rows, smem_limit_for
-from ep_moe.kernels.ops import (_as_int32, _check_gather_slots, _configs_from_ints, _configs_to_ints, _contiguous,
+from ep_moe.kernels.ops import (_as_int32, _check_gather_slots, _contiguous,
                                 _grad_input, _setup_context, _validate, debug_enabled,
                                 eager_backward, value_checks)
 
@@ -263,7 +263,7 @@ def _forward(qw: QuantizedWeight, x, w, m_sizes, gather_index, scatter_index, ro
     w_values, w_scale = qw.forward
     out = x.new_empty((q.shape[0], w_values.shape[1]))
     if q.shape[0]:
-        launch_rows(q, w_values, out, m_sizes, _configs_from_ints(tuple(config)).forward, transpose_w=True,
+        launch_rows(q, w_values, out, m_sizes, configs_from_ints(tuple(config)).forward, transpose_w=True,
                     store_idx=scatter_index, scale=row_weights, bias=bias, fp8_scales=(q_scale, w_scale))
     return out
 
@@ -322,7 +322,7 @@ def _run(qw: QuantizedWeight, x, w, m_sizes, gather_index, scatter_index, row_we
          dx_mode: str, bounded_rows: bool, dx_slots) -> torch.Tensor:
     """:func:`grouped_gemm_fp8` and :func:`layer_grouped_gemm_fp8` on checked arguments."""
     inputs = (x if x.stride(-1) == 1 else x.contiguous(), w, _as_int32(m_sizes), _contiguous(gather_index),
-              _contiguous(scatter_index), _contiguous(row_weights), _configs_to_ints(configs), dx_mode, bounded_rows,
+              _contiguous(scatter_index), _contiguous(row_weights), configs_to_ints(configs), dx_mode, bounded_rows,
               _contiguous(bias), _contiguous(dx_slots))
     if not torch.is_grad_enabled():
         return _forward(qw, *inputs)

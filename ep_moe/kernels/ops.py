@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ep_moe.kernels.arrival import take_departure
-from ep_moe.kernels.config import PASSES, GemmConfigs, KernelConfig
+from ep_moe.kernels.config import GemmConfigs, KernelConfig, configs_from_ints, configs_to_ints
 from ep_moe.kernels.grouped_gemm import (
     eager_or_graph_break,
     interpreter_active,
@@ -37,27 +37,6 @@ from ep_moe.kernels.reference import grouped_gemm_reference
 Backend = Literal["auto", "triton", "torch"]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages", "use_tma")
-
-
-# The custom ops take the configs as ints (their schema has no dataclass); both directions
-# are cached, since a layer passes the same few configs on every call.
-@functools.lru_cache(maxsize=None)
-def _configs_to_ints(configs: GemmConfigs) -> tuple[int, ...]:
-    return tuple(int(getattr(configs.for_pass(p), f)) for p in PASSES for f in _CONFIG_FIELDS)
-
-
-@functools.lru_cache(maxsize=None)
-def _configs_from_ints(values: tuple[int, ...]) -> GemmConfigs:
-    n = len(_CONFIG_FIELDS)
-    per_pass = {}
-    for i, p in enumerate(PASSES):
-        fields = dict(zip(_CONFIG_FIELDS, values[i * n:(i + 1) * n]))
-        fields["use_tma"] = bool(fields["use_tma"])
-        per_pass[p] = KernelConfig(**fields)
-    return GemmConfigs(**per_pass)
-
-
 def _routed_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor]) -> int:
     return gather_index.shape[0] if gather_index is not None else x.shape[0]
 
@@ -87,7 +66,7 @@ def _fwd_impl(
 ) -> torch.Tensor:
     out = x.new_empty((_routed_rows(x, gather_index), w.shape[1]))
     launch_rows(
-        x, w, out, m_sizes, _configs_from_ints(tuple(config)).forward, transpose_w=True,
+        x, w, out, m_sizes, configs_from_ints(tuple(config)).forward, transpose_w=True,
         load_idx=gather_index, store_idx=scatter_index, scale=row_weights, bias=bias,
     )
     return out
@@ -108,7 +87,7 @@ def _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, 
     the custom op's, :func:`_bwd_impl`, returns empty tensors instead). ``grad_input``: what
     computes dX and the row weights' gradient, default :func:`_grad_input` (the FP8 GEMM
     passes its own, :mod:`ep_moe.kernels.fp8`)."""
-    configs = _configs_from_ints(tuple(config))
+    configs = configs_from_ints(tuple(config))
     dx = dw = drw = db = None
     if need_dx or need_drw:
         dx, drw_f32 = (grad_input or _grad_input)(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
@@ -337,7 +316,7 @@ def eager_backward(ctx, dy, grad_input=None):
     if queue is None:
         return _backward_with(grads, ctx, dy, saved=saved)
     dy = dy.contiguous()
-    config = _configs_from_ints(tuple(ctx.config)).dw
+    config = configs_from_ints(tuple(ctx.config)).dw
     bounded_rows, bias = ctx.bounded_rows, bias if with_bias else None
     queue.add((w, bias) if with_bias else w,
               lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
@@ -451,6 +430,8 @@ def layer_grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch
 def _slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, configs, bounded_rows, source_ends, bias):
     """:func:`grouped_gemm_slot_sum` on checked arguments (the kernels take int32 or int64
     indices, m_sizes as int32, every tensor with stride 1)."""
+    if isinstance(configs, tuple):  # the int form (see _config_ints)
+        configs = configs_from_ints(configs)
     configs = configs or GemmConfigs.defaults(a.element_size(), smem_limit_for(a.device))
     departure = take_departure()
     if departure is not None and (source_ends is None or source_ends.shape[1] != departure.num_sources):
@@ -733,6 +714,15 @@ def grouped_gemm(
                                 "unique" if unique_gather else ("sort" if deterministic else "atomic"), bounded_rows)
 
 
+def _config_ints(configs: Union[GemmConfigs, tuple[int, ...], None], x: torch.Tensor) -> tuple[int, ...]:
+    """The configs as the custom ops take them (:func:`~ep_moe.kernels.config.configs_to_ints`);
+    None: the defaults for ``x``. Int forms pass as they are (what the experts' config lookup
+    hands over inside a ``torch.compile`` trace)."""
+    if isinstance(configs, tuple):
+        return configs
+    return configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device)))
+
+
 def _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights, bias,
                          configs: Optional[GemmConfigs], dx_mode: str, bounded_rows: bool,
                          dx_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -745,7 +735,7 @@ def _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights
     # (no conversion per call), m_sizes as int32
     inputs = (x, w, _as_int32(m_sizes), _contiguous(gather_index), _contiguous(scatter_index),
               _contiguous(row_weights),
-              _configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
+              _config_ints(configs, x),
               dx_mode, bounded_rows, _contiguous(bias), _contiguous(dx_slots))
     if torch.compiler.is_compiling():
         return torch.ops.ep_moe.grouped_gemm_fwd(*inputs)

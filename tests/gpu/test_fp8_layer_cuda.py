@@ -120,20 +120,34 @@ def test_fp8_weight_copies_follow_optimizer_steps_in_cuda_graphs():
 # ---------------------------------------------------------------------------------------
 # EP=2 over NCCL against EP=1.
 
-EP_DISPATCHES = ("all_to_all", "all_gather")
+EP_CASES = {"all_to_all": 1100, "all_gather": 1100, "all_to_all_slot_rows": 300}
+"""Dispatch (the all-to-all's slot rows: its format for small eager calls) -> tokens a rank:
+1100 of top-2 is past the slot rows' 2048 slots, so the all-to-all sends its main format."""
 EP_SAME_QUANT = 1e-2
 """EP=2 against EP=1 with the same FP8 operands (each row scaled alone, so both quantize
 alike): the difference is bf16's rounding of sums in another order (a few 1e-3), well below
 a quantization that one side skipped (3.5-4.5e-2)."""
+SLOT_ROWS_GRADS = 1e-1
+"""The slot rows' gradients against EP=1's (the output stays within EP_SAME_QUANT): the
+router's share of the input gradient comes from the top-k weights' gradient, which the slot
+rows take from the experts' outputs (fp32, at the sender) where the main format takes it
+from the FP8 dX's row dots (3.3e-2 apart on an H200), and the experts see each output
+gradient already weighted and rounded to bf16 before its row is quantized (the first
+experts' gate_up gradient 1.4e-2 apart): within the FP8 layer's bound of the bf16 one
+(``bench_ep.py``'s)."""
 
 
-def _ep_setup(world_size: int):
-    """(config kwargs, the EP=1 FP8 layer's state dict, per-rank tokens and output gradients)."""
+def _ep_setup(world_size: int, tokens: int):
+    """(the EP=1 FP8 layer's state dict, per-rank tokens and output gradients)."""
     fp8, _ = _pair(torch.bfloat16, mlp_bias=True)
     state = {k: v.cpu() for k, v in fp8.state_dict().items()}
     gen = torch.Generator().manual_seed(11)
-    inputs = [torch.randn(300, 360, generator=gen).bfloat16() for _ in range(world_size)]  # the all-gather: equal counts
+    inputs = [torch.randn(tokens, 360, generator=gen).bfloat16() for _ in range(world_size)]  # the all-gather: equal
     return state, inputs, [torch.randn(x.shape, generator=gen).bfloat16() for x in inputs]
+
+
+def _dispatch(case: str) -> str:
+    return case.removesuffix("_slot_rows")
 
 
 def _expert_grads(layer: MoELayer) -> dict[str, torch.Tensor]:
@@ -149,18 +163,18 @@ def _fp8_ep_worker(rank: int, world_size: int) -> dict:
     torch.cuda.set_device(rank)
     group = dist.new_group(list(range(world_size)), backend="nccl", timeout=datetime.timedelta(seconds=300))
     try:
-        state, inputs, grads = _ep_setup(world_size)
         out = {}
-        for dispatch in EP_DISPATCHES:
+        for case, tokens in EP_CASES.items():
+            state, inputs, grads = _ep_setup(world_size, tokens)
             config = MoEConfig(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2, init_std=0.05,
-                               mlp_bias=True, expert_precision="fp8", dispatch=dispatch)
+                               mlp_bias=True, expert_precision="fp8", dispatch=_dispatch(case))
             layer = MoELayer(config, group, device="cuda", dtype=torch.bfloat16)
             layer.load_state_dict(state)
             x = inputs[rank].cuda().requires_grad_()
             y = layer(x)
             y.backward(grads[rank].cuda())
-            out[dispatch] = dict(y=y.detach().float().cpu(), dx=x.grad.float().cpu(), grads=_expert_grads(layer),
-                                 dispatch=layer.dispatch)
+            out[case] = dict(y=y.detach().float().cpu(), dx=x.grad.float().cpu(), grads=_expert_grads(layer),
+                             dispatch=layer.dispatch)
             del layer  # before the group goes
         return out
     finally:
@@ -169,16 +183,17 @@ def _fp8_ep_worker(rank: int, world_size: int) -> dict:
 
 @pytest.mark.distributed
 def test_fp8_ep2_over_nccl_matches_ep1():
-    """FP8 experts split over two GPUs (NCCL; the all-to-all and the all-gather): each rank's
-    output and input gradient, and every expert tensor's gradient, equal the EP=1 FP8 layer's
-    over the same tokens (the expert gradients summed over both ranks' tokens)."""
+    """FP8 experts split over two GPUs (NCCL; the all-to-all in both its formats and the
+    all-gather): each rank's output and input gradient, and every expert tensor's gradient,
+    equal the EP=1 FP8 layer's over the same tokens (the expert gradients summed over both
+    ranks' tokens); the slot rows' gradients within :data:`SLOT_ROWS_GRADS`."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
     from dist_utils import run_distributed
 
     results = run_distributed(_fp8_ep_worker, 2, timeout_s=300)
-    state, inputs, grads = _ep_setup(2)
-    for dispatch in EP_DISPATCHES:
+    for case, tokens in EP_CASES.items():
+        state, inputs, grads = _ep_setup(2, tokens)
         layer = MoELayer(MoEConfig(hidden_size=360, intermediate_size=200, num_experts=8, top_k=2, init_std=0.05,
                                    mlp_bias=True, expert_precision="fp8"), device="cuda", dtype=torch.bfloat16)
         layer.load_state_dict(state)
@@ -186,14 +201,16 @@ def test_fp8_ep2_over_nccl_matches_ep1():
             x = inputs[rank].cuda().requires_grad_()
             y = layer(x)
             y.backward(grads[rank].cuda())  # the expert gradients: both ranks' tokens
-            got = results[rank][dispatch]
-            assert got["dispatch"] == dispatch
+            got = results[rank][case]
+            assert got["dispatch"] == _dispatch(case)
             for what, mine, want in (("output", got["y"], y), ("dx", got["dx"], x.grad)):
+                bound = SLOT_ROWS_GRADS if what == "dx" and case.endswith("slot_rows") else EP_SAME_QUANT
                 err = rel_err(mine, want.float().cpu())
-                assert within(err, EP_SAME_QUANT, f"EP=2 {dispatch} {what}", __name__), f"{dispatch} {what}: {err:.2e}"
+                assert within(err, bound, f"EP=2 {case} {what}", __name__), f"{case} {what}: {err:.2e}"
         want = _expert_grads(layer)
-        got = {**results[0][dispatch]["grads"], **results[1][dispatch]["grads"]}
+        got = {**results[0][case]["grads"], **results[1][case]["grads"]}
         assert got.keys() == want.keys()
+        bound = SLOT_ROWS_GRADS if case.endswith("slot_rows") else EP_SAME_QUANT
         for name, grad in want.items():
             err = rel_err(got[name], grad)
-            assert within(err, EP_SAME_QUANT, f"EP=2 {dispatch} {name}", __name__), f"{dispatch} {name}: {err:.2e}"
+            assert within(err, bound, f"EP=2 {case} {name}", __name__), f"{case} {name}: {err:.2e}"

@@ -1,0 +1,55 @@
+"""``"ep_moe"`` experts under ``torch.compile`` (what the trainer's ``training.compile`` does to
+an HF model's decoder layers), Triton in the interpreter on the CPU: a decoder layer traces
+as one graph (the kernel configs enter as constants, the gated activation as torch ops
+Inductor fuses, the GEMMs as custom ops), and the compiled layers give eager's logits and
+every parameter's gradient."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", minversion="5")
+
+import ep_moe.integrations.transformers as ep_hf  # noqa: E402
+from hf_models import VOCAB, grad_of, mismatches, set_implementation, tiny_model  # noqa: E402
+
+
+@pytest.fixture
+def model():
+    """A tiny Qwen3-MoE whose experts run ep_moe's Triton kernels (configs looked up as in a
+    run: no fixture replaces the lookup)."""
+    model = tiny_model("qwen3_moe")
+    ep_hf.expert_parallel(model, None, backend="triton")
+    set_implementation(model, ep_hf.IMPLEMENTATION)
+    return model
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_decoder_layer_traces_as_one_graph(model, grad):
+    layer = model.model.layers[0]
+    x = torch.randn(2, 7, model.config.hidden_size, requires_grad=grad)
+    cos_sin = model.model.rotary_emb(x, torch.arange(7)[None])
+    with torch.set_grad_enabled(grad):
+        explained = torch._dynamo.explain(lambda h: layer(h, position_embeddings=cos_sin, attention_mask=None))(x)
+    assert explained.graph_break_count == 0, [str(b.reason)[:300] for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def _loss_and_grads(model, tokens: torch.Tensor) -> dict:
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=tokens, labels=tokens)
+    out.loss.backward()
+    return {"logits": out.logits.detach(), **{name: grad_of(p) for name, p in model.named_parameters()}}
+
+
+def test_compiled_decoder_layers_match_eager(model):
+    tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    expected = _loss_and_grads(model, tokens)
+    torch._dynamo.reset()
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager", fullgraph=True)  # fullgraph: a graph break would raise
+    try:
+        actual = _loss_and_grads(model, tokens)
+    finally:
+        torch._dynamo.reset()
+    assert expected["model.layers.0.mlp.experts.gate_up_proj"].abs().max() > 0
+    assert not mismatches(actual, expected, 1e-5, 1e-4), mismatches(actual, expected, 1e-5, 1e-4)
