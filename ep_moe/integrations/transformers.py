@@ -467,6 +467,9 @@ def expert_parallel(model: nn.Module, ep_group: Union[None, ProcessGroup, Device
         module.global_ids = functools.partial(range, first, first + local)
         module.num_global_experts = num_experts
         module.ep_group, module.ep_size = group, size
+        top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+        if top_k is not None:  # its runner built here, not inside a torch.compile trace (graph breaks)
+            _runner(module, int(top_k))
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(IMPLEMENTATION)
     else:  # experts modules outside a transformers model: their configs pick the implementation
