@@ -24,7 +24,7 @@ from ep_moe.grouped_mm_experts import grouped_mm_mlp, once_differentiable_output
 from ep_moe.kernels.activation import ClampedSwiGLU, gated
 from ep_moe.kernels.config import GemmConfigs, configs_to_ints
 from ep_moe.kernels.fp8 import fp8_gemm_configs, fp8_supported, layer_grouped_gemm_fp8
-from ep_moe.kernels.grouped_gemm import eager_or_graph_break, interpreter_active
+from ep_moe.kernels.grouped_gemm import interpreter_active
 from ep_moe.kernels.ops import layer_grouped_gemm, layer_grouped_gemm_slot_sum
 from ep_moe.kernels.permute import sum_slot_rows
 from ep_moe.routing import RoutingMetadata, combine_slots
@@ -100,7 +100,7 @@ def _kernel_configs_traced(fields: tuple, num_rows: int, device: torch.device) -
 
 _PROBLEM_FIELDS = ("projection", "num_local_experts", "n", "k", "top_k", "dtype")
 """:class:`~ep_moe.autotune.space.GemmProblem`'s fields (its constructor takes them by name)."""
-_kernel_configs_eager = eager_or_graph_break(_lookup_kernel_configs)
+_kernel_configs_disabled = torch.compiler.disable(_lookup_kernel_configs)
 
 
 def _kernel_configs(problem: "GemmProblem", num_rows: int,
@@ -109,10 +109,12 @@ def _kernel_configs(problem: "GemmProblem", num_rows: int,
     row count is static, the configs then in their int form (:func:`~ep_moe.kernels.config.
     configs_to_ints`, which the GEMMs take as well); a symbolic count (dynamic shapes) breaks
     the graph here and looks them up on every call."""
-    if torch.compiler.is_compiling() and isinstance(num_rows, int):
+    if not torch.compiler.is_compiling():  # eager: the lookup alone (host time on every call)
+        return _lookup_kernel_configs(problem, num_rows, device)
+    if isinstance(num_rows, int):
         fields = tuple((name, getattr(problem, name)) for name in _PROBLEM_FIELDS)
         return _kernel_configs_traced(fields, num_rows, device)
-    return _kernel_configs_eager(problem, num_rows, device)
+    return _kernel_configs_disabled(problem, num_rows, device)
 
 
 EXPERT_TENSORS = ("gate_up", "down", "gate_up_bias", "down_bias")

@@ -11,6 +11,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor's on-disk caches key a graph by its code, not by a custom op's fake: a graph compiled
+# against an earlier fake would be reused. Every test compiles afresh (imported after the
+# interpreter's switch: Inductor imports Triton).
+import torch._inductor.config  # noqa: E402
+
+torch._inductor.config.force_disable_caches = True
 
 ON_GPU = torch.cuda.is_available()
 

@@ -137,8 +137,9 @@ _grouped_gemm_bwd = torch.library.custom_op("ep_moe::grouped_gemm_bwd", mutates_
 @_grouped_gemm_bwd.register_fake
 def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config,
                            dx_mode, bounded_rows, need_dx, need_dw, need_drw, bias, need_db, dx_slots):
-    dx = x.new_empty(x.shape) if (need_dx or need_drw) else x.new_empty(0)
-    dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
+    # the kernels' allocations, strides included (a weight stored transposed gets its dW so)
+    dx = torch.empty_like(x) if (need_dx or need_drw) else x.new_empty(0)
+    dw = torch.empty_like(w) if need_dw else w.new_empty(0)
     drw = row_weights.new_empty(row_weights.shape) if need_drw else x.new_empty(0)
     db = bias.new_empty(bias.shape) if need_db else x.new_empty(0)
     return dx, dw, drw, db
