@@ -8,6 +8,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", minversion="5")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter; on "
+                                "GPUs: tests/gpu/test_transformers_cuda.py's compiled decoder layers")
 
 import ep_moe.integrations.transformers as ep_hf  # noqa: E402
 from hf_models import VOCAB, grad_of, mismatches, set_implementation, tiny_model  # noqa: E402
