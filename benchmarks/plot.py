@@ -407,7 +407,13 @@ def hf_train_files(results: Path) -> list[tuple[Path, list[dict]]]:
 
 
 def _hf_configuration(run: dict) -> str:
-    return "1 GPU" if run.get("world_size", 1) == 1 else run.get("configuration", f"{run['world_size']} GPUs")
+    layout = "1 GPU" if run.get("world_size", 1) == 1 else run.get("configuration", f"{run['world_size']} GPUs")
+    return layout + (", compiled" if _compiled(run) else "")
+
+
+def _compiled(run: dict) -> bool:
+    """Whether the run compiled the model's decoder layers (``training.compile``)."""
+    return "training.compile=true" in run.get("overrides", [])
 
 
 def plot_hf_train(chosen: list[tuple[Path, list[dict]]], out: Path) -> Path:
@@ -421,13 +427,14 @@ def plot_hf_train(chosen: list[tuple[Path, list[dict]]], out: Path) -> Path:
     timed = [r for r in runs if len(r.get("losses") or []) < 50]
     regime_names = {"bfloat16": "pure bf16", "float32": "fp32 master"}
     order = {"grouped_mm": 0, "ep_moe": 1}
-    timed.sort(key=lambda r: (r.get("world_size", 1), r["param_dtype"], r.get("ep_size", 1), order.get(r["experts"], 2)))
+    timed.sort(key=lambda r: (r.get("world_size", 1), r["param_dtype"], _compiled(r), r.get("ep_size", 1),
+                              order.get(r["experts"], 2)))
     colors = {"ep_moe": "tab:blue", "grouped_mm": "tab:orange"}
     for i, run in enumerate(timed):
         bars.bar(i, run["tokens_per_s_per_gpu"], 0.7, color=colors.get(run["experts"], "tab:gray"))
         note = f"{run['step_ms']:.1f} ms\nMFU {100 * run['mfu']:.1f}%"
         base = next((b for b in timed if b["experts"] == "grouped_mm" and b["param_dtype"] == run["param_dtype"]
-                     and b.get("world_size", 1) == run.get("world_size", 1)), None)
+                     and b.get("world_size", 1) == run.get("world_size", 1) and _compiled(b) == _compiled(run)), None)
         if run["experts"] != "grouped_mm" and base is not None:
             note += f"\n{run['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x"
         bars.annotate(note, (i, run["tokens_per_s_per_gpu"]), ha="center", va="bottom", fontsize=7)
@@ -442,7 +449,7 @@ def plot_hf_train(chosen: list[tuple[Path, list[dict]]], out: Path) -> Path:
     first = timed[0] if timed else runs[0]
     bars.set_title(textwrap.fill(f"{first['model']}, {first['tokens_per_step']} tokens/step per GPU, "
                                  f"{device_name(first['device'])}: the trainer's step; the speedup is over "
-                                 "grouped_mm at the same GPU count and regime", 80), fontsize=9)
+                                 "grouped_mm at the same GPU count, regime and compilation", 80), fontsize=9)
     for run in (r for r in runs if len(r.get("losses") or []) >= 50):
         seed = next((o.split("=", 1)[1] for o in run.get("overrides", []) if o.startswith("training.seed=")), "0")
         curves.plot(range(1, len(run["losses"]) + 1), run["losses"], lw=1,

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The trainer on a Hugging Face model: ep_moe's experts against transformers' own grouped_mm in the
 # same training loop (ep_moe/train/trainer.py's step, timed by benchmarks/bench_train.py).
-#   NPROC [1] = 1   both precision regimes, ep_moe against grouped_mm, then 200-step loss curves of the
-#                   two and of a second ep_moe seed
+#   NPROC [1] = 1   both precision regimes, ep_moe against grouped_mm, eager and (pure bf16) compiled, then
+#                   200-step loss curves of the two, of a second ep_moe seed and of ep_moe compiled
 #   NPROC = N > 1   pure bf16: ep_moe at EP=N, ep_moe and grouped_mm at DP=N (every GPU all experts),
-#                   transformers' own EP at EP=N (bench_train --experts hf_ep) and ep_moe at EP=N with FSDP,
+#                   ep_moe at EP=N compiled, transformers' own EP at EP=N (bench_train --experts hf_ep; eager
+#                   only: its model is transformers', not the trainer's) and ep_moe at EP=N with FSDP,
 #                   then 200-step loss curves of EP=N and DP=N (EP=1), the same global batch
 #   model   Qwen3-30B-A3B's widths at LAYERS [4] layers, a 32k BPE (benchmarks/hf_train_fixture.py: generated
 #           English text, MEGABYTES [48], the tokenizer trained on it; no weights, so the model starts from its init)
 #   regimes pure bf16 (training.param_dtype = dtype = 'bfloat16': parameters and fused AdamW state in bf16),
-#           and fp32 master weights under bf16 autocast (training.dtype = 'bfloat16')
+#           and fp32 master weights under bf16 autocast (training.dtype = 'bfloat16'); compiled: training.compile
+#           (each decoder layer one graph; COMPILE [1], 0 leaves the compiled runs out)
 #   batch   BATCH [8] x SEQ [1024] tokens a step; WARMUP [5] untimed, STEPS [20] timed, PROFILE_STEPS [3] profiled
 # Results (every run in one hf_train_<device>_x<NPROC>.json, and one log) go to $OUT (the device tool) or $WORK/results.
 #   bash benchmarks/run_train_hf_gpu.sh      # NPROC=2 bash benchmarks/run_train_hf_gpu.sh
@@ -23,6 +25,7 @@ SEQ=${SEQ:-1024}
 WARMUP=${WARMUP:-5}
 STEPS=${STEPS:-20}
 PROFILE_STEPS=${PROFILE_STEPS:-3}
+COMPILE=${COMPILE:-1}
 CURVE_STEPS=${CURVE_STEPS:-200}
 WORK=${WORK:-/tmp/train_hf_bench}
 RESULTS=${OUT:-$WORK/results}
@@ -32,6 +35,7 @@ python3 benchmarks/hf_train_fixture.py --out "$WORK" --layers "$LAYERS" --megaby
 TAG=qwen3-30b-a3b-${LAYERS}l
 BF16=(--set "training.dtype='bfloat16'" --set "training.param_dtype='bfloat16'")
 MASTER=(--set "training.dtype='bfloat16'")
+COMPILED=(--set training.compile=true --warmup $((WARMUP + 3)))  # the compiles in the first steps, untimed
 bench() {  # bench NAME ARGS...: one bench_train.py run, its summary line in the log
   local name=$1; shift
   timeout 300 python3 -m torch.distributed.run --nproc-per-node "$NPROC" --standalone benchmarks/bench_train.py \
@@ -49,12 +53,26 @@ if [ "$NPROC" = 1 ]; then
         --profile-steps "$PROFILE_STEPS"
     done
   done
+  if [ "$COMPILE" = 1 ]; then
+    for experts in ep_moe grouped_mm; do
+      bench "bf16_compile_${experts}" "${BF16[@]}" --experts $experts "${COMPILED[@]}" --steps "$STEPS" \
+        --profile-steps "$PROFILE_STEPS"
+    done
+  fi
   for experts in ep_moe grouped_mm; do  # the loss curves: every step timed and its loss kept
     bench "curve_bf16_${experts}" "${BF16[@]}" --experts $experts --warmup 0 --steps "$CURVE_STEPS" --profile-steps 0
   done
   bench "curve_bf16_ep_moe_seed1" "${BF16[@]}" --set training.seed=1 --warmup 0 --steps "$CURVE_STEPS" --profile-steps 0
+  if [ "$COMPILE" = 1 ]; then
+    bench "curve_bf16_compile_ep_moe" "${BF16[@]}" --set training.compile=true --warmup 0 --steps "$CURVE_STEPS" \
+      --profile-steps 0
+  fi
 else
   bench "bf16_ep_moe_ep$NPROC" "${BF16[@]}" --ep-size "$NPROC" --warmup "$WARMUP" --steps "$STEPS" --profile-steps "$PROFILE_STEPS"
+  if [ "$COMPILE" = 1 ]; then
+    bench "bf16_compile_ep_moe_ep$NPROC" "${BF16[@]}" --ep-size "$NPROC" "${COMPILED[@]}" --steps "$STEPS" \
+      --profile-steps "$PROFILE_STEPS"
+  fi
   for experts in ep_moe grouped_mm; do
     bench "bf16_${experts}_dp$NPROC" "${BF16[@]}" --experts $experts --ep-size 1 --warmup "$WARMUP" --steps "$STEPS" \
       --profile-steps "$PROFILE_STEPS"

@@ -63,11 +63,12 @@ LEVERS = {
 
 
 def _hf_run(experts: str, param_dtype: str, step_ms: float, losses: int = 3, seed: int = 0, world: int = 1,
-            ep: int = 1) -> dict:
+            ep: int = 1, compiled: bool = False) -> dict:
     return {"benchmark": "train", "device": DEVICE, "model": "qwen3-4l", "experts": experts, "world_size": world,
             "ep_size": ep, "configuration": "1 GPU" if world == 1 else (f"EP={ep}" if ep == world else f"DP={world}"),
             "param_dtype": param_dtype, "step_ms": step_ms, "tokens_per_s_per_gpu": 8192e3 / step_ms, "mfu": 0.2,
-            "tokens_per_step": 8192, "overrides": [f"training.seed={seed}"],
+            "tokens_per_step": 8192,
+            "overrides": [f"training.seed={seed}"] + (["training.compile=true"] if compiled else []),
             "losses": [10.0 / (1 + i) for i in range(losses)]}
 
 
@@ -106,7 +107,8 @@ def results(tmp_path) -> Path:
     _write(res / "train_Fake_GPU_x1.jsonl", "\n".join(json.dumps({"step": s, "loss": 6.0 - s}) for s in (1, 2, 3)))
     hf_runs = [_hf_run("ep_moe", "bfloat16", 78.0), _hf_run("grouped_mm", "bfloat16", 85.0),
                _hf_run("ep_moe", "float32", 105.0), _hf_run("grouped_mm", "float32", 144.0),
-               _hf_run("ep_moe", "bfloat16", 78.0, losses=60), _hf_run("grouped_mm", "bfloat16", 85.0, losses=60)]
+               _hf_run("ep_moe", "bfloat16", 78.0, losses=60), _hf_run("grouped_mm", "bfloat16", 85.0, losses=60),
+               _hf_run("ep_moe", "bfloat16", 65.0, compiled=True), _hf_run("grouped_mm", "bfloat16", 62.0, compiled=True)]
     _write(res / "hf_train_Fake_GPU_x1.json", hf_runs)
     _write(res / "hf_train_Fake_GPU_x2.json", [_hf_run("ep_moe", "bfloat16", 80.0, world=2, ep=2),
                                                _hf_run("grouped_mm", "bfloat16", 105.0, world=2),
@@ -128,7 +130,7 @@ def test_picks_the_most_complete_results_per_device(results):
     levers, metrics = plot.loss_inputs(results)
     assert levers[0].name == "train_ep_levers_Fake_GPU_x2.json"
     assert [(p.name, len(records)) for p, records in metrics] == [("train_Fake_GPU_x1.jsonl", 3)]
-    assert [(p.name, len(runs)) for p, runs in plot.hf_train_files(results)] == [("hf_train_Fake_GPU_x1.json", 6),
+    assert [(p.name, len(runs)) for p, runs in plot.hf_train_files(results)] == [("hf_train_Fake_GPU_x1.json", 8),
                                                                                  ("hf_train_Fake_GPU_x2.json", 3)]
 
 
