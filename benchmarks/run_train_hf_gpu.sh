@@ -26,6 +26,7 @@ WARMUP=${WARMUP:-5}
 STEPS=${STEPS:-20}
 PROFILE_STEPS=${PROFILE_STEPS:-3}
 COMPILE=${COMPILE:-1}
+case $COMPILE in 0|1) ;; *) echo "COMPILE must be 0 or 1, not '$COMPILE'" >&2; exit 2;; esac
 CURVE_STEPS=${CURVE_STEPS:-200}
 WORK=${WORK:-/tmp/train_hf_bench}
 RESULTS=${OUT:-$WORK/results}

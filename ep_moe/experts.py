@@ -32,8 +32,11 @@ from ep_moe.routing import RoutingMetadata, combine_slots
 if TYPE_CHECKING:
     from ep_moe.autotune.space import GemmProblem
 
-KernelConfigs = tuple[Optional[GemmConfigs], Optional[GemmConfigs]]
-"""(gate_up, down) kernel configs of one expert call (None: the kernels' defaults, or no such GEMM)."""
+GemmConfigsArg = Union[GemmConfigs, tuple[int, ...], None]
+"""One GEMM's configs: the object, its int form (:func:`~ep_moe.kernels.config.configs_to_ints`,
+what a ``torch.compile`` trace looks up), or None (the kernels' defaults, or no such GEMM)."""
+KernelConfigs = tuple[GemmConfigsArg, GemmConfigsArg]
+"""(gate_up, down) kernel configs of one expert call."""
 ConfigsArg = Union[KernelConfigs, Callable[[], KernelConfigs]]
 """Kernel configs, or a function that looks them up, called only if the kernels run."""
 
@@ -103,12 +106,13 @@ _PROBLEM_FIELDS = ("projection", "num_local_experts", "n", "k", "top_k", "dtype"
 _kernel_configs_disabled = torch.compiler.disable(_lookup_kernel_configs)
 
 
-def _kernel_configs(problem: "GemmProblem", num_rows: int,
-                    device: torch.device) -> Union[GemmConfigs, tuple[int, ...], None]:
+def _kernel_configs(problem: "GemmProblem", num_rows: int, device: torch.device) -> GemmConfigsArg:
     """:func:`_lookup_kernel_configs`; under ``torch.compile`` without a graph break where the
     row count is static, the configs then in their int form (:func:`~ep_moe.kernels.config.
     configs_to_ints`, which the GEMMs take as well); a symbolic count (dynamic shapes) breaks
-    the graph here and looks them up on every call."""
+    the graph here and looks them up on every call. A compiled graph keeps the configs of its
+    trace: tune (:func:`ep_moe.autotune.warmup`, as the trainer does) before the first
+    compiled call."""
     if not torch.compiler.is_compiling():  # eager: the lookup alone (host time on every call)
         return _lookup_kernel_configs(problem, num_rows, device)
     if isinstance(num_rows, int):

@@ -6,17 +6,16 @@
 
 import os
 
-import pytest
-import torch
+# Inductor's on-disk caches key a graph by its code, not by a custom op's fake: a graph compiled
+# against an earlier fake would be reused. Every test, and every process it starts, compiles
+# afresh (read when torch loads Inductor's config: set first).
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Inductor's on-disk caches key a graph by its code, not by a custom op's fake: a graph compiled
-# against an earlier fake would be reused. Every test compiles afresh (imported after the
-# interpreter's switch: Inductor imports Triton).
-import torch._inductor.config  # noqa: E402
-
-torch._inductor.config.force_disable_caches = True
 
 ON_GPU = torch.cuda.is_available()
 

@@ -76,6 +76,15 @@ def test_triton_backend_on_cpu_tensors_without_the_interpreter_says_so(monkeypat
     assert auto(x).shape == x.shape  # auto takes the plain-PyTorch path on the CPU
 
 
+def test_compiled_config_lookup_names_every_problem_field():
+    """``torch.compile``'s trace hands the problem over as its fields by name: all of them."""
+    import dataclasses
+
+    from ep_moe.autotune.space import GemmProblem
+
+    assert experts_mod._PROBLEM_FIELDS == tuple(f.name for f in dataclasses.fields(GemmProblem))
+
+
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_capacity_drops_as_documented(policy):
     # Every token prefers expert 0; capacity ceil(1.0 * 8 * 1 / 8) = 1 keeps one token.

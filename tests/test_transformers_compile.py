@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors t
                                 "GPUs: tests/gpu/test_transformers_cuda.py's compiled decoder layers")
 
 import ep_moe.integrations.transformers as ep_hf  # noqa: E402
-from hf_models import VOCAB, grad_of, mismatches, set_implementation, tiny_model  # noqa: E402
+from hf_models import VOCAB, grad_of, mismatches, tiny_model  # noqa: E402
 
 
 FAMILIES = {"qwen3_moe": {}, "gpt_oss": {}, "deepseek_v3": dict(dense_layers=1), "mixtral": {}}
@@ -23,9 +23,7 @@ def _model(family: str):
     """A tiny model of ``family`` whose experts run ep_moe's Triton kernels (configs looked up
     as in a run: no fixture replaces the lookup)."""
     model = tiny_model(family, **FAMILIES[family])
-    ep_hf.expert_parallel(model, None, backend="triton")
-    set_implementation(model, ep_hf.IMPLEMENTATION)
-    return model
+    return ep_hf.expert_parallel(model, None, backend="triton")
 
 
 @pytest.mark.parametrize("grad", [True, False])

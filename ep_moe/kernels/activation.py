@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, next_power_of_2, row_block_programs
+from ep_moe.kernels.grouped_gemm import cdiv, next_power_of_2, row_block_programs
 
 GateActivation = Literal["silu", "gelu"]
 """The gate's activation: ``"silu"`` (SwiGLU) or ``"gelu"``, the exact erf form (GeGLU)."""
@@ -100,7 +100,6 @@ class GateForm:
 _PLAIN = GateForm()
 
 
-@eager_or_graph_break  # Triton launches stay eager under torch.compile (a graph break)
 def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor,
             num_rows: torch.Tensor | None, act: GateActivation = "silu", form: GateForm = _PLAIN) -> torch.Tensor:
     rows, inter = h.shape[0], h.shape[1] // 2

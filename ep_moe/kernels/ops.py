@@ -431,7 +431,7 @@ def layer_grouped_gemm_slot_sum(a: torch.Tensor, w: torch.Tensor, m_sizes: torch
 def _slot_sum(a, w, m_sizes, row_weights, token_index, row_of_slot, top_k, configs, bounded_rows, source_ends, bias):
     """:func:`grouped_gemm_slot_sum` on checked arguments (the kernels take int32 or int64
     indices, m_sizes as int32, every tensor with stride 1)."""
-    if isinstance(configs, tuple):  # the int form (see _config_ints)
+    if isinstance(configs, tuple):  # the int form (configs_to_ints), as _triton_grouped_gemm takes it
         configs = configs_from_ints(configs)
     configs = configs or GemmConfigs.defaults(a.element_size(), smem_limit_for(a.device))
     departure = take_departure()
@@ -715,17 +715,8 @@ def grouped_gemm(
                                 "unique" if unique_gather else ("sort" if deterministic else "atomic"), bounded_rows)
 
 
-def _config_ints(configs: Union[GemmConfigs, tuple[int, ...], None], x: torch.Tensor) -> tuple[int, ...]:
-    """The configs as the custom ops take them (:func:`~ep_moe.kernels.config.configs_to_ints`);
-    None: the defaults for ``x``. Int forms pass as they are (what the experts' config lookup
-    hands over inside a ``torch.compile`` trace)."""
-    if isinstance(configs, tuple):
-        return configs
-    return configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device)))
-
-
 def _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights, bias,
-                         configs: Optional[GemmConfigs], dx_mode: str, bounded_rows: bool,
+                         configs: Union[GemmConfigs, tuple[int, ...], None], dx_mode: str, bounded_rows: bool,
                          dx_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`grouped_gemm`'s Triton path, on arguments already checked: the custom op under
     ``torch.compile``, else the autograd function, or under ``no_grad`` the forward alone
@@ -736,7 +727,9 @@ def _triton_grouped_gemm(x, w, m_sizes, gather_index, scatter_index, row_weights
     # (no conversion per call), m_sizes as int32
     inputs = (x, w, _as_int32(m_sizes), _contiguous(gather_index), _contiguous(scatter_index),
               _contiguous(row_weights),
-              _config_ints(configs, x),
+              # the int form passes as it is (what the experts' config lookup hands over in a torch.compile trace)
+              configs if isinstance(configs, tuple)
+              else configs_to_ints(configs or GemmConfigs.defaults(x.element_size(), smem_limit_for(x.device))),
               dx_mode, bounded_rows, _contiguous(bias), _contiguous(dx_slots))
     if torch.compiler.is_compiling():
         return torch.ops.ep_moe.grouped_gemm_fwd(*inputs)

@@ -165,8 +165,10 @@ class TrainingConfig:
     (``torch.utils.checkpoint``, non-reentrant; the MoE layer's all-to-alls run again: it
     is recomputed once, on torch < 2.8 twice at EP>1; see the README)."""
     compile: bool = False
-    """``torch.compile`` each transformer block (Dynamo breaks the graph at the MoE layer's
-    host sync, collectives and Triton launches and compiles the rest)."""
+    """``torch.compile`` each transformer block: at EP=1 with bf16 experts an HF model's decoder
+    layer is one graph with ep_moe's kernels inside; Dynamo breaks the graph at the EP
+    exchanges (host sync, collectives), the FP8 GEMMs and the built-in MoE layer's statistics,
+    and compiles the rest."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Capture each transformer block's forward and backward in CUDA graphs and replay them
     (``ep_moe/train/graphs.py``): the host stops setting the pace of small models. ``auto``: on

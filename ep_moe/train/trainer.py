@@ -595,7 +595,8 @@ class Trainer:
         if tcfg.cuda_graphs == "off":
             return "training.cuda_graphs='off'"
         if self.hf_spec is not None:
-            reason = "the trainer captures the built-in model's blocks; an HF model (model.hf) runs eagerly"
+            reason = ("the trainer captures the built-in model's blocks; an HF model (model.hf) is not graphed "
+                      "(eager, or each decoder layer compiled with training.compile)")
         else:
             reason = graphs_unsupported(moe_layers(self.model)[0].dispatch, self.ranks.device, compile=tcfg.compile,
                                         activation_checkpointing=tcfg.activation_checkpointing, fsdp=self.ranks.fsdp)

@@ -19,6 +19,7 @@ import torch
 
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.ep.all_to_all import AllToAllDispatcher
+from ep_moe.ep.slot_rows import SLOT_ROWS_MAX_SLOTS
 from ep_moe.kernels.fp8 import fp8_supported
 from tolerance import rel_err, within
 
@@ -120,9 +121,10 @@ def test_fp8_weight_copies_follow_optimizer_steps_in_cuda_graphs():
 # ---------------------------------------------------------------------------------------
 # EP=2 over NCCL against EP=1.
 
-EP_CASES = {"all_to_all": 1100, "all_gather": 1100, "all_to_all_slot_rows": 300}
-"""Dispatch (the all-to-all's slot rows: its format for small eager calls) -> tokens a rank:
-1100 of top-2 is past the slot rows' 2048 slots, so the all-to-all sends its main format."""
+_MAIN_FORMAT_TOKENS = SLOT_ROWS_MAX_SLOTS // 2 + 76
+EP_CASES = {"all_to_all": _MAIN_FORMAT_TOKENS, "all_gather": _MAIN_FORMAT_TOKENS, "all_to_all_slot_rows": 300}
+"""Dispatch (the all-to-all's slot rows: its format for small eager calls) -> tokens a rank
+(top-2): past the slot rows' vote the all-to-all sends its main format, 300 take the slot rows."""
 EP_SAME_QUANT = 1e-2
 """EP=2 against EP=1 with the same FP8 operands (each row scaled alone, so both quantize
 alike): the difference is bf16's rounding of sums in another order (a few 1e-3), well below

@@ -1,7 +1,7 @@
 """MoELayer on one GPU in bfloat16: under torch.compile, and through its EP>1 code path.
 
-``torch.compile`` must trace the layer (grouped GEMM custom ops, fused SwiGLU, tuned-config
-lookup kept out of the graph) and match eager. The EP>1 path (per-rank routing, token permute,
+``torch.compile`` must trace the layer (grouped GEMM custom ops, the gate as torch math, the
+tuned configs looked up at trace time as constants) and match eager. The EP>1 path (per-rank routing, token permute,
 the receiver's routing and slot sum, the per-token sum of returned rows, the pipeline) runs
 here with no group, so no collective: it must match the EP=1 path on the same tokens.
 """
