@@ -5,11 +5,15 @@
 """
 
 import os
+import shutil
+import tempfile
 
 # Inductor's on-disk caches key a graph by its code, not by a custom op's fake: a graph compiled
-# against an earlier fake would be reused. Every test, and every process it starts, compiles
-# afresh (read when torch loads Inductor's config: set first).
-os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+# against an earlier fake would be reused. This test run, and every process it starts, caches in
+# a folder of its own, removed at the end (read when torch loads Inductor's config: set first).
+_INDUCTOR_CACHE = None if "TORCHINDUCTOR_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="ep_moe_inductor_")
+if _INDUCTOR_CACHE is not None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -113,3 +117,8 @@ def deepspeed(tmp_path_factory):
         mp.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch_extensions")))
         yield pytest.importorskip("deepspeed", reason="deepspeed is not installed "
                                                       "(DS_BUILD_OPS=0 pip install deepspeed==0.19.8)")
+
+
+def pytest_unconfigure(config):
+    if _INDUCTOR_CACHE is not None:
+        shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
