@@ -96,6 +96,16 @@ class GateForm:
     clamp_at: Optional[float] = None
     interleaved: bool = False
 
+    def in_torch(self, h: torch.Tensor, act: GateActivation) -> torch.Tensor:
+        """The kernel's math as torch ops in ``h``'s dtype (autograd's gradients; torch.clamp's
+        pass at the bounds, as the kernel's do)."""
+        gate, up = (h[..., ::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)
+        if self.clamp_at is not None:
+            gate = gate.clamp(max=self.clamp_at)
+            up = up.clamp(min=-self.clamp_at, max=self.clamp_at)
+        act_g = gate * torch.sigmoid(gate * self.alpha) if act == "silu" else torch.nn.functional.gelu(gate)
+        return (up + self.up_offset) * act_g
+
 
 _PLAIN = GateForm()
 
@@ -133,17 +143,6 @@ class _GLU(torch.autograd.Function):
         return _launch(h, da.contiguous(), torch.empty_like(h), num_rows, ctx.act, ctx.form), None, None, None
 
 
-def _gated_in_torch(h: torch.Tensor, act: GateActivation, form: GateForm) -> torch.Tensor:
-    """The kernel's math as torch ops, fp32 and rounded once (what ``torch.compile`` fuses into
-    one kernel forward and one backward); every row, ``num_rows`` or not."""
-    h32 = h.float()
-    gate, up = (h32[:, 0::2], h32[:, 1::2]) if form.interleaved else h32.chunk(2, dim=-1)
-    if form.clamp_at is not None:
-        gate, up = gate.clamp(max=form.clamp_at), up.clamp(min=-form.clamp_at, max=form.clamp_at)
-    act_g = gate * torch.sigmoid(gate * form.alpha) if act == "silu" else torch.nn.functional.gelu(gate)
-    return (act_g * (up + form.up_offset)).to(h.dtype)
-
-
 def gated(h: torch.Tensor, act: GateActivation, num_rows: torch.Tensor | None = None,
           form: GateForm = _PLAIN) -> torch.Tensor:
     """``act(h[:, :I]) * h[:, I:]`` for ``h`` [rows, 2I] (row-contiguous), ``act`` SiLU or the
@@ -167,8 +166,8 @@ def gated(h: torch.Tensor, act: GateActivation, num_rows: torch.Tensor | None = 
                                  or num_rows.device != h.device):
         raise ValueError(f"{name}: num_rows must be a one-element integer tensor on {h.device}, got "
                          f"{num_rows.dtype} {tuple(num_rows.shape)} on {num_rows.device}; pass m_sizes.sum()")
-    if torch.compiler.is_compiling():  # no graph break: Inductor fuses the same math, each way
-        return _gated_in_torch(h, act, form)
+    if torch.compiler.is_compiling():  # no graph break: Inductor fuses the same math (fp32, rounded once), each way
+        return form.in_torch(h.float(), act).to(h.dtype)
     if not torch.is_grad_enabled():  # the forward alone: no autograd function's per-call setup
         return _launch(h, None, h.new_empty((h.shape[0], h.shape[1] // 2)), num_rows, act, form)
     return _GLU.apply(h, num_rows, act, form)
@@ -190,11 +189,7 @@ class ClampedSwiGLU(GateForm):
 
     def reference(self, h: torch.Tensor) -> torch.Tensor:
         """The gate as torch ops (autograd's gradients)."""
-        gate, up = (h[..., ::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)
-        if self.clamp_at is not None:
-            gate = gate.clamp(max=self.clamp_at)
-            up = up.clamp(min=-self.clamp_at, max=self.clamp_at)
-        return (up + self.up_offset) * (gate * torch.sigmoid(gate * self.alpha))
+        return self.in_torch(h, "silu")
 
 
 def swiglu(h: torch.Tensor, num_rows: torch.Tensor | None = None) -> torch.Tensor:
