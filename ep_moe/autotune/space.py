@@ -11,8 +11,8 @@ Tiles of the three kernels (see :mod:`ep_moe.kernels.grouped_gemm`):
   weight tile (BK x BN).
 * dW: ``BLOCK_N`` x ``BLOCK_K`` of one expert's weight gradient, reduced over that
   expert's rows in ``BLOCK_M`` steps; shared memory per stage holds a dy tile (BM x BN)
-  and an x tile (BM x BK), loaded through TMA with ``use_tma``. ``GROUP_SIZE_M`` does not
-  apply to it.
+  and an x tile (BM x BK), loaded through TMA with ``use_tma`` (which stores the output
+  tile through shared memory too). ``GROUP_SIZE_M`` groups its N tiles.
 
 Search: :func:`initial_candidates` (a short list of proven tile shapes, the default
 first) and :func:`refinements` (pipeline depth, tile grouping and TMA around the best
@@ -343,7 +343,7 @@ _ROWS_TILES = (
     (64, 128, 64, 4), (64, 64, 64, 4), (32, 128, 64, 4), (32, 64, 128, 4),
 )
 _DW_TILES = (
-    (64, 256, 128, 8), (128, 128, 128, 8), (64, 128, 256, 8), (64, 128, 128, 8),
+    (64, 128, 256, 8), (64, 256, 128, 8), (128, 128, 128, 8), (64, 128, 128, 8),
     (64, 128, 128, 4), (64, 128, 64, 4), (64, 64, 128, 4), (32, 128, 128, 4),
     (32, 64, 64, 4),
 )
@@ -393,13 +393,11 @@ def initial_candidates(problem: GemmProblem, which: Pass, num_rows: int,
 def refinements(config: KernelConfig, problem: GemmProblem, which: Pass, num_rows: int,
                 dev: DeviceLimits) -> list[KernelConfig]:
     """Second search round around one good config: one stage less and more, TMA loads
-    toggled (where allowed), and tile grouping 4 and 16 (forward, dX; dW has no grouping);
-    pruned, ``config`` excluded."""
+    toggled (where allowed), and tile grouping 4 and 16; pruned, ``config`` excluded."""
     near = [dataclasses.replace(config, num_stages=s)
             for s in (config.num_stages - 1, config.num_stages + 1) if s >= 1]
     near.append(dataclasses.replace(config, use_tma=not config.use_tma))
-    if which != "dw":
-        near += [dataclasses.replace(config, GROUP_SIZE_M=g) for g in (4, 16) if g != config.GROUP_SIZE_M]
+    near += [dataclasses.replace(config, GROUP_SIZE_M=g) for g in (4, 16) if g != config.GROUP_SIZE_M]
     return [c for c in prune(near, problem, which, num_rows, dev) if c != config]
 
 

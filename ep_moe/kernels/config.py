@@ -36,7 +36,8 @@ class KernelConfig:
     """Reduction step (forward: K; dX: N of the forward problem; dW: K columns per tile)."""
     GROUP_SIZE_M: int = 8
     """Tiles along M visited together before moving along N, for L2 reuse of weight tiles
-    (forward and dX; dW tiles each cover a whole expert's rows, so it has no M order)."""
+    (forward and dX); in dW, whose tiles each cover a whole expert's rows, the N tiles
+    visited together before moving along K, for L2 reuse of the dy and x columns."""
     num_warps: int = 8
     """Warps per program."""
     num_stages: int = 3
@@ -93,14 +94,14 @@ costs more than TMA saves, and the loads themselves were no faster (qwen3-30b-a3
 on H200 at 64-2048 rows: ``benchmarks/PERFORMANCE_LOG.md``)."""
 
 
-# Defaults for Hopper-class GPUs and bf16, from the sweep in benchmarks/bench_grouped_gemm.py
-# (H200, results under benchmarks/results/): 128x256 output tiles keep two warpgroups' MMAs
-# busy and halve the A re-reads of 128x128; the dW kernel reduces over rows, so its long
-# axis is BLOCK_M.
+# Defaults for Hopper-class GPUs and bf16, from the sweeps in benchmarks/bench_grouped_gemm.py
+# and the dW probe in benchmarks/PERFORMANCE_LOG.md (H200): 128x256 output tiles keep two
+# warpgroups' MMAs busy and halve the A re-reads of 128x128; the dW kernel reduces over rows
+# in BLOCK_M steps, its 128x256 output tile (BLOCK_N x BLOCK_K) read by 8 N tiles at a time.
 DEFAULT_CONFIGS: dict[str, KernelConfig] = {
     "forward": KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
     "dx": KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, use_tma=True),
-    "dw": KernelConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True),
+    "dw": KernelConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3, use_tma=True),
 }
 
 
@@ -108,13 +109,15 @@ def smem_bytes(config: KernelConfig, which: Pass, elem_size: int) -> int:
     """Shared memory the pipelined operand tiles of one program take (the usual bound).
 
     Forward and dX stage an A tile [BLOCK_M, BLOCK_K] and a B tile [BLOCK_K, BLOCK_N] per
-    stage; dW stages [BLOCK_M, BLOCK_N] and [BLOCK_M, BLOCK_K].
+    stage; dW stages [BLOCK_M, BLOCK_N] and [BLOCK_M, BLOCK_K], and with TMA its output tile
+    [BLOCK_N, BLOCK_K] leaves through shared memory too.
     """
     c = config
     if which == "dw":
         per_stage = c.BLOCK_M * (c.BLOCK_N + c.BLOCK_K)
-    else:
-        per_stage = c.BLOCK_K * (c.BLOCK_M + c.BLOCK_N)
+        store = c.BLOCK_N * c.BLOCK_K if c.use_tma else 0
+        return (per_stage * c.num_stages + store) * elem_size
+    per_stage = c.BLOCK_K * (c.BLOCK_M + c.BLOCK_N)
     return per_stage * elem_size * c.num_stages
 
 

@@ -42,7 +42,14 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ep_moe.kernels.config import GemmConfigs, KernelConfig, configs_from_ints, configs_to_ints, fit_to_smem
+from ep_moe.kernels.config import (
+    DEFAULT_CONFIGS,
+    GemmConfigs,
+    KernelConfig,
+    configs_from_ints,
+    configs_to_ints,
+    fit_to_smem,
+)
 from ep_moe.kernels.e4m3 import E4M3, E4M3_MAX, MIN_AMAX, on_e4m3_grid, scale_of
 from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, interpreter_active, launch_rows, smem_limit_for
 from ep_moe.kernels.ops import (_as_int32, _check_gather_slots, _contiguous,
@@ -420,6 +427,5 @@ def _fitted_configs(interpreted: bool, smem_limit: int, row_bytes: int) -> GemmC
         small = KernelConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
         return GemmConfigs(forward=small, dx=small, dw=small)
     rows = KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
-    dw = KernelConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, use_tma=True)
     return GemmConfigs(forward=fit_to_smem(rows, "forward", 1, smem_limit), dx=fit_to_smem(rows, "dx", 1, smem_limit),
-                       dw=fit_to_smem(dw, "dw", row_bytes, smem_limit))
+                       dw=fit_to_smem(DEFAULT_CONFIGS["dw"], "dw", row_bytes, smem_limit))

@@ -37,7 +37,7 @@ import triton.language as tl
 from ep_moe.kernels.arrival import arrival_of
 from ep_moe.kernels.config import TMA_MIN_ROWS, KernelConfig
 
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 """Version of these kernels, part of every autotune cache key. Bump it whenever a change
 here can move the best config (tiling, schedule, fusions, masking), so stale tunings stop
 matching."""
@@ -379,9 +379,14 @@ def _grouped_rows_kernel(
 #   stalls the software pipeline).
 # Schedule: persistent or one program per tile (launch_grid) over the E * (N/BLOCK_N) *
 #   (K/BLOCK_K) output tiles, so small N*K still fills the GPU; each tile reduces its
-#   expert's rows in BLOCK_M steps.
+#   expert's rows in BLOCK_M steps. Within an expert the (n, k) tiles go GROUP_SIZE_M n tiles
+#   at a time (_tile_coords), so the programs running together read a few column blocks of
+#   dy and of x, which stay in L2, instead of all of x's (K wide: 0.82-0.87x _grouped_mm's dW
+#   on mixtral's down and deepseek-v3's gate_up before).
 # Loads: with USE_TMA, whole BLOCK_M steps come through 2-D TMA descriptors (zero fill past N
 #   and K) and only the ragged tail of a segment through masked pointer loads.
+# Store: with a dw descriptor (USE_TMA and a TMA-able dw) the tile leaves through a TMA
+#   store (clipped at N and K), else through masked pointer stores.
 # Masking: rows past the segment load as zero (they are the reduction axis), and so do columns
 #   past N or K. Experts with no rows store zeros. fp32 accumulation.
 # Fuses: with ACCUMULATE, the tile adds what dw already holds (in fp32, one rounding), so the
@@ -389,7 +394,7 @@ def _grouped_rows_kernel(
 #   and no separate add.
 @triton.jit(launch_metadata=_dw_metadata)
 def _grouped_dw_kernel(
-    dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, m_sizes_ptr, m_ends_ptr,
+    dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, dw_desc, m_sizes_ptr, m_ends_ptr,
     num_experts, num_rows, N, K,
     stride_dym, stride_dyn,
     stride_xm, stride_xk,
@@ -397,7 +402,8 @@ def _grouped_dw_kernel(
     # Meta-parameters
     TILE_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    USE_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     ACCUMULATE: tl.constexpr,
 ):
@@ -406,8 +412,7 @@ def _grouped_dw_kernel(
     tiles_per_expert = num_n_tiles * num_k_tiles
     for tile in range(tl.program_id(0), num_experts * tiles_per_expert, TILE_STRIDE):
         e = tile // tiles_per_expert
-        pid_n = (tile % tiles_per_expert) // num_k_tiles
-        pid_k = tile % num_k_tiles
+        pid_n, pid_k = _tile_coords(tile % tiles_per_expert, num_n_tiles, num_k_tiles, GROUP_SIZE_M)
         m_e = tl.load(m_sizes_ptr + e)
         seg_start = tl.load(m_ends_ptr + e) - m_e
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -439,7 +444,11 @@ def _grouped_dw_kernel(
         tile_ok = n_ok[:, None] & k_ok[None, :]
         if ACCUMULATE:
             acc += tl.load(dw_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
-        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=tile_ok)
+        if TMA_STORE:
+            dw_desc.store([e, pid_n * BLOCK_N, pid_k * BLOCK_K],
+                          tl.reshape(acc.to(dw_desc.dtype), (1, BLOCK_N, BLOCK_K)))
+        else:
+            tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=tile_ok)
 
 
 # out[t] = sum of src rows offsets[t] .. offsets[t+1]-1: the deterministic reduction of a
@@ -594,16 +603,18 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
     use_tma = use_tma_for(c, x.shape[0], dy, x)
     dy_desc = TensorDescriptor.from_tensor(dy, [c.BLOCK_M, c.BLOCK_N]) if use_tma else None
     x_desc = TensorDescriptor.from_tensor(x, [c.BLOCK_M, c.BLOCK_K]) if use_tma else None
+    # a weight stored transposed (GPT-OSS's) has its dW so too: no TMA store along a strided dim
+    dw_desc = TensorDescriptor.from_tensor(dw, [1, c.BLOCK_N, c.BLOCK_K]) if use_tma and tma_usable(dw) else None
     grid, stride = launch_grid(x.device, max_tiles)
     _grouped_dw_kernel[grid](
-        dy, x, dy_desc, x_desc, dw, m_sizes, m_ends,
+        dy, x, dy_desc, x_desc, dw, dw_desc, m_sizes, m_ends,
         num_experts, x.shape[0], n, k,
         dy.stride(0), dy.stride(1),
         x.stride(0), x.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
         TILE_STRIDE=stride,
-        BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
-        USE_TMA=use_tma,
+        BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, GROUP_SIZE_M=c.GROUP_SIZE_M,
+        USE_TMA=use_tma, TMA_STORE=dw_desc is not None,
         INPUT_PRECISION=_input_precision(x.dtype),
         ACCUMULATE=accumulate,
         num_warps=c.num_warps, num_stages=c.num_stages,

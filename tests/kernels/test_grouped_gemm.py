@@ -319,6 +319,29 @@ def test_empty_experts_get_zero_dw():
 
 
 @pytest.mark.usefixtures("tma_from_any_rows")
+@pytest.mark.parametrize("group", [1, 2, 3, 5])
+@pytest.mark.parametrize("variant", list(TMA_VARIANTS))
+def test_dw_tile_groups_write_every_tile(group, variant):
+    """dW's tiles go GROUP_SIZE_M N tiles at a time within an expert: with a group that does
+    not divide the N tiles (a last, partial group) and N and K not multiples of their blocks,
+    every element of every expert is written with its own value."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    block_n, block_k = (64, 64) if ON_GPU else (32, 32)
+    config = dataclasses.replace(configs_for(dtype, TMA_VARIANTS[variant]).dw, BLOCK_N=block_n, BLOCK_K=block_k,
+                                 GROUP_SIZE_M=group)
+    n, k = 3 * block_n + 16, 2 * block_k + 8  # 4 N tiles, 3 K tiles, both ragged
+    m_sizes = torch.tensor([0, 37, 20], dtype=torch.int32, device=DEVICE)
+    rows = int(m_sizes.sum())
+    dy, x = torch.randn(rows, n, device=DEVICE).to(dtype), torch.randn(rows, k, device=DEVICE).to(dtype)
+    dw = torch.full((3, n, k), float("nan"), device=DEVICE, dtype=dtype)
+    launch_dw(dy, x, dw, m_sizes, config)
+    ref = torch.stack([a.t() @ b for a, b in zip(torch.split(dy.double(), m_sizes.tolist()),
+                                                 torch.split(x.double(), m_sizes.tolist()))])
+    assert torch.isfinite(dw).all()
+    assert rel_err(dw, ref) < TOL[dtype]
+
+
+@pytest.mark.usefixtures("tma_from_any_rows")
 @pytest.mark.parametrize("variant", list(TMA_VARIANTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dw_accumulates_into_what_it_holds(dtype, variant):
@@ -538,8 +561,7 @@ def test_torch_backend_matches_triton():
 
 
 def test_every_config_field_reaches_the_launch(monkeypatch):
-    """Each KernelConfig field is a launch argument (GROUP_SIZE_M only where tiles have an
-    M order: forward and dX), so no field is silently ignored."""
+    """Each KernelConfig field is a launch argument, so no field is silently ignored."""
     import ep_moe.kernels.grouped_gemm as gg
 
     launches = {}
@@ -559,9 +581,8 @@ def test_every_config_field_reaches_the_launch(monkeypatch):
     gg.launch_rows(x, w, torch.empty(8, 24), m_sizes, cfg, transpose_w=True)
     gg.launch_dw(torch.randn(8, 24), x, torch.empty_like(w), m_sizes, cfg)
     for name, kwargs in launches.items():
-        expected = {f: getattr(cfg, f) for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
-        if name == "rows":
-            expected["GROUP_SIZE_M"] = cfg.GROUP_SIZE_M
+        expected = {f: getattr(cfg, f) for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps",
+                                                 "num_stages")}
         assert {k: kwargs[k] for k in expected} == expected, name
         assert kwargs["USE_TMA"] is False  # asked for none; the interpreter/CPU has none anyway
     assert set(launches) == {"rows", "dw"}
