@@ -9,6 +9,9 @@ For each shape, both expert projections at T tokens (M = T*k routed rows):
 FLOPs: forward 2*M*N*K; forward+backward 3x that. Everything is validated against
 _grouped_mm before it is timed. Forward+backward returns the gradients (``torch.autograd.grad``)
 as a training step's first backward after ``zero_grad`` does: no add into a held ``.grad``.
+Each cell is the median of --rounds rounds over the variants in turn (every round's time kept in
+the results): whole runs of this script on one GPU differed by up to 18% on a cell as the clocks
+moved, where a ratio within one interleaved run holds.
 
 --bias also times ours with a per-expert bias (nn.Linear's: added in the forward's
 epilogue; its gradient in the dW kernel's pass, its share of the top-k weights' gradient
@@ -24,7 +27,7 @@ and against torchao's FP8 MoE training GEMM where torchao imports (its own quant
 included, in every call; groups padded to 16 rows as it requires).
 The down projection runs on sorted rows there (no scatter or top-k weight).
 
-    python benchmarks/bench_grouped_gemm.py [--tokens 8192] [--shapes all] [--sweep] [--bias] [--fp8]
+    python benchmarks/bench_grouped_gemm.py [--tokens 8192] [--shapes all] [--rounds 3] [--sweep] [--bias] [--fp8]
     python benchmarks/bench_grouped_gemm.py --fp8 --sweep --sweep-passes forward,dx   # FP8 configs too
 """
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -77,8 +81,10 @@ def projection_problem(shape, projection, tokens, dtype=torch.bfloat16):
                 n=n, k=k, rows=tokens * shape.top_k)
 
 
-def time_projection(p, projection, configs):
-    """{variant: ms} for forward and forward+backward of one projection."""
+def time_projection(p, projection, configs, num_rounds: int = 3):
+    """({variant: ms}, {variant: [ms of each round]}, error against ``_grouped_mm``) for forward
+    and forward+backward of one projection: ``num_rounds`` rounds over the variants in turn,
+    the median of each variant's rounds."""
     x, w, m_sizes, offsets = p["x"], p["w"], p["m_sizes"], p["offsets"]
     g, s, rw = p["gather"], p["scatter"], p["rw"]
     if projection == "gate_up":
@@ -116,16 +122,20 @@ def time_projection(p, projection, configs):
 
     loop_sizes = m_sizes.tolist()
     loop_x = torch.split(x_sorted, loop_sizes)
-    ms = {
-        "ours_fwd": bench_ms(lambda: ours(x, w)),
-        "gmm_fwd": bench_ms(lambda: baseline(x_sorted, w, permute=False)),
-        "gmm_perm_fwd": bench_ms(lambda: baseline(x, w, permute=True)),
-        "loop_fwd": bench_ms(lambda: [xe @ we.t() for xe, we in zip(loop_x, w)]),
-        "ours_fwdbwd": bench_ms(fwd_bwd(lambda: ours(xg, wg), (xg, wg))),
-        "gmm_fwdbwd": bench_ms(fwd_bwd(lambda: baseline(xsg, wg, permute=False), (xsg, wg))),
-        "gmm_perm_fwdbwd": bench_ms(fwd_bwd(lambda: baseline(xg, wg, permute=True), (xg, wg))),
+    variants = {
+        "ours_fwd": lambda: ours(x, w),
+        "gmm_fwd": lambda: baseline(x_sorted, w, permute=False),
+        "gmm_perm_fwd": lambda: baseline(x, w, permute=True),
+        "loop_fwd": lambda: [xe @ we.t() for xe, we in zip(loop_x, w)],
+        "ours_fwdbwd": fwd_bwd(lambda: ours(xg, wg), (xg, wg)),
+        "gmm_fwdbwd": fwd_bwd(lambda: baseline(xsg, wg, permute=False), (xsg, wg)),
+        "gmm_perm_fwdbwd": fwd_bwd(lambda: baseline(xg, wg, permute=True), (xg, wg)),
     }
-    return ms, err
+    rounds = {name: [] for name in variants}
+    for _ in range(num_rounds):  # interleaved: a drift of the GPU's clocks hits every variant alike
+        for name, fn in variants.items():
+            rounds[name].append(bench_ms(fn))
+    return {name: statistics.median(times) for name, times in rounds.items()}, rounds, err
 
 
 def time_bias(p, projection, configs):
@@ -366,8 +376,12 @@ def main() -> None:
     parser.add_argument("--sweep-passes", default="forward,dx,dw")
     parser.add_argument("--bias", action="store_true", help="also time ours with a per-expert bias against without")
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 path and torch._scaled_grouped_mm")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over the variants in turn, the median of each (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: benchmarks/results/)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     env = environment()
     ceiling = matmul_ceiling()
@@ -397,9 +411,9 @@ def main() -> None:
                               f"{v[0][1].short()} (of {len(v)}; the default "
                               f"{fp8_default_ms(v, k, p['x'])})" if v else f"  sweep fp8 {k}: no candidate ran",
                               flush=True)
-            ms, err = time_projection(p, projection, configs)
+            ms, ms_rounds, err = time_projection(p, projection, configs, args.rounds)
             row = dict(shape=name, projection=projection, rows=p["rows"], n=p["n"], k=p["k"],
-                       flops_fwd=flops, err_vs_grouped_mm=err, ms=ms)
+                       flops_fwd=flops, err_vs_grouped_mm=err, ms=ms, ms_rounds=ms_rounds)
             if args.bias:
                 bias_ms, repeats = time_bias(p, projection, configs)
                 row["bias_ms"], row["bias_repeats_ms"] = bias_ms, repeats
@@ -434,6 +448,7 @@ def main() -> None:
     out = args.out or REPO / "benchmarks" / "results" / (
         f"grouped_gemm{'_bias' if args.bias else ''}{'_fp8' if args.fp8 else ''}_{env['device'].replace(' ', '_')}_x1.json")
     save_results(out, {"tokens": args.tokens, "matmul_tflops": ceiling, "bias": args.bias, "fp8": args.fp8,
+                       "rounds": args.rounds,
                        "configs": {k: v.to_dict() for k, v in vars(configs).items()},
                        "results": rows, "sweeps": sweeps})
     print(json.dumps({"saved": str(out)}))
