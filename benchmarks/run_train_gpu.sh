@@ -14,7 +14,7 @@
 # named. These are estimates made without a GPU: the first real run's "setup" lines say what it took.
 #
 # Kernel configs: EP_MOE_DISABLE_AUTOTUNE=1 (the default here) uses the shipped configs
-# (ep_moe/autotune/shipped/<device>/: qwen3_ep's shapes at EP 1, 2, 4 on H100 and H200) and the shape heuristic
+# (ep_moe/autotune/shipped/<device>/: qwen3_ep's shapes at EP 1, 2, 4 on H200) and the shape heuristic
 # for the rest (gpu.toml's shapes); tuning those takes about a minute per problem, too long for this
 # budget. AUTOTUNE=1 tunes them (cached in $EP_MOE_CACHE_DIR, so a second run is a cache hit).
 #

@@ -351,9 +351,12 @@ _DW_TILES = (
 
 def _deepest_stages(config: KernelConfig, which: Pass, problem: GemmProblem, dev: DeviceLimits,
                     most: int) -> int:
-    """Deepest pipeline (1..most) whose operand tiles fit shared memory."""
+    """Deepest pipeline (1..most) whose operand tiles, and any buffer outside the pipeline
+    (dW's TMA store), fit shared memory."""
     one = config_smem(dataclasses.replace(config, num_stages=1), which, problem)
-    return max(1, min(most, dev.smem_per_block // max(one, 1)))
+    per_stage = config_smem(dataclasses.replace(config, num_stages=2), which, problem) - one
+    fixed = one - per_stage
+    return max(1, min(most, (dev.smem_per_block - fixed) // max(per_stage, 1)))
 
 
 def _pow2_at_least(dim: int) -> int:

@@ -122,13 +122,17 @@ def smem_bytes(config: KernelConfig, which: Pass, elem_size: int) -> int:
 
 
 def fit_to_smem(config: KernelConfig, which: Pass, elem_size: int, smem_limit: int) -> KernelConfig:
-    """``config`` with fewer stages (down to 2), then a halved reduction block, until its
-    tiles fit ``smem_limit`` bytes: how a default tuned for bf16 serves float32 or a GPU
-    with less shared memory."""
+    """``config`` with fewer stages (down to 2), then (dW) without TMA and the store buffer it
+    brings, then a halved reduction block, until its tiles fit ``smem_limit`` bytes: how a
+    default tuned for bf16 serves float32 or a GPU with less shared memory. The store buffer
+    counts wherever ``use_tma`` is set, also on a GPU without TMA (an A100's dW default keeps 2
+    stages where 3 would fit)."""
     reduce_field = "BLOCK_M" if which == "dw" else "BLOCK_K"
     while smem_bytes(config, which, elem_size) > smem_limit:
         if config.num_stages > 2:
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        elif which == "dw" and config.use_tma:
+            config = dataclasses.replace(config, use_tma=False)
         elif getattr(config, reduce_field) > 16:
             config = dataclasses.replace(config, **{reduce_field: getattr(config, reduce_field) // 2})
         else:

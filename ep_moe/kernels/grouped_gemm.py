@@ -182,8 +182,10 @@ def _dw_metadata(grid, kernel, args):
 
 @triton.jit
 def _tile_coords(local_tile, num_m_tiles, num_n_tiles, GROUP_SIZE_M: tl.constexpr):
-    """(m tile, n tile) of the ``local_tile``-th tile of one expert, GROUP_SIZE_M-swizzled
-    so that consecutive programs share weight (n) tiles in L2."""
+    """(m tile, n tile) of the ``local_tile``-th tile of a [num_m_tiles, num_n_tiles] grid,
+    GROUP_SIZE_M m tiles at a time, so that consecutive programs share n tiles in L2 (the
+    rows kernels' weight tiles; the dW kernel passes its (N tile, K tile) grid, sharing the
+    x columns of a K tile)."""
     tiles_per_group = GROUP_SIZE_M * num_n_tiles
     first_m = (local_tile // tiles_per_group) * GROUP_SIZE_M
     group_rows = tl.minimum(num_m_tiles - first_m, GROUP_SIZE_M)
@@ -439,11 +441,12 @@ def _grouped_dw_kernel(
             acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
             dy_ptrs += BLOCK_M * stride_dym
             x_ptrs += BLOCK_M * stride_xm
-        dw_ptrs = (dw_ptr + tl.cast(e, tl.int64) * stride_we
-                   + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk)
-        tile_ok = n_ok[:, None] & k_ok[None, :]
-        if ACCUMULATE:
-            acc += tl.load(dw_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+        if ACCUMULATE or not TMA_STORE:
+            dw_ptrs = (dw_ptr + tl.cast(e, tl.int64) * stride_we
+                       + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk)
+            tile_ok = n_ok[:, None] & k_ok[None, :]
+            if ACCUMULATE:
+                acc += tl.load(dw_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
         if TMA_STORE:
             dw_desc.store([e, pid_n * BLOCK_N, pid_k * BLOCK_K],
                           tl.reshape(acc.to(dw_desc.dtype), (1, BLOCK_N, BLOCK_K)))
@@ -603,8 +606,12 @@ def launch_dw(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, m_sizes: torc
     use_tma = use_tma_for(c, x.shape[0], dy, x)
     dy_desc = TensorDescriptor.from_tensor(dy, [c.BLOCK_M, c.BLOCK_N]) if use_tma else None
     x_desc = TensorDescriptor.from_tensor(x, [c.BLOCK_M, c.BLOCK_K]) if use_tma else None
-    # a weight stored transposed (GPT-OSS's) has its dW so too: no TMA store along a strided dim
-    dw_desc = TensorDescriptor.from_tensor(dw, [1, c.BLOCK_N, c.BLOCK_K]) if use_tma and tma_usable(dw) else None
+    # The TMA store stages the tile in shared memory at the inputs' element size (what smem_bytes
+    # counts), so only a dw of their dtype takes it (FP8 experts' fp32 master weights get an fp32
+    # dw from bf16 rows: twice the buffer, past the limit); and a weight stored transposed
+    # (GPT-OSS's) has its dW so too: no TMA store along a strided dim.
+    dw_desc = (TensorDescriptor.from_tensor(dw, [1, c.BLOCK_N, c.BLOCK_K])
+               if use_tma and dw.dtype == x.dtype and tma_usable(dw) else None)
     grid, stride = launch_grid(x.device, max_tiles)
     _grouped_dw_kernel[grid](
         dy, x, dy_desc, x_desc, dw, dw_desc, m_sizes, m_ends,

@@ -9,6 +9,7 @@ import pytest
 
 from ep_moe.autotune.space import (
     HEURISTIC_BUCKETS,
+    MAX_STAGES,
     DeviceLimits,
     GemmProblem,
     ModelShape,
@@ -24,7 +25,7 @@ from ep_moe.autotune.space import (
     prune,
     refinements,
 )
-from ep_moe.kernels.config import DEFAULT_CONFIGS, PASSES, TMA_MIN_ROWS, KernelConfig
+from ep_moe.kernels.config import DEFAULT_CONFIGS, PASSES, TMA_MIN_ROWS, KernelConfig, fit_to_smem, smem_bytes
 
 H100 = DeviceLimits(name="NVIDIA H100 80GB HBM3", smem_per_block=232448, num_sms=132, capability=(9, 0))
 A100 = DeviceLimits(name="NVIDIA A100-SXM4-80GB", smem_per_block=166912, num_sms=108, capability=(8, 0))
@@ -40,6 +41,32 @@ def test_smem_estimate_formulas():
     assert config_smem(c, "forward", MIXTRAL_UP) == (128 * 64 + 64 * 256) * 2 * 3
     assert config_smem(c, "dx", ODD_K) == (128 * 64 + 64 * 256) * 2 * 3
     assert config_smem(c, "dw", MIXTRAL_UP) == (128 * 256 + 128 * 64) * 2 * 3
+    # with TMA, dW's output tile leaves through a shared-memory buffer outside the pipeline
+    tma = dataclasses.replace(c, use_tma=True)
+    assert config_smem(tma, "dw", MIXTRAL_UP) == ((128 * 256 + 128 * 64) * 3 + 256 * 64) * 2
+    assert config_smem(tma, "forward", MIXTRAL_UP) == config_smem(c, "forward", MIXTRAL_UP)
+
+
+def test_dw_stages_count_the_store_buffer_once():
+    """The deepest dW pipeline that fits counts the TMA store's buffer once, not per stage:
+    on an H100/H200 the default 64x128x256 tile keeps its 3 stages (212,992 of 232,448
+    bytes) in the heuristic's config and the tuner's candidates."""
+    assert default_config(MIXTRAL_UP, "dw", H100).num_stages == 3
+    assert heuristic_config(MIXTRAL_UP, "dw", 65536, H100).num_stages == 3
+    for c in initial_candidates(MIXTRAL_UP, "dw", 65536, H100):
+        deeper = dataclasses.replace(c, num_stages=c.num_stages + 1)
+        assert c.num_stages == MAX_STAGES or config_smem(deeper, "dw", MIXTRAL_UP) > H100.smem_per_block, c
+
+
+@pytest.mark.parametrize("smem, expected", [
+    (166912, dict(num_stages=2, use_tma=True, BLOCK_M=64)),  # A100: the store buffer still counted
+    (101376, dict(num_stages=2, use_tma=False, BLOCK_M=64)),  # 99 KiB: no TMA before a shorter step
+    (65536, dict(num_stages=2, use_tma=False, BLOCK_M=32)),  # 64 KiB: then the step halves
+])
+def test_dw_default_fits_smaller_gpus_by_dropping_tma_before_its_tile(smem, expected):
+    fitted = fit_to_smem(DEFAULT_CONFIGS["dw"], "dw", 2, smem)
+    assert smem_bytes(fitted, "dw", 2) <= smem
+    assert {k: getattr(fitted, k) for k in expected} == expected
 
 
 def test_default_is_what_the_kernels_run_untuned():

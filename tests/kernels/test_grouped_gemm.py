@@ -319,21 +319,29 @@ def test_empty_experts_get_zero_dw():
 
 
 @pytest.mark.usefixtures("tma_from_any_rows")
-@pytest.mark.parametrize("group", [1, 2, 3, 5])
+@pytest.mark.parametrize("dw_layout", ["contiguous", "transposed", "float32"])
+@pytest.mark.parametrize("group", [1, 3, 5])
 @pytest.mark.parametrize("variant", list(TMA_VARIANTS))
-def test_dw_tile_groups_write_every_tile(group, variant):
+def test_dw_tile_groups_write_every_tile(group, variant, dw_layout):
     """dW's tiles go GROUP_SIZE_M N tiles at a time within an expert: with a group that does
-    not divide the N tiles (a last, partial group) and N and K not multiples of their blocks,
-    every element of every expert is written with its own value."""
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    block_n, block_k = (64, 64) if ON_GPU else (32, 32)
-    config = dataclasses.replace(configs_for(dtype, TMA_VARIANTS[variant]).dw, BLOCK_N=block_n, BLOCK_K=block_k,
-                                 GROUP_SIZE_M=group)
-    n, k = 3 * block_n + 16, 2 * block_k + 8  # 4 N tiles, 3 K tiles, both ragged
-    m_sizes = torch.tensor([0, 37, 20], dtype=torch.int32, device=DEVICE)
+    not divide the N tiles (a last, partial group), N and K not multiples of their blocks and
+    an expert of several whole row steps and a ragged tail, every element of every expert is
+    written with its own value; also into a transposed weight's dW (GPT-OSS's layout: pointer
+    stores) and into an fp32 dW from 16-bit rows (FP8 experts' fp32 master weights: no TMA
+    store, whose buffer would not fit at that width)."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    config = dataclasses.replace(configs_for(dtype, TMA_VARIANTS[variant]).dw, GROUP_SIZE_M=group)
+    if not ON_GPU:  # the interpreter: small blocks (the GPU runs the default's, its shared memory in play)
+        config = dataclasses.replace(config, BLOCK_N=32, BLOCK_K=32)
+    n, k = 3 * config.BLOCK_N + 16, 2 * config.BLOCK_K + 8  # 4 N tiles, 3 K tiles, both ragged
+    m_sizes = torch.tensor([0, 37, 2 * config.BLOCK_M + 21], dtype=torch.int32, device=DEVICE)
     rows = int(m_sizes.sum())
     dy, x = torch.randn(rows, n, device=DEVICE).to(dtype), torch.randn(rows, k, device=DEVICE).to(dtype)
-    dw = torch.full((3, n, k), float("nan"), device=DEVICE, dtype=dtype)
+    if dw_layout == "transposed":
+        dw = torch.full((3, k, n), float("nan"), device=DEVICE, dtype=dtype).transpose(1, 2)
+    else:
+        dw = torch.full((3, n, k), float("nan"), device=DEVICE,
+                        dtype=torch.float32 if dw_layout == "float32" else dtype)
     launch_dw(dy, x, dw, m_sizes, config)
     ref = torch.stack([a.t() @ b for a, b in zip(torch.split(dy.double(), m_sizes.tolist()),
                                                  torch.split(x.double(), m_sizes.tolist()))])
