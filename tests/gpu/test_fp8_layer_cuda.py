@@ -76,7 +76,9 @@ def _compare(got, want, what: str) -> None:
 @pytest.mark.parametrize("overrides", [dict(), dict(capacity_factor=0.75), dict(mlp_bias=True),
                                        dict(top_k=1, num_linears=1, activation="identity", intermediate_size=360)],
                          ids=["top2", "capacity", "bias", "one_linear"])
-@pytest.mark.parametrize("tokens", [8, 1021], ids=["small", "large"])
+# 2053 tokens: 4106 routed rows, at least TMA_MIN_ROWS, so the kernels take their TMA paths (the
+# dW's TMA store only for a dw in the rows' dtype: fp32 master weights get pointer stores)
+@pytest.mark.parametrize("tokens", [8, 1021, 2053], ids=["small", "large", "tma_rows"])
 def test_fp8_layer_within_the_bound_of_bf16_experts(params, overrides, tokens):
     autocast = params == "fp32_autocast"
     fp8, plain = _pair(torch.float32 if autocast else torch.bfloat16, **overrides)
