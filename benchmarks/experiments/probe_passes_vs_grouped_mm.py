@@ -180,28 +180,20 @@ def main():
                     res[label] = dict(error=str(exc)[:300])
                     print(f"{key:24s} {label:36s} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
-            # forward
-            y_ref = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-            rec("fwd grouped_mm", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
-            y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-            rec("fwd ours", lambda: gg.launch_rows(x, w, y, m_sizes, DEFAULT_CONFIGS["forward"], transpose_w=True),
-                y_ref, y)
-            for ws in (False, True):
-                for bm, bn, bk, st, wa in ((128, 256, 64, 4, 8), (128, 128, 64, 4, 8)):
-                    y2 = torch.zeros_like(y)
-                    rec(f"fwd exp {bm}x{bn}x{bk} s{st} ws{int(ws)}",
-                        lambda: rows_exp(x, w, y2, m_sizes, True, bm, bn, bk, ws, st, wa), y_ref, y2)
-            # dX
-            dx_ref = torch._grouped_mm(dy, w, offs=offs)
-            rec("dx grouped_mm", lambda: torch._grouped_mm(dy, w, offs=offs))
-            dx = torch.empty(rows, k, device="cuda", dtype=torch.bfloat16)
-            rec("dx ours", lambda: gg.launch_rows(dy, w, dx, m_sizes, DEFAULT_CONFIGS["dx"], transpose_w=False),
-                dx_ref, dx)
-            for ws in (False, True):
-                for bm, bn, bk, st, wa in ((128, 256, 64, 4, 8), (128, 128, 64, 4, 8)):
-                    dx2 = torch.zeros_like(dx)
-                    rec(f"dx exp {bm}x{bn}x{bk} s{st} ws{int(ws)}",
-                        lambda: rows_exp(dy, w, dx2, m_sizes, False, bm, bn, bk, ws, st, wa), dx_ref, dx2)
+            # forward (x @ w[e]^T) and dX (dy @ w[e]): the rows kernel, w read transposed or as stored
+            for name, a, out_cols, transpose_w in (("fwd", x, n, True), ("dx", dy, k, False)):
+                ref = torch._grouped_mm(a, w.transpose(-2, -1) if transpose_w else w, offs=offs)
+                rec(f"{name} grouped_mm",
+                    lambda: torch._grouped_mm(a, w.transpose(-2, -1) if transpose_w else w, offs=offs))
+                out = torch.empty(rows, out_cols, device="cuda", dtype=torch.bfloat16)
+                config = DEFAULT_CONFIGS["forward" if transpose_w else "dx"]
+                rec(f"{name} ours", lambda: gg.launch_rows(a, w, out, m_sizes, config, transpose_w=transpose_w),
+                    ref, out)
+                for ws in (False, True):
+                    for bm, bn, bk, st, wa in ((128, 256, 64, 4, 8), (128, 128, 64, 4, 8)):
+                        out2 = torch.zeros_like(out)
+                        rec(f"{name} exp {bm}x{bn}x{bk} s{st} ws{int(ws)}",
+                            lambda: rows_exp(a, w, out2, m_sizes, transpose_w, bm, bn, bk, ws, st, wa), ref, out2)
             # dW
             dw_ref = torch._grouped_mm(dy.t(), x, offs=offs)
             rec("dw grouped_mm", lambda: torch._grouped_mm(dy.t(), x, offs=offs))
