@@ -122,7 +122,9 @@ class MoEConfig:
     """The operands of the routed experts' two grouped GEMMs. ``"bf16"``: the compute dtype
     (bf16 under the usual autocast). ``"fp8"``: e4m3 with one scale per row and per (expert,
     output channel), fp32 accumulation, outputs in the compute dtype, in the forward and the
-    dX; the weight gradients in the compute dtype (:mod:`ep_moe.kernels.fp8` has the recipe);
+    dX; the weight gradients in the compute dtype, the up projection's from the tokens' e4m3
+    values (:mod:`ep_moe.kernels.fp8` has the recipe); at EP>1 the tokens travel in e4m3,
+    about half the bytes (:mod:`ep_moe.ep.fp8_wire`), with the same results;
     the weights' e4m3 copies are made once per optimizer step from the parameters as they
     are (fp32 master weights are quantized directly), the parameters stay in their dtype.
     The router, the shared experts and the activation between the GEMMs stay in the compute

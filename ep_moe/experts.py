@@ -23,7 +23,7 @@ from ep_moe.distributed import gathered_expert_rows, mark_expert_param
 from ep_moe.grouped_mm_experts import grouped_mm_mlp, once_differentiable_output, use_grouped_mm
 from ep_moe.kernels.activation import ClampedSwiGLU, gated
 from ep_moe.kernels.config import GemmConfigs, configs_to_ints
-from ep_moe.kernels.fp8 import fp8_gemm_configs, fp8_supported, layer_grouped_gemm_fp8
+from ep_moe.kernels.fp8 import QuantizedRows, fp8_gemm_configs, fp8_supported, layer_grouped_gemm_fp8
 from ep_moe.kernels.grouped_gemm import interpreter_active
 from ep_moe.kernels.ops import layer_grouped_gemm, layer_grouped_gemm_slot_sum
 from ep_moe.kernels.permute import sum_slot_rows
@@ -208,20 +208,22 @@ class StackedExpertsMath:
 
     def on_routed_rows(self, rows_SH: torch.Tensor, weights_SK: torch.Tensor, local: RoutingMetadata,
                        *tensors: torch.Tensor, backend: str, configs: ConfigsArg,
-                       bounded_rows: bool = False) -> torch.Tensor:
+                       bounded_rows: bool = False, quantized_rows: Optional[QuantizedRows] = None) -> torch.Tensor:
         """The experts on rows that arrived from the exchange (an
         :data:`ep_moe.ep.pipeline.ExpertFn`; ``tensors``: :meth:`expert_tensors`, cast):
         ``local`` routes each row's K slots to the local experts (rows as tokens); each
         row's slots come back weighted and summed, one output row per arrived row.
         ``bounded_rows``: ``local`` holds a row bound, its counts fewer (the all-gather
-        dispatches)."""
+        dispatches). ``quantized_rows``: the rows arrived in e4m3 (FP8 experts), ``rows_SH``
+        stands for them."""
         named = dict(zip(self.tensor_names(), tensors))
         return expert_mlp(rows_SH, named.get("gate_up"), named["down"], local.counts_E, activation=self.activation,
                           gate_up_bias=named.get("gate_up_bias"), down_bias=named.get("down_bias"),
                           gather_index=local.token_index_R,
                           row_weights=weights_SK.reshape(-1).index_select(0, local.slot_index_R),
                           backend=backend, configs=configs, slot_sum=local, bounded_rows=bounded_rows,
-                          fp8_weights=(self.gate_up, self.down) if self.config.expert_precision == "fp8" else None)
+                          fp8_weights=(self.gate_up, self.down) if self.config.expert_precision == "fp8" else None,
+                          quantized_rows=quantized_rows)
 
     def forward(
         self,
@@ -316,7 +318,8 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
                configs: ConfigsArg = (None, None),
                slot_sum: Optional[RoutingMetadata] = None, bounded_rows: bool = False,
                gather_slots: Optional[torch.Tensor] = None, slots_per_token: Optional[int] = None,
-               fp8_weights: Optional[tuple[Optional[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+               fp8_weights: Optional[tuple[Optional[torch.Tensor], torch.Tensor]] = None,
+               quantized_rows: Optional[QuantizedRows] = None) -> torch.Tensor:
     """The math of :meth:`GroupedExperts.forward` with the weights passed in (``gate_up``
     None: one Linear, ``down``, which then gathers, weights and scatters the rows itself;
     biases added in the GEMMs' epilogue). ``slot_sum``: the output rows summed per token
@@ -339,11 +342,15 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     (:func:`~ep_moe.kernels.fp8.layer_grouped_gemm_fp8`), ``gate_up`` and ``down`` then being
     what their gradients go to. Every call then runs the FP8 kernels (no small-call path),
     and the weights are not cast (the copies come from them as they are; their gradients
-    come in their dtype); with ``slot_sum`` the rows are summed after the down projection."""
+    come in their dtype); with ``slot_sum`` the rows are summed after the down projection.
+    ``quantized_rows`` (with ``fp8_weights``): x's rows already in e4m3, which the first GEMM
+    reads (x then stands for them, :mod:`ep_moe.ep.fp8_wire`)."""
     _check_slots_per_token(slots_per_token, scatter_index, slot_sum is not None)
     fp8 = fp8_weights is not None
     if fp8 and backend != "triton":
         raise ValueError(f"expert_mlp: FP8 experts run on the Triton backend, not {backend!r}")
+    if quantized_rows is not None and not fp8:
+        raise ValueError("expert_mlp: quantized_rows (rows in e4m3) are read by FP8 experts only; pass fp8_weights")
     if not fp8:  # Under autocast x arrives in the autocast dtype; the weights follow (a no-op otherwise).
         down, down_bias = down.to(x.dtype), None if down_bias is None else down_bias.to(x.dtype)
         gate_up = None if gate_up is None else gate_up.to(x.dtype)
@@ -366,13 +373,14 @@ def expert_mlp(x: torch.Tensor, gate_up: Optional[torch.Tensor], down: torch.Ten
     # the GEMM, and what it takes beside the common arguments: the backend, or the FP8 copies' source
     gemm, up_args, down_args = (layer_grouped_gemm, {"backend": backend}, {"backend": backend}) if not fp8 else (
         layer_grouped_gemm_fp8, {"weight": fp8_weights[0]}, {"weight": fp8_weights[1]})
+    x_args = {"quantized_rows": quantized_rows} if fp8 else {}  # for the GEMM that reads x
     if gate_up is None:
         y_RH = gemm(x, down, m_sizes_e, gather_index=gather_index, scatter_index=scatter_index,
                     row_weights=row_weights, bias=down_bias, configs=configs[1], bounded_rows=bounded_rows,
-                    gather_slots=gather_slots, **down_args)
+                    gather_slots=gather_slots, **down_args, **x_args)
         return once_differentiable_output(_summed_per_token(y_RH, slot_sum, slots_per_token, backend), backend)
     h_RF = gemm(x, gate_up, m_sizes_e, gather_index=gather_index, bias=gate_up_bias, configs=configs[0],
-                bounded_rows=bounded_rows, gather_slots=gather_slots, **up_args)
+                bounded_rows=bounded_rows, gather_slots=gather_slots, **up_args, **x_args)
     a_RI = activate(h_RF, activation, backend, m_sizes_e.sum() if bounded_rows else None)
     if slot_sum is not None and backend == "triton" and not fp8:
         return once_differentiable_output(layer_grouped_gemm_slot_sum(

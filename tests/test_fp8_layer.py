@@ -3,7 +3,7 @@
 
 - Output and gradients (x, router, expert weights and biases) against a float64 reference of
   the same quantization (:func:`_reference`: each slot through the recipe, the roundings to
-  float16 where the kernels store), over top-1 and top-2, a capacity, biases, one Linear, a
+  float16 where the kernels store; the token rows' e4m3 values in the up projection's dW), over top-1 and top-2, a capacity, biases, one Linear, a
   non-gated activation, experts without tokens, every token on one expert, one token, none.
 - Against the unquantized float64 layer: within the recipe's bound, and off by more than a
   float16 layer would be (quantized, not silently float16).
@@ -11,7 +11,8 @@
   also where the values change without a version bump (FSDP2's all-gather); fp32 master
   weights under autocast quantized as they are, their gradients fp32.
 - The config's and the construction's errors; a device without FP8 at the first call.
-- EP=2 on gloo (all-to-all, all-gather with bounded rows and biases) against EP=1.
+- EP=2 on gloo (all-to-all, all-gather with bounded rows and biases) against EP=1, the
+  tokens on the wire in e4m3 (the up projection's dW reads the e4m3 rows at both sizes).
 - The DeepSpeed drop-in's ``expert_precision``; the trainer's ``--set moe.expert_precision``.
 
 The GPU side (bf16, against bf16 experts, CUDA graphs) is ``tests/gpu/test_fp8_layer_cuda.py``.
@@ -27,6 +28,7 @@ from torch import nn
 from dist_utils import run_distributed
 from ep_moe import MoEConfig, MoELayer
 from ep_moe.ep.all_to_all import AllToAllDispatcher
+from ep_moe.ep.fp8_wire import pack_fp8_rows, wire_width
 from ep_moe.integrations.deepspeed import MoE
 from ep_moe.kernels.e4m3 import quantize_rows_reference
 from ep_moe.kernels.fp8 import fp8_supported
@@ -86,12 +88,14 @@ class _Round16(torch.autograd.Function):
 class _FP8Linear(torch.autograd.Function):
     """``rw * (qdq(a) @ qdq(w)^T + b)`` for one row ``a`` [K] of an expert ``w`` [N, K], and
     the FP8 path's gradients: the row's ``dy`` quantized per row times ``w`` quantized per
-    column (its dX copy); the row weight's gradient the dot of that with ``a`` plus
-    ``dy . b``; dW and db from ``rw * dy`` rounded to float16 (the dW operand's rows)."""
+    column (its dX copy); the row weight's gradient the dot of that with the row plus
+    ``dy . b``; dW and db from ``rw * dy`` rounded to float16 (the dW operand's rows). The
+    row in the backward: ``a``, or for a token row (``token``: the GEMM gathers it) its
+    e4m3 values, dequantized to float16."""
 
     @staticmethod
-    def forward(ctx, a, w, b, rw):
-        ctx.save_for_backward(a, w, b, rw)
+    def forward(ctx, a, w, b, rw, token):
+        ctx.save_for_backward(_qdq(a).half().double() if token else a, w, b, rw)
         out = _qdq(a) @ _qdq(w).T
         return rw * (out if b is None else out + b)
 
@@ -101,14 +105,14 @@ class _FP8Linear(torch.autograd.Function):
         product = _qdq(dy) @ _qdq(w.T).T
         weighted = (rw * dy).half().double()
         drw = product @ a + (0.0 if b is None else dy @ b)
-        return rw * product, torch.outer(weighted, a), None if b is None else weighted, drw
+        return rw * product, torch.outer(weighted, a), None if b is None else weighted, drw, None
 
 
 class _Linear(torch.autograd.Function):
     """:class:`_FP8Linear` unquantized, in autograd's float64 (no roundings)."""
 
     @staticmethod
-    def forward(ctx, a, w, b, rw):
+    def forward(ctx, a, w, b, rw, token):
         ctx.save_for_backward(a, w, b, rw)
         return rw * (a @ w.T if b is None else a @ w.T + b)
 
@@ -117,7 +121,7 @@ class _Linear(torch.autograd.Function):
         a, w, b, rw = ctx.saved_tensors
         product = dy @ w
         drw = product @ a + (0.0 if b is None else dy @ b)
-        return rw * product, torch.outer(rw * dy, a), None if b is None else rw * dy, drw
+        return rw * product, torch.outer(rw * dy, a), None if b is None else rw * dy, drw, None
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -158,10 +162,11 @@ def _reference(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, quantized: boo
                 continue
             a = rounded(x64[t])  # each slot's dX row is stored before the slots are summed
             if "gate_up" in p:
-                h = rounded(linear(a, p["gate_up"][e], p["gate_up_bias"][e] if "gate_up_bias" in p else None, one))
+                h = rounded(linear(a, p["gate_up"][e], p["gate_up_bias"][e] if "gate_up_bias" in p else None, one,
+                                   True))
                 a = rounded(_activate(h, cfg.activation))
             y_t = y_t + rounded(linear(a, p["down"][e], p["down_bias"][e] if "down_bias" in p else None,
-                                       router.topk_weights_TK[t, k]))
+                                       router.topk_weights_TK[t, k], "gate_up" not in p))
         rows.append(y_t)
     y = torch.stack(rows) if rows else torch.zeros(0, cfg.hidden_size, dtype=torch.float64)
     if y.requires_grad:
@@ -308,10 +313,11 @@ def test_fp32_master_weights_under_autocast_are_quantized_as_they_are(quantizati
     assert _rel_err(layer.experts.down.grad, grads_half["down"]) < SAME_QUANT_TOL
 
 
-def test_ep_code_path_with_fp32_master_weights_under_autocast_matches_ep1_path():
+def test_ep_code_path_with_fp32_master_weights_under_autocast_matches_ep1_path(monkeypatch):
     """The EP path with no group (the expert pipeline: the weights' stand-ins cast to the
-    compute dtype, their dW deferred through the cast; the copies still the parameters'),
-    fp32 master weights under float16 autocast, against the EP=1 path."""
+    compute dtype, their dW deferred through the cast; the copies still the parameters'; the
+    rows through the e4m3 wire format), fp32 master weights under float16 autocast, against
+    the EP=1 path."""
     layer, x, g = _scenario("top2_bias")
     layer.float()
 
@@ -325,7 +331,10 @@ def test_ep_code_path_with_fp32_master_weights_under_autocast_matches_ep1_path()
 
     local = run()
     layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)  # no collective
+    sent = []
+    monkeypatch.setattr("ep_moe.ep.all_to_all.pack_fp8_rows", lambda rows: sent.append(rows) or pack_fp8_rows(rows))
     ep = run()
+    assert [(t.shape, t.dtype) for t in sent] == [(x.shape, torch.float16)]  # sent in the compute dtype, packed
     for what, want in local.items():
         assert ep[what].dtype == want.dtype == (torch.float16 if what == "y" else torch.float32), what
         assert _rel_err(ep[what], want) < SAME_QUANT_TOL, f"{what}: {_rel_err(ep[what], want):.2e}"
@@ -406,6 +415,17 @@ def _expert_grads(layer: MoELayer) -> dict[str, torch.Tensor]:
 def _ep2_worker(rank, world_size):
     import torch.distributed as dist
 
+    import ep_moe.ep.all_gather as all_gather
+    import ep_moe.ep.all_to_all as all_to_all
+
+    sent = []
+
+    def spy(rows):  # the rows' messages: their shapes and dtypes
+        message = pack_fp8_rows(rows)
+        sent.append((tuple(message.shape), message.dtype))
+        return message
+
+    all_gather.pack_fp8_rows = all_to_all.pack_fp8_rows = spy
     out = {}
     for name in EP_CASES:
         config, state, inputs, grads = _ep_case(name, world_size)
@@ -415,7 +435,8 @@ def _ep2_worker(rank, world_size):
         y = layer(x)
         (y * grads[rank]).sum().backward()
         out[name] = dict(y=y.detach(), dx=x.grad, grads=_expert_grads(layer), router=layer.router.weight.grad,
-                         dispatch=layer.dispatch)
+                         dispatch=layer.dispatch, wire=list(sent))
+        sent.clear()
     return out
 
 
@@ -432,6 +453,11 @@ def test_fp8_ep2_on_gloo_matches_ep1():
             (y * g).sum().backward()  # the EP group's gradients: every rank's tokens
             got = results[rank][name]
             assert got["dispatch"] == config.dispatch
+            # the tokens traveled in e4m3 with their scales: one message of wire rows
+            assert len(got["wire"]) == 1 and got["wire"][0][1] == torch.uint8, got["wire"]
+            assert got["wire"][0][0][1] == wire_width(H) < 2 * H
+            if config.dispatch == "all_gather":
+                assert got["wire"][0][0][0] == x.shape[0]
             assert _rel_err(got["y"], y) < SAME_QUANT_TOL, f"{name} rank {rank} output"
             assert _rel_err(got["dx"], x.grad) < SAME_QUANT_TOL, f"{name} rank {rank} dx"
         want = {**_expert_grads(layer), "router": layer.router.weight.grad}

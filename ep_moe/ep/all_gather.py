@@ -43,6 +43,7 @@ from torch.distributed import ProcessGroup
 
 from ep_moe.distributed import all_gather_single, reduce_scatter_single
 from ep_moe.ep.base import Dispatcher, Exchange, PendingExchange
+from ep_moe.ep.fp8_wire import pack_fp8_rows
 from ep_moe.ep.pipeline import expert_pipeline
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break
 from ep_moe.routing import RouterOutput, RoutingMetadata, count_sorted, sort_slots
@@ -234,7 +235,7 @@ class AllGatherDispatcher(Dispatcher):
         # back through the pipeline), then the tokens
         weights_TK = router.topk_weights_TK
         packed = exchange.dispatch(torch.cat([ids_TK.view(torch.float32), weights_TK.detach().float()], 1), "ids")
-        rows_in = exchange.dispatch(x_TH, "rows")
+        rows_in = exchange.dispatch(pack_fp8_rows(x_TH) if self.fp8_rows else x_TH, "rows")
         packed_GK = packed.wait()
         max_rows = row_bound(cfg.all_gather_row_bound, num_tokens, top_k, self.size, self.num_local)
         local, num_dropped = gathered_routing(packed_GK[:, :top_k].contiguous().view(torch.int32),
@@ -254,7 +255,7 @@ class AllGatherDispatcher(Dispatcher):
         expert_fn = functools.partial(experts.on_routed_rows, backend=routed.backend, configs=configs,
                                       bounded_rows=True)
         return expert_pipeline(expert_fn, routed.local, routed.exchange, experts.expert_tensors(), routed.x_TH,
-                               routed.weights_TK, routed.arrived_weights, routed.rows_in)
+                               routed.weights_TK, routed.arrived_weights, routed.rows_in, fp8_rows=self.fp8_rows)
 
     def combine(self, routed: GatheredTokens, out: torch.Tensor) -> torch.Tensor:
         """Already one summed row per token: ``out`` itself."""

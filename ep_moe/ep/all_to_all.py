@@ -44,6 +44,7 @@ from torch.distributed import ProcessGroup
 
 from ep_moe.distributed import all_gather_single, group_size
 from ep_moe.ep.base import Dispatcher, PendingExchange, refuse_double_backward, round_up
+from ep_moe.ep.fp8_wire import pack_fp8_rows
 from ep_moe.ep.pipeline import expert_pipeline
 from ep_moe.ep.slot_rows import (
     EXPERT_COUNTS,
@@ -394,7 +395,7 @@ class AllToAllDispatcher(Dispatcher):
         exchange = NcclExchange(self.group, splits)
         send_rows = permute_tokens(x_TH, routing.pairs, backend, gathered=early_rows[:num_sent])
         with torch.no_grad():
-            rows_in = exchange.dispatch(send_rows, "rows")
+            rows_in = exchange.dispatch(pack_fp8_rows(send_rows) if self.fp8_rows else send_rows, "rows")
         num_kept = sum(source[self.rank][1] for source in counts)
         return RoutedRows(backend, routing, send_rows, weights_U[:num_sent], exchange, rows_in, packed_in, num_kept)
 
@@ -424,7 +425,7 @@ class AllToAllDispatcher(Dispatcher):
                                     routed.send_rows)
         expert_fn = functools.partial(experts.on_routed_rows, backend=routed.backend, configs=configs)
         return expert_pipeline(expert_fn, local, routed.exchange, experts.expert_tensors(), routed.send_rows,
-                               routed.send_weights, recv_weights_SK, routed.rows_in)
+                               routed.send_weights, recv_weights_SK, routed.rows_in, fp8_rows=self.fp8_rows)
 
     def _slot_row_experts(self, routed: ArrivedSlotRows, experts: "GroupedExperts") -> torch.Tensor:
         """The experts on the arrived slot rows in expert order, each output row back to its

@@ -101,6 +101,8 @@ class Dispatcher:
 
     def __init__(self, config, group: Optional[ProcessGroup], rank: int, size: int, num_local: int) -> None:
         self.config, self.group, self.rank, self.size, self.num_local = config, group, rank, size, num_local
+        self.fp8_rows = config.expert_precision == "fp8"
+        """Whether the tokens travel in e4m3 (FP8 experts, :mod:`ep_moe.ep.fp8_wire`)."""
 
     def start(self, num_tokens: int, device: torch.device) -> None:
         """Before the router: nothing, unless the path checks something under it."""

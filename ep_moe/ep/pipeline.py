@@ -38,6 +38,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ep_moe.ep.base import Exchange, PendingExchange, refuse_double_backward
+from ep_moe.ep.fp8_wire import pack_fp8_rows, rows_placeholder, unpack_fp8_rows
 from ep_moe.kernels.arrival import RowArrival, rows_arriving
 from ep_moe.kernels.grouped_gemm import eager_or_graph_break, one_program_per_tile
 from ep_moe.kernels.ops import defer_weight_grads
@@ -144,15 +145,19 @@ ExpertFn = Callable[..., torch.Tensor]
 """``expert_fn(rows_SH, weights_S, local, *params) -> out_SH``: the local experts on the
 arrived rows and their top-k weights (``[S]`` or ``[S, K]``), routed by ``local`` (rows as
 tokens), one output row per arrived row, differentiable. ``params`` (the experts' stacked
-tensors: ``gate_up``, ``down``, their biases...) come cast to the rows' dtype."""
+tensors: ``gate_up``, ``down``, their biases...) come cast to the rows' dtype. Rows that
+travel in e4m3 come as ``quantized_rows=`` (a :class:`~ep_moe.kernels.fp8.QuantizedRows`),
+``rows_SH`` then standing for them (:func:`~ep_moe.ep.fp8_wire.rows_placeholder`)."""
 
 
 class _ExpertPipeline(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_fn: ExpertFn, local: RoutingMetadata, exchange: Exchange, arrived_weights: torch.Tensor,
-                dispatched: Optional[PendingExchange], record: bool, send: torch.Tensor, send_weights: torch.Tensor,
-                *params: torch.Tensor):
-        rows_in = dispatched if dispatched is not None else exchange.dispatch(send, "rows")
+                dispatched: Optional[PendingExchange], record: bool, fp8_rows: bool, send: torch.Tensor,
+                send_weights: torch.Tensor, *params: torch.Tensor):
+        if dispatched is None:
+            dispatched = exchange.dispatch(pack_fp8_rows(send) if fp8_rows else send, "rows")
+        rows_in = dispatched
         # Detached stand-ins: the graph ends at these leaves, whose grads the backward returns.
         weights = [_stand_in(w, record and w.requires_grad) for w in params]
         # The graph saves its tensors through the enclosing saved-tensor hooks (an activation
@@ -164,10 +169,16 @@ class _ExpertPipeline(torch.autograd.Function):
         with torch.set_grad_enabled(record), saved.recording(), _autocast_off(send):
             compute_weights = [w.to(send.dtype) for w in weights]
             rows, arrival = _rows_of(rows_in, local)
+            quantized = {}
+            if fp8_rows:  # the GEMM reads the e4m3 rows; a placeholder takes their gradient
+                if arrival is not None:
+                    raise RuntimeError("expert pipeline: e4m3 rows cannot be read while they land")
+                quantized["quantized_rows"] = unpack_fp8_rows(rows, send.shape[1])
+                rows = rows_placeholder(quantized["quantized_rows"], send.dtype)
             rows_SH = _stand_in(rows, record and send.requires_grad)
             row_weights_S = _stand_in(arrived_weights, record and send_weights.requires_grad)
             with rows_arriving(rows_SH, arrival, must_be_read=True), _departing(exchange, rows_SH):
-                out_SH = expert_fn(rows_SH, row_weights_S, local, *compute_weights)
+                out_SH = expert_fn(rows_SH, row_weights_S, local, *compute_weights, **quantized)
         rows_in.wait()  # whatever reads the rows next waits for all of them
         out = exchange.combine(out_SH.detach(), "rows").wait()
         if out.dtype != send.dtype:  # the backward's gradients would arrive in another dtype
@@ -209,7 +220,7 @@ class _ExpertPipeline(torch.autograd.Function):
         grad_send = None if rows_back is None else rows_back.wait()
         grad_send_weights = None if weights_back is None else weights_back.wait()
         ctx.graph = ctx.weights = ctx.exchange = ctx.saved = None  # free the graph
-        return (None, None, None, None, None, None, grad_send, grad_send_weights, *grads)
+        return (None,) * _SEND_ARG + (grad_send, grad_send_weights, *grads)
 
 
 def _autocast_off(like: torch.Tensor):
@@ -326,7 +337,7 @@ def _sharing_sms(share: bool):
     return one_program_per_tile() if share else contextlib.nullcontext()
 
 
-_SEND_ARG = 6
+_SEND_ARG = 7
 """Position of the sent rows among ``_ExpertPipeline.forward``'s arguments (the sent top-k
 weights follow, then the experts' tensors)."""
 
@@ -338,7 +349,7 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
 @eager_or_graph_break  # streams, events and async collectives: eager under torch.compile
 def expert_pipeline(expert_fn: ExpertFn, local: RoutingMetadata, exchange: Exchange, params: Sequence[torch.Tensor],
                     send_rows: torch.Tensor, send_weights: torch.Tensor, arrived_weights: torch.Tensor,
-                    dispatched: Optional[PendingExchange] = None) -> torch.Tensor:
+                    dispatched: Optional[PendingExchange] = None, fp8_rows: bool = False) -> torch.Tensor:
     """Dispatch, local experts and combine, the backward's exchanges overlapped with its
     weight-gradient GEMMs (see the module docstring). Differentiable in ``params``, the
     sent rows and the sent top-k weights.
@@ -361,6 +372,9 @@ def expert_pipeline(expert_fn: ExpertFn, local: RoutingMetadata, exchange: Excha
             ``exchange`` (``exchange.dispatch(send_rows, "rows")``), so the rows travel while
             the caller still queues work (the receiver's routing); default: the pipeline
             starts it.
+        fp8_rows: the rows travel in e4m3 (:mod:`ep_moe.ep.fp8_wire`; ``dispatched`` then
+            carries :func:`~ep_moe.ep.fp8_wire.pack_fp8_rows` of ``send_rows``) and
+            ``expert_fn`` gets them as ``quantized_rows``, for its FP8 up projection.
 
     Returns:
         [U, H] expert outputs in send order (summed over the ranks for the all-gather).
@@ -369,5 +383,5 @@ def expert_pipeline(expert_fn: ExpertFn, local: RoutingMetadata, exchange: Excha
         raise ValueError("expert_pipeline: arrived_weights are data (their gradient goes back to "
                          "send_weights); pass them detached")
     record = torch.is_grad_enabled() and any(t.requires_grad for t in (*params, send_rows, send_weights))
-    return _ExpertPipeline.apply(expert_fn, local, exchange, arrived_weights, dispatched, record, send_rows,
-                                 send_weights, *params)
+    return _ExpertPipeline.apply(expert_fn, local, exchange, arrived_weights, dispatched, record, fp8_rows,
+                                 send_rows, send_weights, *params)

@@ -4,8 +4,10 @@ forward and dX run on FP8 tensor cores.
 Recipe (rowwise, "tensorwise per row"; the format itself in :mod:`ep_moe.kernels.e4m3`):
 
 - activations: one fp32 scale per row over the reduced dim, ``scale = amax(|row|) * (1/448)``,
-  the row stored as ``row / scale`` in e4m3 (round to nearest even). The quantization reads the
-  rows through the permutation's gather, so the sorted FP8 rows are the only copy written;
+  the row stored as ``row / scale`` in e4m3 (round to nearest even). Rows the GEMM gathers
+  (the layer's tokens, read once per routed slot) are quantized once each, and the GEMM
+  gathers the e4m3 rows with their scales; at EP>1 the senders quantize them and they travel
+  in e4m3 (:mod:`ep_moe.ep.fp8_wire`);
 - weights: one scale per (expert, output channel) over the reduced dim. The forward reduces
   over ``w``'s K, the dX over its N, so each pass has its own copy: ``w`` [E, N, K] scaled per
   (e, n), and ``w`` transposed to [E, K, N] scaled per (e, k), both K-contiguous as the FP8
@@ -18,7 +20,10 @@ Recipe (rowwise, "tensorwise per row"; the format itself in :mod:`ep_moe.kernels
   top-k weights' gradient is the dot of that product with the forward's rows (so it carries
   the dX's quantization), taken in the same epilogue;
 - dW stays bf16 (``dy_rows^T @ x_rows``): its reduction runs over the rows, across the
-  rowwise scales. An FP8 dW with operands scaled per (expert, column) measured slower than
+  rowwise scales. ``x_rows`` are x itself where the rows are the GEMM's own (the down
+  projection's activations), and the e4m3 rows dequantized to x's dtype where the GEMM
+  gathers them (the up projection's tokens: at EP>1 they arrive in e4m3 with no other copy,
+  so at every EP size, and EP=N computes what EP=1 does). An FP8 dW with operands scaled per (expert, column) measured slower than
   the bf16 one on the H200 (its two extra quantization passes cost what the FP8 product
   saves; ``benchmarks/experiments/fp8_dw.patch``).
 
@@ -33,7 +38,7 @@ the FP8 tensor cores are.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -52,7 +57,7 @@ from ep_moe.kernels.config import (
 )
 from ep_moe.kernels.e4m3 import E4M3, E4M3_MAX, MIN_AMAX, on_e4m3_grid, scale_of
 from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, interpreter_active, launch_rows, smem_limit_for
-from ep_moe.kernels.ops import (_as_int32, _check_gather_slots, _contiguous,
+from ep_moe.kernels.ops import (_SAVED, _as_int32, _check_gather_slots, _contiguous,
                                 _grad_input, _setup_context, _validate, debug_enabled,
                                 eager_backward, value_checks)
 
@@ -115,15 +120,34 @@ QUANTIZE_ROW_ELEMENTS = 8192
 """Values each program of the row quantization holds (rows up to this long are read once)."""
 
 
-def quantize_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+class QuantizedRows(NamedTuple):
+    """Rows in e4m3 with one fp32 scale each, ``values[r] * scales[r] ~= row r``
+    (:func:`quantize_rows`)."""
+
+    values: torch.Tensor
+    """e4m3 [R, K]: each row contiguous, the rows possibly strided (a view of a message)."""
+    scales: torch.Tensor
+    """fp32 [R], contiguous."""
+
+
+def quantize_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor] = None,
+                  values_out: Optional[torch.Tensor] = None) -> QuantizedRows:
     """Rows of ``x`` [T, K] (read at ``gather_index[r]`` when given) in e4m3 with one fp32 scale
-    per row: ``(q [R, K], scale [R])`` with ``q[r] * scale[r] ~= x[g(r)]``."""
+    per row: ``(values [R, K], scales [R])`` with ``values[r] * scales[r] ~= x[g(r)]``.
+    ``values_out``: where the values go (e4m3 [R, K], each row contiguous; e.g. a view of a
+    message's bytes), default a new tensor."""
     rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
     k = x.shape[1]
-    q = torch.empty((rows, k), device=x.device, dtype=E4M3)
+    if values_out is None:
+        q = torch.empty((rows, k), device=x.device, dtype=E4M3)
+    elif values_out.dtype != E4M3 or values_out.shape != (rows, k) or (rows and k > 1 and values_out.stride(1) != 1):
+        raise ValueError(f"quantize_rows: values_out must be {E4M3} [{rows}, {k}] with contiguous rows, got "
+                         f"{values_out.dtype} {tuple(values_out.shape)} strides {values_out.stride()}")
+    else:
+        q = values_out
     scale = torch.empty((rows,), device=x.device, dtype=torch.float32)
     if rows == 0:
-        return q, scale
+        return QuantizedRows(q, scale)
     x = x if x.stride(-1) == 1 else x.contiguous()
     one_block = k <= QUANTIZE_ROW_ELEMENTS
     block_k = triton.next_power_of_2(max(k, 16)) if one_block else 1024
@@ -133,7 +157,12 @@ def quantize_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor] = None) 
         GATHER=gather_index is not None, BLOCK_R=block_r, BLOCK_K=block_k, ONE_BLOCK=one_block,
         FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, num_warps=8,
     )
-    return q, scale
+    return QuantizedRows(q, scale)
+
+
+def dequantize_rows(rows: QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
+    """``values[r] * scales[r]`` in ``dtype`` (the fp32 product rounded once): [R, K], contiguous."""
+    return torch.mul(rows.values.float(), rows.scales[:, None]).to(dtype)
 
 
 # amax_rows[e, n] = max_k |w[e, n, k]|, amax_cols[e, k] = max_n |w[e, n, k]| (both zeroed first).
@@ -261,17 +290,18 @@ def forget_quantized_weights() -> None:
     _QUANTIZED.clear()
 
 
-def _forward(qw: QuantizedWeight, x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode,
-             bounded_rows, bias, dx_slots) -> torch.Tensor:
-    """The forward of ``ep_moe::grouped_gemm_fwd`` (same inputs) on e4m3 operands: the rows
-    quantized through the gather, the product scattered, its row weights and bias applied
-    after the scales (``w`` itself is not read: ``qw`` holds its copies)."""
-    q, q_scale = quantize_rows(x, gather_index)
+def _forward(qw: QuantizedWeight, x_rows: QuantizedRows, x, w, m_sizes, gather_index, scatter_index, row_weights,
+             config, dx_mode, bounded_rows, bias, dx_slots) -> torch.Tensor:
+    """The forward of ``ep_moe::grouped_gemm_fwd`` (same inputs) on e4m3 operands: x's rows
+    as ``x_rows`` holds them (x itself is not read), gathered, the product scattered, its row
+    weights and bias applied after the scales (``w`` is not read either: ``qw`` holds its
+    copies)."""
     w_values, w_scale = qw.forward
-    out = x.new_empty((q.shape[0], w_values.shape[1]))
-    if q.shape[0]:
-        launch_rows(q, w_values, out, m_sizes, configs_from_ints(tuple(config)).forward, transpose_w=True,
-                    store_idx=scatter_index, scale=row_weights, bias=bias, fp8_scales=(q_scale, w_scale))
+    out = x.new_empty((x.shape[0] if gather_index is None else gather_index.shape[0], w_values.shape[1]))
+    if out.shape[0]:
+        launch_rows(x_rows.values, w_values, out, m_sizes, configs_from_ints(tuple(config)).forward,
+                    transpose_w=True, load_idx=gather_index, store_idx=scatter_index, scale=row_weights, bias=bias,
+                    fp8_scales=(x_rows.scales, w_scale))
     return out
 
 
@@ -307,33 +337,42 @@ def _grad_input_fp8(qw: QuantizedWeight, dy, x, w, m_sizes, gather_index, scatte
 
 class _GroupedGemmFP8(torch.autograd.Function):
     """The grouped GEMM's eager autograd function (:mod:`ep_moe.kernels.ops`: the inputs of
-    ``ep_moe::grouped_gemm_fwd``, then the weight's :class:`QuantizedWeight`) with e4m3
-    operands in the forward and the dX; dW and the bias's gradient as the bf16 GEMM's,
-    queued where an open ``defer_weight_grads`` queue owns the weight."""
+    ``ep_moe::grouped_gemm_fwd``, then the weight's :class:`QuantizedWeight` and x's rows in
+    e4m3) with e4m3 operands in the forward and the dX; dW and the bias's gradient as the
+    bf16 GEMM's, queued where an open ``defer_weight_grads`` queue owns the weight, against
+    the e4m3 rows dequantized where the forward gathered them (the module docstring)."""
 
     @staticmethod
-    def forward(ctx, *inputs_and_weight):
-        *inputs, qw = inputs_and_weight
-        out = _forward(qw, *inputs)
-        _setup_context(ctx, inputs, out)
+    def forward(ctx, *inputs_weight_and_rows):
+        *inputs, qw, x_rows = inputs_weight_and_rows
+        out = _forward(qw, x_rows, *inputs)
+        gathered = inputs[3] is not None
+        _setup_context(ctx, inputs, out, extra=tuple(x_rows) if gathered else ())
         ctx.quantized_weight = qw
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        return (*eager_backward(ctx, dy, functools.partial(_grad_input_fp8, ctx.quantized_weight)), None)
+        saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
+        if len(saved) > _SAVED:  # gathered rows: the backward reads their e4m3 values
+            saved = (dequantize_rows(QuantizedRows(*saved[_SAVED:]), saved[0].dtype), *saved[1:_SAVED])
+        grads = eager_backward(ctx, dy, functools.partial(_grad_input_fp8, ctx.quantized_weight), saved=saved)
+        return (*grads, None, None)
 
 
 def _run(qw: QuantizedWeight, x, w, m_sizes, gather_index, scatter_index, row_weights, bias, configs: GemmConfigs,
-         dx_mode: str, bounded_rows: bool, dx_slots) -> torch.Tensor:
-    """:func:`grouped_gemm_fp8` and :func:`layer_grouped_gemm_fp8` on checked arguments."""
-    inputs = (x if x.stride(-1) == 1 else x.contiguous(), w, _as_int32(m_sizes), _contiguous(gather_index),
-              _contiguous(scatter_index), _contiguous(row_weights), configs_to_ints(configs), dx_mode, bounded_rows,
-              _contiguous(bias), _contiguous(dx_slots))
+         dx_mode: str, bounded_rows: bool, dx_slots, x_rows: Optional[QuantizedRows] = None) -> torch.Tensor:
+    """:func:`grouped_gemm_fp8` and :func:`layer_grouped_gemm_fp8` on checked arguments
+    (``x_rows``: x's rows already in e4m3, else quantized here, once each)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    inputs = (x, w, _as_int32(m_sizes), _contiguous(gather_index), _contiguous(scatter_index),
+              _contiguous(row_weights), configs_to_ints(configs), dx_mode, bounded_rows, _contiguous(bias),
+              _contiguous(dx_slots))
+    x_rows = quantize_rows(x) if x_rows is None else x_rows
     if not torch.is_grad_enabled():
-        return _forward(qw, *inputs)
-    return _GroupedGemmFP8.apply(*inputs, qw)
+        return _forward(qw, x_rows, *inputs)
+    return _GroupedGemmFP8.apply(*inputs, qw, x_rows)
 
 
 @eager_or_graph_break
@@ -384,16 +423,21 @@ def layer_grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tens
                            weight: Optional[torch.Tensor] = None, gather_index: Optional[torch.Tensor] = None,
                            scatter_index: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None,
                            bias: Optional[torch.Tensor] = None, configs: Optional[GemmConfigs] = None,
-                           bounded_rows: bool = False, gather_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           bounded_rows: bool = False, gather_slots: Optional[torch.Tensor] = None,
+                           quantized_rows: Optional[QuantizedRows] = None) -> torch.Tensor:
     """:func:`ep_moe.kernels.ops.layer_grouped_gemm` (the Triton backend, deterministic) with
     :func:`grouped_gemm_fp8`'s e4m3 operands: what :func:`ep_moe.experts.expert_mlp` runs for
     ``MoEConfig(expert_precision="fp8")``. ``weight``: the tensor whose e4m3 copies the GEMM
     multiplies by (:func:`quantized_weight`, cached on it), default ``w``; the layer passes its
     parameter there, while ``w`` is what the weight's gradient goes to (the parameter, or the
     expert pipeline's stand-in for it, maybe a cast). ``x`` any float dtype the grouped GEMM
-    takes, ``w`` and ``bias`` in it or float32. Arguments checked where the value checks run
-    (the CPU, ``EP_MOE_DEBUG``), as :func:`~ep_moe.kernels.ops.layer_grouped_gemm`'s; raises
-    where the device has no FP8 tensor cores."""
+    takes, ``w`` and ``bias`` in it or float32. ``quantized_rows``: x's rows already in e4m3
+    (as :func:`quantize_rows` makes them: rows that arrived so from another rank,
+    :mod:`ep_moe.ep.fp8_wire`), which the GEMM reads instead of x; x then only stands for them
+    in autograd (it takes their gradient; its values are not read). Arguments checked where
+    the value checks run (the CPU, ``EP_MOE_DEBUG``), as
+    :func:`~ep_moe.kernels.ops.layer_grouped_gemm`'s; raises where the device has no FP8
+    tensor cores."""
     if not (x.device.type == "cuda" and x.device.index in _FP8_GPUS):
         ok, why = fp8_supported(x.device)
         if not ok:
@@ -403,12 +447,31 @@ def layer_grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tens
     source = w if weight is None else weight
     if source.shape != w.shape:
         raise ValueError(f"layer_grouped_gemm_fp8: weight {tuple(source.shape)} must have w's shape {tuple(w.shape)}")
+    if quantized_rows is not None:
+        _check_quantized_rows(quantized_rows, x, gather_index)
     if value_checks(x.device):
         _validate(x, w, m_sizes, gather_index, scatter_index, row_weights, True, bounded_rows, bias, fp32_weights=True)
         _check_gather_slots(gather_slots, gather_index, x.shape[0], bounded_rows)
     return _run(quantized_weight(source), x, w, m_sizes, gather_index, scatter_index, row_weights, bias,
                 configs or fp8_gemm_configs(x.device, x.dtype), "sort" if gather_slots is None else "slots",
-                bounded_rows, gather_slots)
+                bounded_rows, gather_slots, quantized_rows)
+
+
+def _check_quantized_rows(rows: QuantizedRows, x: torch.Tensor, gather_index: Optional[torch.Tensor]) -> None:
+    """``rows`` can stand for ``x``'s rows: e4m3 values of x's shape, contiguous along each
+    row, and one contiguous fp32 scale per row, on x's device; rows the GEMM gathers (whose
+    e4m3 values its backward reads, :func:`_GroupedGemmFP8.backward`)."""
+    if gather_index is None:
+        raise ValueError("layer_grouped_gemm_fp8: quantized_rows are token rows the GEMM gathers; pass their "
+                         "gather_index")
+    values, scales = rows
+    if (values.dtype != E4M3 or values.shape != x.shape or (values.shape[1] > 1 and values.stride(1) != 1)
+            or scales.dtype != torch.float32 or scales.shape != x.shape[:1] or not scales.is_contiguous()
+            or values.device != x.device or scales.device != x.device):
+        raise ValueError(f"layer_grouped_gemm_fp8: quantized_rows must be {E4M3} values of x's shape "
+                         f"{tuple(x.shape)} (contiguous rows) and contiguous float32 scales [{x.shape[0]}] on "
+                         f"{x.device}, as quantize_rows makes them; got {values.dtype} {tuple(values.shape)} "
+                         f"strides {values.stride()} and {scales.dtype} {tuple(scales.shape)} on {values.device}")
 
 
 @eager_or_graph_break  # device queries: run eagerly, the configs enter as constants

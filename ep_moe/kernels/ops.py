@@ -257,11 +257,15 @@ def _grad_input_rows(dy, x, w, m_sizes, gather_index, config, dx_mode, common, p
 
 _BIAS_ARG = 9
 """Position of ``bias`` among the forward op's inputs."""
+_SAVED = 8
+"""Tensors the op saves: x, w, m_sizes, gather_index, scatter_index, row_weights, bias, dx_slots."""
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output, extra: tuple = ()):
+    """Saves the tensors the backward reads (then ``extra``, a caller's own: after the
+    :data:`_SAVED` of the op's) and the op's settings in ``ctx``."""
     x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows, bias, dx_slots = inputs
-    ctx.save_for_backward(x, w, m_sizes, gather_index, scatter_index, row_weights, bias, dx_slots)
+    ctx.save_for_backward(x, w, m_sizes, gather_index, scatter_index, row_weights, bias, dx_slots, *extra)
     ctx.config = config
     ctx.dx_mode = dx_mode
     ctx.bounded_rows = bounded_rows
@@ -304,13 +308,15 @@ class _EagerGroupedGemm(torch.autograd.Function):
         return eager_backward(ctx, dy)
 
 
-def eager_backward(ctx, dy, grad_input=None):
+def eager_backward(ctx, dy, grad_input=None, saved: Optional[tuple] = None):
     """The eager backward of a grouped GEMM whose context :func:`_setup_context` filled (its
     inputs those of ``ep_moe::grouped_gemm_fwd``), through :func:`_grads` with ``grad_input``
     (default :func:`_grad_input`); the weight's gradient queued where an open
-    :func:`defer_weight_grads` queue owns the weight."""
+    :func:`defer_weight_grads` queue owns the weight. ``saved``: the op's :data:`_SAVED`
+    tensors as the caller has unpacked them (default: ``ctx.saved_tensors``)."""
     grads = _grads if grad_input is None else functools.partial(_grads, grad_input=grad_input)
-    saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
+    if saved is None:
+        saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
     x, w, m_sizes, gather_index, scatter_index, row_weights, bias, _ = saved
     with_bias = bias is not None and ctx.needs_input_grad[_BIAS_ARG]
     queue = _queue_for(w, bias if with_bias else None) if ctx.needs_input_grad[1] else None

@@ -3,7 +3,7 @@ fused; rows in one block and in two passes) and the weight's quantization (both 
 against the recipe's PyTorch definition, bit for bit; the forward and dX against a float64
 product of the same quantized operands; dW (bf16) against float64; the down projection's
 form (rows scattered, times their row weights, plus a bias, and the gradients of both; fp32
-master weights) likewise; the whole against the unquantized product within the recipe's
+master weights) likewise, gathered rows entering the backward as their e4m3 values; the whole against the unquantized product within the recipe's
 bound; the weight's quantized copies made once per version; argument errors. Experts with no
 rows, every row on one expert, one row, sizes that are multiples of no block.
 
@@ -123,7 +123,8 @@ def test_fp8_product_and_gradients_match_float64_of_the_same_quantization(case, 
     assert rel_err(dx, dx_ref) < tol, "dx"
 
     ends = torch.cumsum(m_sizes.long(), 0).tolist()
-    dw_ref = torch.stack([dy[e0:e1].double().T @ rows[e0:e1].double()
+    dw_rows = xq.to(dtype) if gather else rows  # gathered: the rows' e4m3 values (the module's recipe)
+    dw_ref = torch.stack([dy[e0:e1].double().T @ dw_rows[e0:e1].double()
                           for e0, e1 in zip([0] + ends[:-1], ends)])
     assert rel_err(dw, dw_ref) < tol, "dw"
     if m_sizes.sum() == 0:
@@ -166,12 +167,13 @@ def test_fp8_scatter_row_weights_and_bias_match_float64_of_the_same_quantization
     y_ref[scatter] = rw[:, None] * (forward + b_rows)
     dx_ref = torch.zeros(x.shape, dtype=torch.float64, device=DEVICE).index_add_(0, g.long(), rw[:, None] * product)
     drw_ref = torch.empty(rows, dtype=torch.float64, device=DEVICE)
-    drw_ref[scatter] = (product * x_rows).sum(1) + (dy_rows * b_rows).sum(1)
+    x_read = xq.to(dtype).double()  # what the backward reads of the gathered rows: their e4m3 values
+    drw_ref[scatter] = (product * x_read).sum(1) + (dy_rows * b_rows).sum(1)
     weighted = rw[:, None] * dy_rows
     dw_ref = torch.zeros(w.shape, dtype=torch.float64, device=DEVICE)
     for e in range(w.shape[0]):
         mine = expert == e
-        dw_ref[e] = weighted[mine].T @ x_rows[mine]
+        dw_ref[e] = weighted[mine].T @ x_read[mine]
     db_ref = torch.zeros(bias.shape, dtype=torch.float64, device=DEVICE).index_add_(0, expert, weighted)
     tol = SAME_QUANT_TOL[dtype]
     for what, got, want in (("y", y, y_ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref), ("drw", drw, drw_ref),
