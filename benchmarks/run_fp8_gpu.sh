@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # FP8 experts (MoEConfig(expert_precision="fp8")) on GPUs with FP8 tensor cores, in parts that each fit
 # one 10-minute device call:
-#   PART=tests   the FP8 kernels' and layer's tests in bf16 on the GPU (tests/kernels/test_fp8.py,
-#                tests/gpu/test_fp8_layer_cuda.py; its EP=2 test over NCCL where 2 GPUs are visible), verbose,
+#   PART=tests   the FP8 kernels' and layer's tests in bf16 on the GPU (tests/kernels/test_fp8.py, the rows on
+#                the wire (tests/ep/test_fp8_wire.py), tests/gpu/test_fp8_layer_cuda.py; its EP=2 test over NCCL
+#                where 2 GPUs are visible), verbose,
 #                into fp8_tests.log (about 5 minutes: compiles)
 #   PART=sweep   bench_grouped_gemm.py --fp8 --sweep: a grid of configs for the FP8 forward and dX (and bf16's)
 #                per projection, the best five of each in grouped_gemm_fp8_sweep_<device>_x1.json
@@ -27,7 +28,8 @@ RESULTS=${OUT:-$WORK/results}
 mkdir -p "$RESULTS" "$WORK"
 case $PART in
 tests)
-  python3 -m pytest -q -p no:cacheprovider -v -rfE --tb=short tests/kernels/test_fp8.py tests/gpu/test_fp8_layer_cuda.py \
+  python3 -m pytest -q -p no:cacheprovider -v -rfE --tb=short tests/kernels/test_fp8.py tests/ep/test_fp8_wire.py \
+    tests/gpu/test_fp8_layer_cuda.py \
     > "$RESULTS/fp8_tests.log" 2>&1
   echo "tests exit $?"; grep -E "passed|failed" "$RESULTS/fp8_tests.log" | tail -n 1
   ;;

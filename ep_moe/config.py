@@ -124,7 +124,8 @@ class MoEConfig:
     output channel), fp32 accumulation, outputs in the compute dtype, in the forward and the
     dX; the weight gradients in the compute dtype, the up projection's from the tokens' e4m3
     values (:mod:`ep_moe.kernels.fp8` has the recipe); at EP>1 the tokens travel in e4m3,
-    about half the bytes (:mod:`ep_moe.ep.fp8_wire`), with the same results;
+    about half the bytes, with the same results (:mod:`ep_moe.ep.fp8_wire`; not the slot-row
+    format of small eager calls);
     the weights' e4m3 copies are made once per optimizer step from the parameters as they
     are (fp32 master weights are quantized directly), the parameters stay in their dtype.
     The router, the shared experts and the activation between the GEMMs stay in the compute
@@ -195,8 +196,8 @@ def check_fp8_combination(backend: str, dispatch: str, owner: str, verb: str = "
                          "expert_precision='bf16'")
     if dispatch == "all_gather_copy_engine":
         raise ValueError(f"{owner}.expert_precision='fp8' with dispatch='all_gather_copy_engine': the copy engines "
-                         "hand over rows still landing, which only the bf16 GEMM waits for (the FP8 path quantizes "
-                         f"the rows first); {verb} dispatch='all_gather' or 'all_to_all', or expert_precision='bf16'")
+                         "hand over rows still landing, which only the bf16 GEMM waits for (the FP8 GEMM reads rows "
+                         f"whole, in e4m3); {verb} dispatch='all_gather' or 'all_to_all', or expert_precision='bf16'")
 
 
 def check_experts_divide(num_experts: int, ep_size: int, what: str) -> None:

@@ -332,9 +332,9 @@ def test_ep_code_path_with_fp32_master_weights_under_autocast_matches_ep1_path(m
     local = run()
     layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)  # no collective
     sent = []
-    monkeypatch.setattr("ep_moe.ep.all_to_all.pack_fp8_rows", lambda rows: sent.append(rows) or pack_fp8_rows(rows))
+    monkeypatch.setattr("ep_moe.ep.all_to_all.pack_fp8_rows", lambda *args: sent.append(pack_fp8_rows(*args)) or sent[-1])
     ep = run()
-    assert [(t.shape, t.dtype) for t in sent] == [(x.shape, torch.float16)]  # sent in the compute dtype, packed
+    assert [(t.shape, t.dtype) for t in sent] == [((x.shape[0], wire_width(H)), torch.uint8)]  # the tokens in e4m3
     for what, want in local.items():
         assert ep[what].dtype == want.dtype == (torch.float16 if what == "y" else torch.float32), what
         assert _rel_err(ep[what], want) < SAME_QUANT_TOL, f"{what}: {_rel_err(ep[what], want):.2e}"
@@ -420,8 +420,8 @@ def _ep2_worker(rank, world_size):
 
     sent = []
 
-    def spy(rows):  # the rows' messages: their shapes and dtypes
-        message = pack_fp8_rows(rows)
+    def spy(*args):  # the rows' messages: their shapes and dtypes
+        message = pack_fp8_rows(*args)
         sent.append((tuple(message.shape), message.dtype))
         return message
 
@@ -453,11 +453,11 @@ def test_fp8_ep2_on_gloo_matches_ep1():
             (y * g).sum().backward()  # the EP group's gradients: every rank's tokens
             got = results[rank][name]
             assert got["dispatch"] == config.dispatch
-            # the tokens traveled in e4m3 with their scales: one message of wire rows
+            # the tokens traveled in e4m3 with their scales: one message of wire rows (the
+            # all-to-all's quantized for each token's T*min(P, K) (token, rank) pairs, then cut)
             assert len(got["wire"]) == 1 and got["wire"][0][1] == torch.uint8, got["wire"]
-            assert got["wire"][0][0][1] == wire_width(H) < 2 * H
-            if config.dispatch == "all_gather":
-                assert got["wire"][0][0][0] == x.shape[0]
+            rows = x.shape[0] * (1 if config.dispatch == "all_gather" else min(2, config.top_k))
+            assert got["wire"][0][0] == (rows, wire_width(H)) and wire_width(H) < 2 * H
             assert _rel_err(got["y"], y) < SAME_QUANT_TOL, f"{name} rank {rank} output"
             assert _rel_err(got["dx"], x.grad) < SAME_QUANT_TOL, f"{name} rank {rank} dx"
         want = {**_expert_grads(layer), "router": layer.router.weight.grad}

@@ -44,7 +44,7 @@ from torch.distributed import ProcessGroup
 
 from ep_moe.distributed import all_gather_single, group_size
 from ep_moe.ep.base import Dispatcher, PendingExchange, refuse_double_backward, round_up
-from ep_moe.ep.fp8_wire import pack_fp8_rows
+from ep_moe.ep.fp8_wire import pack_fp8_rows, rows_placeholder
 from ep_moe.ep.pipeline import expert_pipeline
 from ep_moe.ep.slot_rows import (
     EXPERT_COUNTS,
@@ -376,11 +376,15 @@ class AllToAllDispatcher(Dispatcher):
                        send_P: torch.Tensor, backend: str) -> tuple:
         """The main format's work before the split sizes are known: the (token, rank) sort,
         padded to T*min(P, K) rows of which the first U are sent; the top-k weights and
-        local expert ids of those rows, packed to travel in one message; the send rows."""
+        local expert ids of those rows, packed to travel in one message; the send rows (with
+        FP8 experts their e4m3 message, :mod:`ep_moe.ep.fp8_wire`)."""
         routing = build_rank_routing(router.topk_ids_TK, keep_TK, send_P, self.num_local)
         weights_U = permute_tokens(router.topk_weights_TK, routing.pairs, backend)
         packed = pack_rows([routing.local_ids_UK, weights_U])
-        early_rows = gather_tokens(x_TH, routing.pairs, routing.num_sent, backend)
+        if self.fp8_rows:  # the rows' message itself, quantized through the gather
+            early_rows = pack_fp8_rows(x_TH, routing.pairs.token_index_R)
+        else:
+            early_rows = gather_tokens(x_TH, routing.pairs, routing.num_sent, backend)
         return routing, weights_U, packed, early_rows
 
     def _send_rank_rows(self, x_TH: torch.Tensor, early: tuple, counts: list, backend: str) -> RoutedRows:
@@ -393,9 +397,13 @@ class AllToAllDispatcher(Dispatcher):
         routing = routing.first_rows(num_sent)
         packed_in = start_dispatch_packed(packed.first_rows(num_sent), splits, self.group)
         exchange = NcclExchange(self.group, splits)
-        send_rows = permute_tokens(x_TH, routing.pairs, backend, gathered=early_rows[:num_sent])
+        message = early_rows[:num_sent]
+        # the sent rows in autograd (their gradient comes back to x_TH): the message's rows, or
+        # a placeholder for its e4m3 rows
+        gathered = rows_placeholder(num_sent, x_TH.shape[1], x_TH.dtype, x_TH.device) if self.fp8_rows else message
+        send_rows = permute_tokens(x_TH, routing.pairs, backend, gathered=gathered)
         with torch.no_grad():
-            rows_in = exchange.dispatch(pack_fp8_rows(send_rows) if self.fp8_rows else send_rows, "rows")
+            rows_in = exchange.dispatch(message if self.fp8_rows else send_rows, "rows")
         num_kept = sum(source[self.rank][1] for source in counts)
         return RoutedRows(backend, routing, send_rows, weights_U[:num_sent], exchange, rows_in, packed_in, num_kept)
 

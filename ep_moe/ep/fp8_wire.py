@@ -5,16 +5,19 @@ projection would (one scale per row, :func:`ep_moe.kernels.fp8.quantize_rows`), 
 reads the arrived rows as they are, so the results are those of rows sent in the compute
 dtype (:mod:`ep_moe.kernels.fp8`: the up projection's weight gradient reads the e4m3 rows at
 every EP size). The combine, and the backward's gradients both ways, stay in the compute
-dtype.
+dtype; so do the rows of the all-to-all's slot-row format (small eager calls, few bytes).
+The all-to-all's sender quantizes its rows (one per token and destination rank) through
+the gather that selects them, into the message: no copy of them in the compute dtype.
 
 A row on the wire is :data:`HEADER_BYTES` (its fp32 scale, then padding, so that the values
 start 16-byte aligned), then its H e4m3 values, padded to a multiple of 16 bytes
-(:func:`wire_width`). In the expert graph the arrived rows are a placeholder of the compute
-dtype (:func:`rows_placeholder`), whose gradient goes back to the senders as a bf16 row's
-would.
+(:func:`wire_width`). In autograd a placeholder of the compute dtype stands for the rows
+(:func:`rows_placeholder`), whose gradient travels as a bf16 row's would.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -40,12 +43,15 @@ def _scales(message: torch.Tensor) -> torch.Tensor:
     return message[:, :4].view(torch.float32)
 
 
-def pack_fp8_rows(rows_TH: torch.Tensor) -> torch.Tensor:
-    """``rows_TH`` [T, H] quantized per row into one message, uint8 [T, :func:`wire_width`]
-    (not differentiable: the expert pipeline sends the gradients back)."""
-    num_rows, hidden = rows_TH.shape
-    message = torch.empty((num_rows, wire_width(hidden)), dtype=torch.uint8, device=rows_TH.device)
-    _, scales = quantize_rows(rows_TH.detach(), values_out=_values(message, hidden))
+def pack_fp8_rows(x_TH: torch.Tensor, gather_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The rows of ``x_TH`` [T, H] (read at ``gather_index[r]`` when given: the quantization
+    reads them through the gather) quantized per row into one message, uint8 [rows,
+    :func:`wire_width`]; its padding bytes are not written. Not differentiable: the expert
+    pipeline sends the gradients back."""
+    num_rows = x_TH.shape[0] if gather_index is None else gather_index.shape[0]
+    hidden = x_TH.shape[1]
+    message = torch.empty((num_rows, wire_width(hidden)), dtype=torch.uint8, device=x_TH.device)
+    _, scales = quantize_rows(x_TH.detach(), gather_index, values_out=_values(message, hidden))
     _scales(message).copy_(scales[:, None])
     return message
 
@@ -59,10 +65,10 @@ def unpack_fp8_rows(message: torch.Tensor, hidden: int) -> QuantizedRows:
     return QuantizedRows(_values(message, hidden), _scales(message)[:, 0].contiguous())
 
 
-def rows_placeholder(rows: QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
-    """A [S, H] tensor of ``dtype`` standing for ``rows`` in autograd: the expert graph's leaf
-    for the arrived rows, whose gradient goes back to the senders. An expanded zero row: the
-    FP8 GEMM reads ``rows`` (:func:`ep_moe.kernels.fp8.layer_grouped_gemm_fp8`'s
-    ``quantized_rows``), never these values."""
-    num_rows, hidden = rows.values.shape
-    return torch.zeros((1, hidden), dtype=dtype, device=rows.values.device).expand(num_rows, hidden)
+def rows_placeholder(num_rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [rows, H] tensor of ``dtype`` standing in autograd for rows that travel in e4m3: the
+    sender's rows (their gradient comes back to the tokens), the receiver's (the expert
+    graph's leaf, whose gradient goes back to the senders). An expanded zero row, whose values
+    nothing reads: the message carries the rows, and the receiver's FP8 GEMM reads them
+    (:func:`ep_moe.kernels.fp8.layer_grouped_gemm_fp8`'s ``quantized_rows``)."""
+    return torch.zeros((1, hidden), dtype=dtype, device=device).expand(num_rows, hidden)

@@ -174,7 +174,7 @@ class _ExpertPipeline(torch.autograd.Function):
                 if arrival is not None:
                     raise RuntimeError("expert pipeline: e4m3 rows cannot be read while they land")
                 quantized["quantized_rows"] = unpack_fp8_rows(rows, send.shape[1])
-                rows = rows_placeholder(quantized["quantized_rows"], send.dtype)
+                rows = rows_placeholder(rows.shape[0], send.shape[1], send.dtype, rows.device)
             rows_SH = _stand_in(rows, record and send.requires_grad)
             row_weights_S = _stand_in(arrived_weights, record and send_weights.requires_grad)
             with rows_arriving(rows_SH, arrival, must_be_read=True), _departing(exchange, rows_SH):

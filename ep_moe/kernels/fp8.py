@@ -17,15 +17,16 @@ Recipe (rowwise, "tensorwise per row"; the format itself in :mod:`ep_moe.kernels
   epilogue, then gets the bias and the row weight (the top-k weight) as the bf16 GEMM's, and
   is stored in the output dtype (bf16);
 - dX: the output gradient quantized per row the same way, times the weight's dX copy; the
-  top-k weights' gradient is the dot of that product with the forward's rows (so it carries
-  the dX's quantization), taken in the same epilogue;
+  top-k weights' gradient is the dot of that product with the backward's ``x_rows`` (below;
+  so it carries the dX's quantization), taken in the same epilogue;
 - dW stays bf16 (``dy_rows^T @ x_rows``): its reduction runs over the rows, across the
   rowwise scales. ``x_rows`` are x itself where the rows are the GEMM's own (the down
   projection's activations), and the e4m3 rows dequantized to x's dtype where the GEMM
-  gathers them (the up projection's tokens: at EP>1 they arrive in e4m3 with no other copy,
-  so at every EP size, and EP=N computes what EP=1 does). An FP8 dW with operands scaled per (expert, column) measured slower than
-  the bf16 one on the H200 (its two extra quantization passes cost what the FP8 product
-  saves; ``benchmarks/experiments/fp8_dw.patch``).
+  gathers them (the up projection's tokens: at EP>1 they arrive in e4m3 with no other
+  copy, so at every EP size, and EP=N computes what EP=1 does). An FP8 dW with operands
+  scaled per (expert, column) measured slower than the bf16 one on the H200 (its two extra
+  quantization passes cost what the FP8 product saves; ``benchmarks/experiments/fp8_dw.patch``,
+  made against an earlier form of this module).
 
 The autograd, index modes (deterministic sums of gathered rows), bounded rows and deferred
 weight gradients are :mod:`ep_moe.kernels.ops`' own, with these operands;
@@ -82,8 +83,9 @@ def fp8_supported(device: torch.device) -> tuple[bool, str]:
 # Tiling: one program per BLOCK_R rows. Rows that fit one BLOCK_K block (ONE_BLOCK) are read
 #   once and kept in registers; longer rows take two passes in BLOCK_K columns (the amax, then
 #   the scaled stores, the second reading from L2).
-# Fuses: the permutation's gather (GATHER: row r reads x[g(r)]) into the quantization, so the
-#   expert-sorted rows are written once, in FP8.
+# Fuses: a gather (GATHER: row r reads x[g(r)]; the all-to-all sender's (token, rank) rows)
+#   into the quantization, so the selected rows are written once, in FP8 (a message's bytes:
+#   q's rows strided by stride_qm).
 @triton.jit
 def _quantize_rows_kernel(x_ptr, idx_ptr, q_ptr, scale_ptr, num_rows, K, stride_xm, stride_qm,
                           GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -161,7 +163,7 @@ def quantize_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor] = None,
 
 
 def dequantize_rows(rows: QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
-    """``values[r] * scales[r]`` in ``dtype`` (the fp32 product rounded once): [R, K], contiguous."""
+    """``values[r] * scales[r]`` in ``dtype`` (the fp32 product rounded to ``dtype``): [R, K], contiguous."""
     return torch.mul(rows.values.float(), rows.scales[:, None]).to(dtype)
 
 
@@ -325,7 +327,8 @@ def _grad_input_fp8(qw: QuantizedWeight, dy, x, w, m_sizes, gather_index, scatte
                     dx_mode, need_drw, bounded_rows=False, bias=None, dx_slots=None):
     """:func:`ep_moe.kernels.ops._grad_input` on e4m3 operands: ``dy`` quantized per row, the
     weight's dX copy. The row weights' gradient is the dot of that product with x's rows (so
-    it carries the dX's quantization), plus the bias's share from the unquantized ``dy``."""
+    it carries the dX's quantization; for gathered rows x holds their e4m3 values), plus the
+    bias's share from the unquantized ``dy``."""
     dq, dq_scale = quantize_rows(dy)
     w_values, w_scale = qw.dx
     dx, drw = _grad_input(dq, x, w_values, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode,
@@ -346,8 +349,11 @@ class _GroupedGemmFP8(torch.autograd.Function):
     def forward(ctx, *inputs_weight_and_rows):
         *inputs, qw, x_rows = inputs_weight_and_rows
         out = _forward(qw, x_rows, *inputs)
-        gathered = inputs[3] is not None
-        _setup_context(ctx, inputs, out, extra=tuple(x_rows) if gathered else ())
+        if inputs[3] is None:
+            _setup_context(ctx, inputs, out)
+        else:  # gathered rows: the backward reads their e4m3 values, so x itself is not kept
+            x = inputs[0]
+            _setup_context(ctx, (x.new_empty((0, x.shape[1])), *inputs[1:]), out, extra=tuple(x_rows))
         ctx.quantized_weight = qw
         return out
 
@@ -355,8 +361,13 @@ class _GroupedGemmFP8(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
-        if len(saved) > _SAVED:  # gathered rows: the backward reads their e4m3 values
-            saved = (dequantize_rows(QuantizedRows(*saved[_SAVED:]), saved[0].dtype), *saved[1:_SAVED])
+        if len(saved) > _SAVED:
+            rows = QuantizedRows(*saved[_SAVED:])
+            if ctx.needs_input_grad[1] or ctx.needs_input_grad[5]:  # dW, the row weights' dots: their values
+                x = dequantize_rows(rows, saved[0].dtype)
+            else:  # dX reads x's shape only
+                x = saved[0].new_zeros((1, rows.values.shape[1])).expand(rows.values.shape)
+            saved = (x, *saved[1:_SAVED])
         grads = eager_backward(ctx, dy, functools.partial(_grad_input_fp8, ctx.quantized_weight), saved=saved)
         return (*grads, None, None)
 
@@ -391,7 +402,9 @@ def grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, m_sizes: torch.Tensor, *,
     :func:`quantized_weight`; the gradient comes in w's dtype); ``scatter_index`` [rows], a
     permutation: row r lands at ``scatter_index[r]``; ``row_weights`` [rows] (fp32, indexed by
     output row, multiplied after the scales: the top-k weights; their gradient carries the
-    dX's quantization, :func:`_grad_input_fp8`); ``bias`` [E, N] in w's dtype.
+    dX's quantization, :func:`_grad_input_fp8`); ``bias`` [E, N] in w's dtype. Gathered rows
+    are quantized once each and enter the backward (dW, the row weights' gradient) as their
+    e4m3 values (the module docstring).
     ``configs``: the (forward, dx, dw) kernel configs, default :func:`fp8_gemm_configs`.
     Raises where the device has no FP8 tensor cores.
     """

@@ -168,8 +168,10 @@ class _SumSlotRows(torch.autograd.Function):
 def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "torch",
                    gathered: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Tokens in routed (expert-sorted) order: ``x_TH[meta.token_index_R]``, [R, H].
-    ``gathered``: those rows, already made by :func:`gather_tokens` (before R was known);
-    returned as they are, made differentiable.
+    ``gathered``: those rows, already made by :func:`gather_tokens` (before R was known),
+    or a stand-in for rows that travel in another form (an expanded row, stride 0, whose
+    values nothing reads: :func:`ep_moe.ep.fp8_wire.rows_placeholder`); returned as they
+    are, made differentiable.
 
     Differentiable; the backward sums each token's K row gradients in slot order (no
     atomics). ``backend``: ``"triton"`` (the kernels above) or ``"torch"``.
@@ -180,10 +182,11 @@ def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "
                          f"(T = meta.num_tokens = {meta.num_tokens})")
     want = (meta.token_index_R.shape[0],) + tuple(x_TH.shape[1:])
     if gathered is not None and (tuple(gathered.shape) != want or gathered.dtype != x_TH.dtype
-                                 or (gathered.numel() and not gathered.is_contiguous())):
+                                 or (gathered.numel() and not gathered.is_contiguous()
+                                     and gathered.stride(0) != 0)):
         raise ValueError(f"permute_tokens: gathered is {tuple(gathered.shape)} {gathered.dtype}"
                          f"{'' if gathered.is_contiguous() else ' (not contiguous)'}; pass a contiguous "
-                         f"{want} {x_TH.dtype} tensor or gathered=None")
+                         f"{want} {x_TH.dtype} tensor (or an expanded row standing for one) or gathered=None")
     return _PermuteTokens.apply(x_TH, meta, backend == "triton", gathered)
 
 

@@ -1,6 +1,6 @@
 """FP8 rows on the wire (``ep_moe.ep.fp8_wire``): the message (each row's fp32 scale, then
 its e4m3 values 16-byte aligned; about half the bytes of a bf16 row at real widths) carries
-the recipe's rows bit for bit, and the FP8 GEMM on arrived rows (a placeholder standing for
+the recipe's rows bit for bit (also read through a gather), and the FP8 GEMM on arrived rows (a placeholder standing for
 them in autograd, its values never read) equals the GEMM that quantizes the rows itself:
 output and every gradient, bit for bit. Rows: none, one, an all-zero one, widths that are
 multiples of no block. The layer at EP=2 on gloo with FP8 experts is in
@@ -41,6 +41,16 @@ def test_message_carries_the_recipes_rows_bit_for_bit(num_rows, hidden):
     assert torch.equal(rows.scales, scales) and rows.scales.is_contiguous()
     if num_rows:
         assert rows.values.stride() == (width, 1) and rows.values.data_ptr() % 16 == 0
+
+
+def test_message_quantizes_through_the_gather():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 50, generator=gen).to(DEVICE, torch.float16)
+    gather = torch.tensor([4, 4, 0, 8, 2], dtype=torch.int64, device=DEVICE)  # a row twice, some never
+    rows = unpack_fp8_rows(pack_fp8_rows(x, gather), 50)
+    values, scales = quantize_rows_reference(x[gather])
+    assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8)) and torch.equal(rows.scales, scales)
+    assert pack_fp8_rows(x, gather[:0]).shape == (0, wire_width(50))
 
 
 def test_rows_take_about_half_the_bytes_of_bf16_at_real_widths():
@@ -86,7 +96,7 @@ def test_gemm_on_arrived_rows_equals_the_gemm_that_quantizes_them(dtype, sizes):
     x, *rest = _problem(dtype, sizes)
     want = _run(x, *rest)
     arrived = unpack_fp8_rows(pack_fp8_rows(x).clone(), x.shape[1])
-    placeholder = rows_placeholder(arrived, dtype)
+    placeholder = rows_placeholder(x.shape[0], x.shape[1], dtype, DEVICE)
     assert placeholder.shape == x.shape and placeholder.dtype == dtype
     unread = torch.full((1, x.shape[1]), float("nan"), dtype=dtype, device=DEVICE).expand(x.shape)
     for stand_in in (placeholder, unread):  # its values are never read
@@ -106,3 +116,16 @@ def test_rows_that_cannot_stand_for_x_are_refused():
             layer_grouped_gemm_fp8(x, w, m_sizes, gather_index=gather, quantized_rows=bad)
     with pytest.raises(ValueError, match="quantized_rows are token rows the GEMM gathers; pass their gather_index"):
         layer_grouped_gemm_fp8(x[:25], w, m_sizes, quantized_rows=QuantizedRows(rows.values[:25], rows.scales[:25]))
+
+
+def test_dx_alone_reads_no_rows(monkeypatch):
+    """Frozen experts and top-k weights: the backward needs x's shape only, and dequantizes
+    nothing."""
+    x, w, bias, m_sizes, gather, scatter, row_weights, dy = _problem(torch.float16, [5, 0, 17, 3])
+    want = _run(x, w, bias, m_sizes, gather, scatter, row_weights, dy)[1]
+    monkeypatch.setattr("ep_moe.kernels.fp8.dequantize_rows", lambda *args: pytest.fail("rows dequantized"))
+    x = x.detach().requires_grad_()
+    y = layer_grouped_gemm_fp8(x, w, m_sizes, gather_index=gather, scatter_index=scatter, row_weights=row_weights,
+                               bias=bias)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert torch.equal(dx, want)
