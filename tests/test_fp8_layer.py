@@ -332,7 +332,12 @@ def test_ep_code_path_with_fp32_master_weights_under_autocast_matches_ep1_path(m
     local = run()
     layer.dispatcher = AllToAllDispatcher(layer.config, None, 0, 1, layer.num_local_experts)  # no collective
     sent = []
-    monkeypatch.setattr("ep_moe.ep.all_to_all.pack_fp8_rows", lambda *args: sent.append(pack_fp8_rows(*args)) or sent[-1])
+
+    def spy(*args, **kwargs):
+        sent.append(pack_fp8_rows(*args, **kwargs))
+        return sent[-1]
+
+    monkeypatch.setattr("ep_moe.ep.all_to_all.pack_fp8_rows", spy)
     ep = run()
     assert [(t.shape, t.dtype) for t in sent] == [((x.shape[0], wire_width(H)), torch.uint8)]  # the tokens in e4m3
     for what, want in local.items():
@@ -420,8 +425,8 @@ def _ep2_worker(rank, world_size):
 
     sent = []
 
-    def spy(*args):  # the rows' messages: their shapes and dtypes
-        message = pack_fp8_rows(*args)
+    def spy(*args, **kwargs):  # the rows' messages: their shapes and dtypes
+        message = pack_fp8_rows(*args, **kwargs)
         sent.append((tuple(message.shape), message.dtype))
         return message
 

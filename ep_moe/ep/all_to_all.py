@@ -381,8 +381,8 @@ class AllToAllDispatcher(Dispatcher):
         routing = build_rank_routing(router.topk_ids_TK, keep_TK, send_P, self.num_local)
         weights_U = permute_tokens(router.topk_weights_TK, routing.pairs, backend)
         packed = pack_rows([routing.local_ids_UK, weights_U])
-        if self.fp8_rows:  # the rows' message itself, quantized through the gather
-            early_rows = pack_fp8_rows(x_TH, routing.pairs.token_index_R)
+        if self.fp8_rows:  # the rows' message itself, quantized through the gather (the sent rows only)
+            early_rows = pack_fp8_rows(x_TH, routing.pairs.token_index_R, limit=routing.num_sent)
         else:
             early_rows = gather_tokens(x_TH, routing.pairs, routing.num_sent, backend)
         return routing, weights_U, packed, early_rows

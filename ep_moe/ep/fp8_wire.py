@@ -43,15 +43,17 @@ def _scales(message: torch.Tensor) -> torch.Tensor:
     return message[:, :4].view(torch.float32)
 
 
-def pack_fp8_rows(x_TH: torch.Tensor, gather_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pack_fp8_rows(x_TH: torch.Tensor, gather_index: Optional[torch.Tensor] = None,
+                  limit: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The rows of ``x_TH`` [T, H] (read at ``gather_index[r]`` when given: the quantization
     reads them through the gather) quantized per row into one message, uint8 [rows,
-    :func:`wire_width`]; its padding bytes are not written. Not differentiable: the expert
-    pipeline sends the gradients back."""
+    :func:`wire_width`]; its padding bytes are not written, nor the rows from ``limit`` (a
+    count on the device) on. Not differentiable: the expert pipeline sends the gradients
+    back."""
     num_rows = x_TH.shape[0] if gather_index is None else gather_index.shape[0]
     hidden = x_TH.shape[1]
     message = torch.empty((num_rows, wire_width(hidden)), dtype=torch.uint8, device=x_TH.device)
-    _, scales = quantize_rows(x_TH.detach(), gather_index, values_out=_values(message, hidden))
+    _, scales = quantize_rows(x_TH.detach(), gather_index, values_out=_values(message, hidden), limit=limit)
     _scales(message).copy_(scales[:, None])
     return message
 

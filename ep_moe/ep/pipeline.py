@@ -156,6 +156,9 @@ class _ExpertPipeline(torch.autograd.Function):
                 dispatched: Optional[PendingExchange], record: bool, fp8_rows: bool, send: torch.Tensor,
                 send_weights: torch.Tensor, *params: torch.Tensor):
         if dispatched is None:
+            if send.numel() and send.stride(0) == 0:
+                raise ValueError("expert pipeline: send_rows is a placeholder (stride 0); pass the dispatch of the "
+                                 "rows it stands for as dispatched")
             dispatched = exchange.dispatch(pack_fp8_rows(send) if fp8_rows else send, "rows")
         rows_in = dispatched
         # Detached stand-ins: the graph ends at these leaves, whose grads the backward returns.
@@ -361,7 +364,9 @@ def expert_pipeline(expert_fn: ExpertFn, local: RoutingMetadata, exchange: Excha
         params: the local experts' stacked tensors (``gate_up``, ``down``, biases:
             ``GroupedExperts.expert_tensors()``), passed on to ``expert_fn``.
         send_rows: [U, H] rows as the exchange sends them (grouped by destination rank for
-            the all-to-all, this rank's tokens for the all-gather).
+            the all-to-all, this rank's tokens for the all-gather), or with ``fp8_rows`` and
+            ``dispatched`` a placeholder for them (:func:`~ep_moe.ep.fp8_wire.rows_placeholder`:
+            its shape, dtype and gradient only).
         send_weights: the top-k weights of the sent rows ([U] or [U, K]).
         arrived_weights: what the dispatch of ``send_weights`` delivered ([S] or [S, K],
             already here: they travel with the expert ids, before the rows); applied by
@@ -373,7 +378,7 @@ def expert_pipeline(expert_fn: ExpertFn, local: RoutingMetadata, exchange: Excha
             the caller still queues work (the receiver's routing); default: the pipeline
             starts it.
         fp8_rows: the rows travel in e4m3 (:mod:`ep_moe.ep.fp8_wire`; ``dispatched`` then
-            carries :func:`~ep_moe.ep.fp8_wire.pack_fp8_rows` of ``send_rows``) and
+            carries their :func:`~ep_moe.ep.fp8_wire.pack_fp8_rows` message) and
             ``expert_fn`` gets them as ``quantized_rows``, for its FP8 up projection.
 
     Returns:

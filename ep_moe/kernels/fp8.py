@@ -85,13 +85,17 @@ def fp8_supported(device: torch.device) -> tuple[bool, str]:
 #   the scaled stores, the second reading from L2).
 # Fuses: a gather (GATHER: row r reads x[g(r)]; the all-to-all sender's (token, rank) rows)
 #   into the quantization, so the selected rows are written once, in FP8 (a message's bytes:
-#   q's rows strided by stride_qm).
+#   q's rows strided by stride_qm). LIMIT: only rows r < *limit_ptr (a count on the device),
+#   the rest left unwritten.
 @triton.jit
-def _quantize_rows_kernel(x_ptr, idx_ptr, q_ptr, scale_ptr, num_rows, K, stride_xm, stride_qm,
-                          GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+def _quantize_rows_kernel(x_ptr, idx_ptr, q_ptr, scale_ptr, limit_ptr, num_rows, K, stride_xm, stride_qm,
+                          GATHER: tl.constexpr, LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                           ONE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    row_end = num_rows
+    if LIMIT:
+        row_end = tl.minimum(tl.load(limit_ptr).to(tl.int32), num_rows)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < num_rows
+    row_ok = rows < row_end
     if GATHER:
         src = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     else:
@@ -133,11 +137,12 @@ class QuantizedRows(NamedTuple):
 
 
 def quantize_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor] = None,
-                  values_out: Optional[torch.Tensor] = None) -> QuantizedRows:
+                  values_out: Optional[torch.Tensor] = None, limit: Optional[torch.Tensor] = None) -> QuantizedRows:
     """Rows of ``x`` [T, K] (read at ``gather_index[r]`` when given) in e4m3 with one fp32 scale
     per row: ``(values [R, K], scales [R])`` with ``values[r] * scales[r] ~= x[g(r)]``.
     ``values_out``: where the values go (e4m3 [R, K], each row contiguous; e.g. a view of a
-    message's bytes), default a new tensor."""
+    message's bytes), default a new tensor. ``limit``: a count on the device (0-dim
+    integer): only rows below it are written, the rest left as they were (no host sync)."""
     rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
     k = x.shape[1]
     if values_out is None:
@@ -155,8 +160,8 @@ def quantize_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor] = None,
     block_k = triton.next_power_of_2(max(k, 16)) if one_block else 1024
     block_r = max(1, min(16, QUANTIZE_ROW_ELEMENTS // block_k))
     _quantize_rows_kernel[(cdiv(rows, block_r),)](
-        x, gather_index, q, scale, rows, k, x.stride(0), q.stride(0),
-        GATHER=gather_index is not None, BLOCK_R=block_r, BLOCK_K=block_k, ONE_BLOCK=one_block,
+        x, gather_index, q, scale, limit, rows, k, x.stride(0), q.stride(0),
+        GATHER=gather_index is not None, LIMIT=limit is not None, BLOCK_R=block_r, BLOCK_K=block_k, ONE_BLOCK=one_block,
         FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, num_warps=8,
     )
     return QuantizedRows(q, scale)

@@ -183,7 +183,7 @@ def permute_tokens(x_TH: torch.Tensor, meta: "RoutingMetadata", backend: str = "
     want = (meta.token_index_R.shape[0],) + tuple(x_TH.shape[1:])
     if gathered is not None and (tuple(gathered.shape) != want or gathered.dtype != x_TH.dtype
                                  or (gathered.numel() and not gathered.is_contiguous()
-                                     and gathered.stride(0) != 0)):
+                                     and gathered.stride() != (0, 1))):
         raise ValueError(f"permute_tokens: gathered is {tuple(gathered.shape)} {gathered.dtype}"
                          f"{'' if gathered.is_contiguous() else ' (not contiguous)'}; pass a contiguous "
                          f"{want} {x_TH.dtype} tensor (or an expanded row standing for one) or gathered=None")

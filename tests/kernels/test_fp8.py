@@ -76,6 +76,23 @@ def test_quantize_rows_is_the_recipe_bit_for_bit(dtype, gather, k):
     assert empty_q.shape == (0, k) and empty_scale.shape == (0,)
 
 
+@pytest.mark.parametrize("limit", [0, 9, 50, 80], ids=lambda n: f"limit{n}")
+def test_quantize_rows_writes_only_the_rows_below_a_limit(limit):
+    """A count on the device (the all-to-all sender's sent rows): rows below it as without
+    one, into a strided buffer (a message's rows); the rest untouched."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 45, generator=gen).to(DEVICE, torch.float16)
+    g = torch.randint(0, 37, (50,), generator=gen).to(DEVICE)
+    buffer = torch.full((50, 64), 0x55, dtype=torch.uint8, device=DEVICE)
+    values, scales = quantize_rows(x, g, values_out=buffer[:, :45].view(E4M3),
+                                   limit=torch.tensor(limit, device=DEVICE))
+    ref_values, ref_scales = quantize_rows_reference(x[g])
+    done = min(limit, 50)
+    assert torch.equal(values[:done].view(torch.uint8), ref_values[:done].view(torch.uint8))
+    assert torch.equal(scales[:done], ref_scales[:done])
+    assert (buffer[done:] == 0x55).all() and (buffer[:, 45:] == 0x55).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=str)
 def test_quantize_weight_is_the_recipe_bit_for_bit_in_both_layouts(dtype):
     gen = torch.Generator().manual_seed(2)
