@@ -402,8 +402,7 @@ class AllToAllDispatcher(Dispatcher):
         # a placeholder for its e4m3 rows
         gathered = rows_placeholder(num_sent, x_TH.shape[1], x_TH.dtype, x_TH.device) if self.fp8_rows else message
         send_rows = permute_tokens(x_TH, routing.pairs, backend, gathered=gathered)
-        with torch.no_grad():
-            rows_in = exchange.dispatch(message if self.fp8_rows else send_rows, "rows")
+        rows_in = exchange.dispatch(message, "rows")
         num_kept = sum(source[self.rank][1] for source in counts)
         return RoutedRows(backend, routing, send_rows, weights_U[:num_sent], exchange, rows_in, packed_in, num_kept)
 

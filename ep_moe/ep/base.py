@@ -101,8 +101,11 @@ class Dispatcher:
 
     def __init__(self, config, group: Optional[ProcessGroup], rank: int, size: int, num_local: int) -> None:
         self.config, self.group, self.rank, self.size, self.num_local = config, group, rank, size, num_local
-        self.fp8_rows = config.expert_precision == "fp8"
+
+    @property
+    def fp8_rows(self) -> bool:
         """Whether the tokens travel in e4m3 (FP8 experts, :mod:`ep_moe.ep.fp8_wire`)."""
+        return self.config.expert_precision == "fp8"
 
     def start(self, num_tokens: int, device: torch.device) -> None:
         """Before the router: nothing, unless the path checks something under it."""
