@@ -15,7 +15,8 @@
 #                FP8 experts, same seed, fp32 master weights under bf16 autocast (the presets' regime), val loss
 #                every 250 steps; all runs in fp8_parity_<device>_x1.json, what benchmarks/plot.py draws as
 #                fp8_parity.png (gpu: about 2 x 2.5 minutes, qwen3_ep about 2 x 3.5, the bf16 runs' autotuning
-#                included; run CONFIGS=gpu and CONFIGS=qwen3_ep in separate calls)
+#                included; run CONFIGS=gpu and CONFIGS=qwen3_ep in separate calls); PRECISIONS=fp8 reruns only
+#                the FP8 side when the bf16 path is unchanged (plot.py pairs it with the newest bf16 run)
 # Results go to $OUT (the device tool) or $WORK/results.
 #   PART=parity CONFIGS=gpu bash benchmarks/run_fp8_gpu.sh
 set -uo pipefail
@@ -23,6 +24,7 @@ cd "$(dirname "$0")/.."
 PART=${PART:-tests}
 STEPS=${STEPS:-1000}
 CONFIGS=${CONFIGS:-gpu qwen3_ep}
+PRECISIONS=${PRECISIONS:-bf16 fp8}
 WORK=${WORK:-/tmp/fp8_gpu}
 RESULTS=${OUT:-$WORK/results}
 mkdir -p "$RESULTS" "$WORK"
@@ -51,7 +53,7 @@ ep)
   ;;
 parity)
   for config in $CONFIGS; do
-    for precision in bf16 fp8; do
+    for precision in $PRECISIONS; do
       name=${config}_${precision}
       rm -rf "$WORK/ck_$name"
       python3 -m torch.distributed.run --nproc-per-node 1 --standalone -m ep_moe.train --config "$config" \
@@ -62,11 +64,11 @@ parity)
     done
   done
   # this call's runs added to fp8_parity_<device>_x1.json (plot.py draws the newest run per config and precision)
-  python3 - "$WORK" "$RESULTS" $CONFIGS <<'PY'
+  python3 - "$WORK" "$RESULTS" "$PRECISIONS" $CONFIGS <<'PY'
 import json, statistics, subprocess, sys
 from pathlib import Path
 import torch, triton
-work, results, configs = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+work, results, precisions, configs = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(), sys.argv[4:]
 device = torch.cuda.get_device_name()
 out = results / f"fp8_parity_{device.replace(' ', '_')}_x1.json"
 held = out if out.exists() else Path("benchmarks/results") / out.name  # earlier calls' runs are kept
@@ -77,7 +79,7 @@ data = json.loads(held.read_text()) if held.exists() else {
     "device": device, "torch": torch.__version__, "triton": triton.__version__, "runs": []}
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 for config in configs:
-    for precision in ("bf16", "fp8"):
+    for precision in precisions:
         path = work / f"{config}_{precision}.jsonl"
         if not path.exists():
             print(f"{config} {precision}: no metrics (the run failed: see its .out)")
