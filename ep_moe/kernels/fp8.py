@@ -61,6 +61,7 @@ from ep_moe.kernels.grouped_gemm import cdiv, eager_or_graph_break, interpreter_
 from ep_moe.kernels.ops import (_SAVED, _as_int32, _check_gather_slots, _contiguous,
                                 _grad_input, _setup_context, _validate, debug_enabled,
                                 eager_backward, value_checks)
+from ep_moe.kernels.permute import launch_gather_rows
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:
@@ -167,9 +168,17 @@ def quantize_rows(x: torch.Tensor, gather_index: Optional[torch.Tensor] = None,
     return QuantizedRows(q, scale)
 
 
-def dequantize_rows(rows: QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
-    """``values[r] * scales[r]`` in ``dtype`` (the fp32 product rounded to ``dtype``): [R, K], contiguous."""
-    return torch.mul(rows.values.float(), rows.scales[:, None]).to(dtype)
+def dequantize_rows(rows: QuantizedRows, dtype: torch.dtype, index: Optional[torch.Tensor] = None,
+                    limit: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``values[i] * scales[i]`` in ``dtype`` (the fp32 product rounded to ``dtype``) for each
+    row i of ``index`` (default: every row, in order): [len(index), K], contiguous, in one
+    pass that reads the e4m3 rows where they are (the rows' gather,
+    :func:`~ep_moe.kernels.permute.launch_gather_rows`). ``limit``: a count on the device;
+    only the rows below it are written."""
+    values, scales = rows
+    out = torch.empty((values.shape[0] if index is None else index.shape[0], values.shape[1]),
+                      dtype=dtype, device=values.device)
+    return launch_gather_rows(values, index, scales, out=out, limit=limit)
 
 
 # amax_rows[e, n] = max_k |w[e, n, k]|, amax_cols[e, k] = max_n |w[e, n, k]| (both zeroed first).
@@ -366,14 +375,17 @@ class _GroupedGemmFP8(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
+        gather_x = None
         if len(saved) > _SAVED:
-            rows = QuantizedRows(*saved[_SAVED:])
-            if ctx.needs_input_grad[1] or ctx.needs_input_grad[5]:  # dW, the row weights' dots: their values
-                x = dequantize_rows(rows, saved[0].dtype)
-            else:  # dX reads x's shape only
+            rows, dtype = QuantizedRows(*saved[_SAVED:]), saved[0].dtype
+            if ctx.needs_input_grad[5]:  # the row weights' dots read every row's values
+                x = dequantize_rows(rows, dtype)
+            else:  # dX reads x's shape only; dW gathers the e4m3 rows, dequantized as it gathers them
                 x = saved[0].new_zeros((1, rows.values.shape[1])).expand(rows.values.shape)
+                gather_x = functools.partial(dequantize_rows, rows, dtype)
             saved = (x, *saved[1:_SAVED])
-        grads = eager_backward(ctx, dy, functools.partial(_grad_input_fp8, ctx.quantized_weight), saved=saved)
+        grads = eager_backward(ctx, dy, functools.partial(_grad_input_fp8, ctx.quantized_weight), saved=saved,
+                               gather_x=gather_x)
         return (*grads, None, None)
 
 

@@ -82,11 +82,12 @@ def _grouped_gemm_fwd_fake(x, w, m_sizes, gather_index, scatter_index, row_weigh
 
 
 def _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode, bounded_rows,
-           need_dx, need_dw, need_drw, bias, need_db, dx_slots, grad_input=None):
+           need_dx, need_dw, need_drw, bias, need_db, dx_slots, grad_input=None, gather_x=None):
     """(dx, dw, d row_weights, d bias), None for a gradient not asked for (the eager backward's;
     the custom op's, :func:`_bwd_impl`, returns empty tensors instead). ``grad_input``: what
-    computes dX and the row weights' gradient, default :func:`_grad_input` (the FP8 GEMM
-    passes its own, :mod:`ep_moe.kernels.fp8`)."""
+    computes dX and the row weights' gradient, default :func:`_grad_input`; ``gather_x``: what
+    gathers x's rows for dW (:func:`_grad_weight`). The FP8 GEMM passes its own of both
+    (:mod:`ep_moe.kernels.fp8`)."""
     configs = configs_from_ints(tuple(config))
     dx = dw = drw = db = None
     if need_dx or need_drw:
@@ -97,7 +98,8 @@ def _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, 
             drw = drw_f32.to(row_weights.dtype)
     if need_dw or need_db:
         grads = _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, configs.dw,
-                             bounded_rows=bounded_rows, bias=bias if need_db else None, need_dw=need_dw)
+                             bounded_rows=bounded_rows, bias=bias if need_db else None, need_dw=need_dw,
+                             gather_x=gather_x)
         if not need_db:
             dw = grads
         elif need_dw:
@@ -147,16 +149,23 @@ def _grouped_gemm_bwd_fake(dy, x, w, m_sizes, gather_index, scatter_index, row_w
 
 def _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config: KernelConfig,
                  add_to=None, bounded_rows: bool = False, bias: Optional[torch.Tensor] = None,
-                 need_dw: bool = True):
+                 need_dw: bool = True, gather_x=None):
     """dW on expert-ordered rows gathered (and weighted) first (:func:`_expert_rows_grads`);
     with ``bias``, the pair (dW, db), dW None without ``need_dw``. ``bounded_rows``: only
-    the counted rows are gathered (the kernels read no others)."""
+    the counted rows are gathered (the kernels read no others). ``gather_x(gather_index,
+    limit)``: x's rows in that order, where x itself is not what they are made from (default
+    :func:`~ep_moe.kernels.permute.launch_gather_rows` of x)."""
     limit = m_sizes.sum() if bounded_rows else None
     weighted = scatter_index is not None or row_weights is not None
     dy_rows = launch_gather_rows(dy, scatter_index, row_weights, limit=limit) if weighted else dy
     if not need_dw:
         return None, _bias_grad(dy_rows, m_sizes, bias)
-    x_rows = launch_gather_rows(x, gather_index, limit=limit) if gather_index is not None else x
+    if gather_index is None:
+        x_rows = x
+    elif gather_x is not None:
+        x_rows = gather_x(gather_index, limit)
+    else:
+        x_rows = launch_gather_rows(x, gather_index, limit=limit)
     return _expert_rows_grads(dy_rows, x_rows, w, m_sizes, config, bias, add_to)
 
 
@@ -308,13 +317,13 @@ class _EagerGroupedGemm(torch.autograd.Function):
         return eager_backward(ctx, dy)
 
 
-def eager_backward(ctx, dy, grad_input=None, saved: Optional[tuple] = None):
+def eager_backward(ctx, dy, grad_input=None, saved: Optional[tuple] = None, gather_x=None):
     """The eager backward of a grouped GEMM whose context :func:`_setup_context` filled (its
     inputs those of ``ep_moe::grouped_gemm_fwd``), through :func:`_grads` with ``grad_input``
-    (default :func:`_grad_input`); the weight's gradient queued where an open
-    :func:`defer_weight_grads` queue owns the weight. ``saved``: the op's :data:`_SAVED`
-    tensors as the caller has unpacked them (default: ``ctx.saved_tensors``)."""
-    grads = _grads if grad_input is None else functools.partial(_grads, grad_input=grad_input)
+    and ``gather_x`` (defaults: :func:`_grad_input`, x's rows gathered); the weight's gradient
+    queued where an open :func:`defer_weight_grads` queue owns the weight. ``saved``: the op's
+    :data:`_SAVED` tensors as the caller has unpacked them (default: ``ctx.saved_tensors``)."""
+    grads = functools.partial(_grads, grad_input=grad_input, gather_x=gather_x)
     if saved is None:
         saved = ctx.saved_tensors  # once: an activation checkpoint's unpack hook allows one
     x, w, m_sizes, gather_index, scatter_index, row_weights, bias, _ = saved
@@ -327,7 +336,7 @@ def eager_backward(ctx, dy, grad_input=None, saved: Optional[tuple] = None):
     bounded_rows, bias = ctx.bounded_rows, bias if with_bias else None
     queue.add((w, bias) if with_bias else w,
               lambda add_to: _grad_weight(dy, x, w, m_sizes, gather_index, scatter_index, row_weights,
-                                          config, add_to, bounded_rows, bias))
+                                          config, add_to, bounded_rows, bias, gather_x=gather_x))
     return _backward_with(grads, ctx, dy, defer_dw=True, saved=saved)
 
 

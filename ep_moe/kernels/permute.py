@@ -86,7 +86,8 @@ def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
                        limit: Optional[torch.Tensor] = None, scale_by_out_row: bool = False) -> torch.Tensor:
     """``src[idx] * scale[idx][:, None]`` (``scale[:, None]`` with ``scale_by_out_row``) as a
     contiguous tensor of src's dtype (idx None: the identity), written into ``out`` when
-    given (else a new tensor). One pass; the scale multiply is in fp32. ``src`` must have a
+    given (else a new tensor; its dtype may differ from src's: e4m3 rows times their scales
+    into bf16). One pass; the scale multiply is in fp32, rounded once to the output's dtype. ``src`` must have a
     contiguous last dim. ``limit``: a 0-dim integer tensor on the device; only the first
     ``limit`` rows are written."""
     if idx is None:

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ep_moe.kernels.e4m3 import E4M3, E4M3_MAX, MIN_AMAX, quantize_rows_reference
-from ep_moe.kernels.fp8 import (QUANTIZE_ROW_ELEMENTS, fp8_supported, grouped_gemm_fp8, quantize_rows, quantize_weight,
-                                quantized_weight)
+from ep_moe.kernels.fp8 import (QUANTIZE_ROW_ELEMENTS, QuantizedRows, dequantize_rows, fp8_supported, grouped_gemm_fp8,
+                                quantize_rows, quantize_weight, quantized_weight)
 from ep_moe.kernels.reference import grouped_gemm_reference
 from test_grouped_gemm import CASES, DEVICE, ON_GPU, rel_err
 
@@ -91,6 +91,28 @@ def test_quantize_rows_writes_only_the_rows_below_a_limit(limit):
     assert torch.equal(values[:done].view(torch.uint8), ref_values[:done].view(torch.uint8))
     assert torch.equal(scales[:done], ref_scales[:done])
     assert (buffer[done:] == 0x55).all() and (buffer[:, 45:] == 0x55).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gather", [False, True], ids=["in_order", "gathered"])
+@pytest.mark.parametrize("limit", [None, 0, 23, 80], ids=lambda n: f"limit{n}")
+def test_dequantize_rows_is_the_fp32_product_rounded_once(dtype, gather, limit):
+    """e4m3 rows (strided, as in a message) times their scales, each rounded once from fp32 to
+    the compute dtype, gathered in the same pass (the FP8 dW's tokens); with a limit, the
+    rows past it unwritten (never read: bounded rows)."""
+    gen = torch.Generator().manual_seed(5)
+    buffer = torch.zeros((37, 64), dtype=torch.uint8, device=DEVICE)
+    rows = quantize_rows(torch.randn(37, 45, generator=gen).to(DEVICE, dtype) * 30,
+                         values_out=buffer[:, 3:48].view(E4M3))
+    index = torch.randint(0, 37, (50,), generator=gen).to(DEVICE, torch.int32) if gather else None
+    limit_t = None if limit is None else torch.tensor(limit, device=DEVICE)
+    out = dequantize_rows(rows, dtype, index, limit_t)
+    ref = (rows.values.float() * rows.scales[:, None]).to(dtype)
+    ref = ref[index.long()] if gather else ref
+    done = ref.shape[0] if limit is None else min(limit, ref.shape[0])
+    assert out.dtype == dtype and out.shape == ref.shape and out.is_contiguous()
+    assert torch.equal(out[:done], ref[:done])
+    assert dequantize_rows(QuantizedRows(rows.values[:0], rows.scales[:0]), dtype).shape == (0, 45)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=str)
