@@ -341,8 +341,8 @@ def _grad_input_fp8(qw: QuantizedWeight, dy, x, w, m_sizes, gather_index, scatte
                     dx_mode, need_drw, bounded_rows=False, bias=None, dx_slots=None):
     """:func:`ep_moe.kernels.ops._grad_input` on e4m3 operands: ``dy`` quantized per row, the
     weight's dX copy. The row weights' gradient is the dot of that product with x's rows (so
-    it carries the dX's quantization; for gathered rows x holds their e4m3 values), plus the
-    bias's share from the unquantized ``dy``."""
+    it carries the dX's quantization; for gathered rows x is their e4m3 values dequantized),
+    plus the bias's share from the unquantized ``dy``."""
     dq, dq_scale = quantize_rows(dy)
     w_values, w_scale = qw.dx
     dx, drw = _grad_input(dq, x, w_values, m_sizes, gather_index, scatter_index, row_weights, config, dx_mode,

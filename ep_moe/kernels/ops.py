@@ -86,8 +86,8 @@ def _grads(dy, x, w, m_sizes, gather_index, scatter_index, row_weights, config, 
     """(dx, dw, d row_weights, d bias), None for a gradient not asked for (the eager backward's;
     the custom op's, :func:`_bwd_impl`, returns empty tensors instead). ``grad_input``: what
     computes dX and the row weights' gradient, default :func:`_grad_input`; ``gather_x``: what
-    gathers x's rows for dW (:func:`_grad_weight`). The FP8 GEMM passes its own of both
-    (:mod:`ep_moe.kernels.fp8`)."""
+    gathers x's rows for dW (:func:`_grad_weight`). The FP8 GEMM passes its own dX, and for
+    the tokens it gathers in e4m3 their gather, dequantizing (:mod:`ep_moe.kernels.fp8`)."""
     configs = configs_from_ints(tuple(config))
     dx = dw = drw = db = None
     if need_dx or need_drw:

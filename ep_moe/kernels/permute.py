@@ -84,12 +84,12 @@ def _column_block(cols: int) -> int:
 def launch_gather_rows(src: torch.Tensor, idx: Optional[torch.Tensor],
                        scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                        limit: Optional[torch.Tensor] = None, scale_by_out_row: bool = False) -> torch.Tensor:
-    """``src[idx] * scale[idx][:, None]`` (``scale[:, None]`` with ``scale_by_out_row``) as a
-    contiguous tensor of src's dtype (idx None: the identity), written into ``out`` when
-    given (else a new tensor; its dtype may differ from src's: e4m3 rows times their scales
-    into bf16). One pass; the scale multiply is in fp32, rounded once to the output's dtype. ``src`` must have a
-    contiguous last dim. ``limit``: a 0-dim integer tensor on the device; only the first
-    ``limit`` rows are written."""
+    """``src[idx] * scale[idx][:, None]`` (``scale[:, None]`` with ``scale_by_out_row``; idx
+    None: the identity) as a new contiguous tensor of src's dtype, or written into ``out``,
+    whose dtype may differ (e4m3 rows times their scales into bf16). One pass; the scale
+    multiply is in fp32, rounded once to the output's dtype. ``src`` must have a contiguous
+    last dim. ``limit``: a 0-dim integer tensor on the device; only the first ``limit`` rows
+    are written."""
     if idx is None:
         idx = torch.arange(src.shape[0], device=src.device, dtype=torch.int32)
     num_rows, cols = idx.shape[0], src.shape[1]
