@@ -52,6 +52,15 @@ class _NoEvent:
         pass
 
 
+def fake_graph_runtime(monkeypatch, fake_capture) -> None:
+    """The forward graphs' capture replaced by ``fake_capture(owner, xs, eager, pool)``, and
+    the memory pool, streams and events around it by no-ops (CPU tests of the graphs' logic)."""
+    monkeypatch.setattr(fg, "_capture", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+
+
 @pytest.fixture
 def captures(monkeypatch):
     """Fakes the capture (and the streams, events and memory pool around it); the list
@@ -69,10 +78,7 @@ def captures(monkeypatch):
         made.append(tuple(xs[0].shape))
         return graph
 
-    monkeypatch.setattr(fg, "_capture", fake_capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
-    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    fake_graph_runtime(monkeypatch, fake_capture)
     return made
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
+import file_faults
 from test_dcp import _assert_equal_views
 
 REPO = Path(__file__).resolve().parents[1]
@@ -322,20 +323,7 @@ def test_both_formats_round_trip_and_resume_from_one_directory(train, tmp_path):
         shutil.rmtree(_ckpt(root, step))
 
 
-def _truncate(path: Path) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2])
-
-
-def _garbage(path: Path) -> None:
-    path.write_bytes(bytes(range(256)) * 8)
-
-
-def _delete(path: Path) -> None:
-    path.unlink()
-
-
-CORRUPTIONS = {"truncated": _truncate, "garbage": _garbage, "deleted": _delete}
+CORRUPTIONS = {"truncated": file_faults.truncate, "garbage": file_faults.garbage, "deleted": file_faults.delete}
 DAMAGE = {(".metadata", "deleted"): r"its file \.metadata is missing",
           (".metadata", "truncated"): r"it cannot be read \(UnpicklingError: ",
           ("__0_0.distcp", "deleted"): r"it cannot be read \(rank 0: FileNotFoundError: .*__0_0\.distcp",

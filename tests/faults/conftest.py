@@ -1,5 +1,5 @@
-"""Fixtures the trainer's fault probes share: its modules in this process, outside torchrun; a
-bound on every probe of a module that sets ``PROBE_TIMEOUT_S``."""
+"""Fixtures the fault probes share: the trainer's modules in this process, outside torchrun; a
+fresh autotune cache directory; a bound on every probe of a module that sets ``PROBE_TIMEOUT_S``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,21 @@ def group(train):
     """A gloo group of one, as the trainer forms without torchrun."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
+
+
+@pytest.fixture
+def cache_env(tmp_path, monkeypatch):
+    """A fresh autotune cache directory (not created yet), no shipped configs, no autotune env
+    vars, the in-memory cache cleared before and after."""
+    from ep_moe.autotune import clear_memory_cache, coordinate
+
+    monkeypatch.setenv("EP_MOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("EP_MOE_SHIPPED_DIR", str(tmp_path / "shipped"))
+    monkeypatch.delenv(coordinate.ENV_DISABLE, raising=False)
+    monkeypatch.delenv(coordinate.ENV_FORCE, raising=False)
+    clear_memory_cache()
+    yield tmp_path / "cache"
+    clear_memory_cache()
 
 
 @pytest.fixture(autouse=True)

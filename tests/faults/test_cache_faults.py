@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ep_moe import cli
-from ep_moe.autotune import GemmProblem, WarmupTimeout, clear_memory_cache, coordinate, get_kernel_configs, warmup
+from ep_moe.autotune import GemmProblem, WarmupTimeout, coordinate, get_kernel_configs, warmup
 from ep_moe.autotune.bench import device_limits
 from ep_moe.autotune.cache import (
     CacheLockTimeout,
@@ -77,18 +77,6 @@ class StubTuner:
         if self.result == "raise":
             raise RuntimeError("stub tuning failure")
         return {"table": table(buckets), "empty": {}, "none": None}[self.result]
-
-
-@pytest.fixture
-def cache_env(tmp_path, monkeypatch):
-    """A fresh cache directory (not created yet), no shipped configs, no autotune env vars."""
-    monkeypatch.setenv("EP_MOE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("EP_MOE_SHIPPED_DIR", str(tmp_path / "shipped"))
-    monkeypatch.delenv(coordinate.ENV_DISABLE, raising=False)
-    monkeypatch.delenv(coordinate.ENV_FORCE, raising=False)
-    clear_memory_cache()
-    yield tmp_path / "cache"
-    clear_memory_cache()
 
 
 def run_cli(capsys, *args):

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from ep_moe import cli
-from ep_moe.autotune import GemmProblem, Tuner, clear_memory_cache, coordinate, get_kernel_configs, warmup
+from ep_moe.autotune import GemmProblem, Tuner, clear_memory_cache, get_kernel_configs, warmup
 from ep_moe.autotune.bench import Timing, device_limits, time_configs
 from ep_moe.autotune.cache import CacheKey, ConfigCache, make_key, read_file
 from ep_moe.autotune.space import CandidateTiming, TunedBucket, heuristic_configs
@@ -51,15 +51,10 @@ def table(buckets=(1024,)):
 
 
 @pytest.fixture
-def cache_env(tmp_path, monkeypatch):
-    """A fresh cache directory (created), no shipped configs, no autotune env vars."""
-    monkeypatch.setenv("EP_MOE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("EP_MOE_SHIPPED_DIR", str(tmp_path / "shipped"))
-    monkeypatch.delenv(coordinate.ENV_DISABLE, raising=False)
-    monkeypatch.delenv(coordinate.ENV_FORCE, raising=False)
-    clear_memory_cache()
-    (tmp_path / "cache").mkdir()
-    yield tmp_path / "cache"
+def cache_env(cache_env):
+    """The shared fresh cache directory (``conftest.py``), created."""
+    cache_env.mkdir()
+    return cache_env
     clear_memory_cache()
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import ep_moe.experts as experts_mod
 import ep_moe.forward_graphs as fg
@@ -27,6 +26,9 @@ from ep_moe import MoELayer
 from ep_moe.ep.all_gather import gathered_routing, row_bound
 from ep_moe.routing import combine_slots, route
 from layer_helpers import E, H, _config
+from test_forward_graphs import fake_graph_runtime
+from test_train_clip import CLIP_FRACTION, VOCAB, _clipped
+from test_train_clip import _model as _clip_model
 
 pytestmark = pytest.mark.faults
 
@@ -52,19 +54,6 @@ class _Replay:
         _Replay.count += 1
 
 
-class _NoStream:
-    def wait_event(self, event):
-        pass
-
-
-class _NoEvent:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-
 @pytest.fixture
 def graphs(monkeypatch):
     """A layer's ForwardGraphs with the capture, streams and events faked; returns
@@ -74,10 +63,7 @@ def graphs(monkeypatch):
         x_in = tuple(t.clone() for t in xs)
         return fg._Graph(_Replay(), x_in, eager(*x_in).clone(), owner.call_outputs())
 
-    monkeypatch.setattr(fg, "_capture", fake_capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
-    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    fake_graph_runtime(monkeypatch, fake_capture)
 
     def call(layer, x):
         before = _Replay.count
@@ -275,47 +261,13 @@ def test_combine_slots_gradients_match_float64_reference():
 # --- groups that coincide with the world ----------------------------------------------------
 
 
-def _clip_model(ep_group):
-    """The trainer's model (2 layers, 8 experts, top-2, torch experts), seed 0 (as
-    tests/test_train_clip.py)."""
-    from ep_moe.train import config, model
-
-    job = config.parse_args(["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=2",
-                             "--set", "model.vocab_size=16", "--set", "moe.num_experts=8",
-                             "--set", "moe.intermediate_size=128", "--set", "moe.init_std=0.1",
-                             "--set", "moe.backend='torch'"])
-    torch.manual_seed(0)
-    return model.MoETransformer(job.model, job.moe_config(), ep_group)
-
-
-def _clipped(net, ep_group, edp_group, tokens_BL, clip):
-    from ep_moe.parallel import is_expert_param
-    from ep_moe.train import trainer
-
-    logits_BLV = net(tokens_BL[:, :-1])
-    loss = F.cross_entropy(logits_BLV.flatten(0, 1), tokens_BL[:, 1:].flatten())
-    loss.backward()
-    divisor = trainer.sync_gradients(net, ep_group, edp_group, average=False)
-    total, finite = trainer.clip_gradients(net, clip, ep_group, loss, grad_scale=1.0 / divisor)
-    assert finite
-    grads = {}
-    for name, param in net.named_parameters():
-        if not is_expert_param(param):
-            grads[name] = param.grad.clone()
-            continue
-        owner = net.get_submodule(name.rpartition(".")[0])
-        for j, g in enumerate(owner.global_ids()):
-            grads[f"{name}.{g}"] = param.grad[j].clone()
-    return float(total), grads
-
-
 def _clip_world4_worker(rank, world_size):
     from ep_moe.parallel import build_ep_groups
 
     ep1, ep2 = build_ep_groups(1), build_ep_groups(2)  # DP=4; EP=2 x DP=2
-    tokens_BL = torch.randint(0, 16, (4, 17), generator=torch.Generator().manual_seed(100 + rank))
+    tokens_BL = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(100 + rank))
     norm1, _ = _clipped(_clip_model(None), None, ep1.edp_group, tokens_BL, clip=0.0)
-    clip = 0.1 * norm1
+    clip = CLIP_FRACTION * norm1
     norm1, grads1 = _clipped(_clip_model(None), None, ep1.edp_group, tokens_BL, clip)
     norm2, grads2 = _clipped(_clip_model(ep2.ep_group), ep2.ep_group, ep2.edp_group, tokens_BL, clip)
     worst = max((float((grads2[k] - grads1[k]).abs().max() / grads1[k].abs().max()), k) for k in grads2)

@@ -44,6 +44,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import file_faults
 from tiny_trainer import TINY, build, layout
 
 pytestmark = pytest.mark.faults
@@ -278,23 +279,6 @@ def test_bad_data_file_fails_before_the_process_group(train, tmp_path, name):
 CKPT_FILES = ("dense.pt", "experts-000-of-001.pt", "rng-00000.pt", "meta.json")
 
 
-def _truncate(path: Path) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2])
-
-
-def _garbage(path: Path) -> None:
-    path.write_bytes(bytes(range(256)) * 8)
-
-
-def _empty(path: Path) -> None:
-    path.write_bytes(b"")
-
-
-def _delete(path: Path) -> None:
-    path.unlink()
-
-
 def _wrong_object(path: Path) -> None:
     if path.suffix == ".json":
         path.write_text('{"step": "thirty"}')
@@ -302,9 +286,9 @@ def _wrong_object(path: Path) -> None:
         torch.save([1, 2, 3], path)
 
 
-CORRUPTIONS = {"truncated": (_truncate, "cannot be read|is not valid JSON"),
-               "garbage": (_garbage, "cannot be read|is not valid JSON"),
-               "empty": (_empty, r"is empty \(0 bytes\)"), "deleted": (_delete, "is missing"),
+CORRUPTIONS = {"truncated": (file_faults.truncate, "cannot be read|is not valid JSON"),
+               "garbage": (file_faults.garbage, "cannot be read|is not valid JSON"),
+               "empty": (file_faults.empty, r"is empty \(0 bytes\)"), "deleted": (file_faults.delete, "is missing"),
                "wrong_object": (_wrong_object, "does not hold a checkpoint part|holds no RNG state|lacks step")}
 
 
@@ -340,7 +324,7 @@ def test_latest_skips_a_corrupt_checkpoint(train, saved, name, corruption, caplo
 
 def test_no_checkpoint_loads(train, saved):
     for step in STEPS:
-        _empty(_ckpt(saved.root, step) / "dense.pt")
+        file_faults.empty(_ckpt(saved.root, step) / "dense.pt")
     with pytest.raises(train.errors.CheckpointError, match=r"no complete checkpoint in .* loads \(newest first\): "
                                                        r"step_00000030: .*step_00000020: .*step_00000010: "):
         _resume(train, "latest", saved.root)
@@ -612,7 +596,7 @@ def test_empty_data_file_from_the_entry_point(train, capsys, tmp_path):
 
 
 def test_corrupt_checkpoint_from_the_entry_point(train, saved, capsys):
-    _truncate(_ckpt(saved.root, 30) / "dense.pt")
+    file_faults.truncate(_ckpt(saved.root, 30) / "dense.pt")
     dist.destroy_process_group()  # main() starts its own
     code, err = _main(train, capsys, "--checkpoint-dir", str(saved.root), "--resume", str(_ckpt(saved.root, 30)))
     assert code == 2 and "its file dense.pt cannot be read" in err and "--resume" in err, err
